@@ -1,0 +1,250 @@
+"""Ragged paged attention for TPU (Pallas / Mosaic TPU).
+
+Grid ``(Hkv, num_q_tiles)``; each program owns one kv head and one tile of ``block_q`` tokens
+(``block_q * G`` q rows, see ``common``). Block tables, lengths and the per-tile sequence ranges
+are scalar-prefetched into SMEM, so page addresses are known before the body runs. For each
+sequence overlapping the tile the body walks only the KV positions that tile's rows can see
+(causal upper bound, sliding-window lower bound) in chunks of ``pages_per_chunk`` pages, with
+two VMEM buffers: while chunk c is on the MXU, the DMAs for chunk c+1 (one per page, straight
+from the paged HBM cache, strided over the kv-head axis) are in flight. Online softmax in f32.
+
+Block sizes are static keyword arguments; nothing is read from the device at trace time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import common
+
+
+def _cdiv(a, b: int):
+    """Ceil-divide for non-negative ints (truncating division: no sign op, which Mosaic
+    lowers by querying the TPU generation)."""
+    return lax.div(a + (b - 1), b)
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    seq_lens_ref,  # i32[S]
+    qsl_ref,  # i32[S+1]
+    tables_ref,  # i32[S * max_blocks]  (flattened: 2-D SMEM arrays pad badly)
+    tile_lo_ref,  # i32[num_tiles]
+    tile_hi_ref,  # i32[num_tiles]
+    # inputs
+    q_ref,  # [block_q * G, D] (VMEM block)
+    k_hbm,  # [num_blocks, block_size, Hkv, D] (HBM)
+    v_hbm,  # [num_blocks, block_size, Hkv, D] (HBM)
+    # outputs
+    o_ref,  # [block_q * G, D] (VMEM block)
+    # scratch
+    k_buf,  # [2, pages_per_chunk * block_size, D]
+    v_buf,  # [2, pages_per_chunk * block_size, D]
+    sems,  # DMA[2, 2]  (k/v, slot)
+    m_ref,  # f32[block_q * G, 1]
+    l_ref,  # f32[block_q * G, 1]
+    acc_ref,  # f32[block_q * G, D]
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    block_q: int,
+    group: int,
+    block_size: int,
+    pages_per_chunk: int,
+    max_blocks: int,
+):
+    head = pl.program_id(0)
+    tile = pl.program_id(1)
+    rows = block_q * group
+    chunk = pages_per_chunk * block_size
+
+    m_ref[...] = jnp.full_like(m_ref, common.MASK_VALUE)
+    l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    tile_start = tile * block_q
+    row_tok = tile_start + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+
+    def page_copies(seq, c, slot, num_pages):
+        """One async copy per (K|V, page) of chunk c; pages past the sequence are skipped."""
+        copies = []
+        for j in range(pages_per_chunk):
+            page_idx = c * pages_per_chunk + j
+            needed = page_idx < num_pages
+            block = tables_ref[seq * max_blocks + jnp.minimum(page_idx, max_blocks - 1)]
+            for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+                copies.append(
+                    (
+                        needed,
+                        pltpu.make_async_copy(
+                            src.at[block, :, head, :],
+                            buf.at[slot, pl.ds(j * block_size, block_size), :],
+                            sems.at[kv, slot],
+                        ),
+                    )
+                )
+        return copies
+
+    def start(copies):
+        for needed, cp in copies:
+            pl.when(needed)(cp.start)
+
+    def wait(copies):
+        for needed, cp in copies:
+            pl.when(needed)(cp.wait)
+
+    def seq_body(seq, carry):
+        q_start = qsl_ref[seq]
+        q_end = qsl_ref[seq + 1]
+        kv_len = seq_lens_ref[seq]
+        ctx_before = kv_len - (q_end - q_start)  # position of this sequence's first new token
+        t_first = jnp.maximum(q_start, tile_start)
+        t_last = jnp.minimum(q_end, tile_start + block_q) - 1
+        kv_end = ctx_before + (t_last - q_start) + 1  # exclusive; <= kv_len
+        kv_begin = jnp.int32(0)
+        if sliding_window is not None:
+            kv_begin = jnp.maximum(ctx_before + (t_first - q_start) - sliding_window + 1, 0)
+        num_pages = _cdiv(kv_end, block_size)
+        c_lo = lax.div(kv_begin, chunk)
+        c_hi = jnp.where(t_last >= t_first, _cdiv(kv_end, chunk), c_lo)
+
+        in_seq = (row_tok >= q_start) & (row_tok < q_end)
+        row_pos = ctx_before + row_tok - q_start
+
+        @pl.when(c_lo < c_hi)
+        def _():
+            start(page_copies(seq, c_lo, 0, num_pages))
+
+        def chunk_body(c, carry):
+            slot = lax.rem(c - c_lo, 2)
+
+            @pl.when(c + 1 < c_hi)
+            def _():
+                start(page_copies(seq, c + 1, 1 - slot, num_pages))
+
+            wait(page_copies(seq, c, slot, num_pages))
+            q = q_ref[...]
+            k = k_buf[slot]
+            v = v_buf[slot]
+            s = lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            ) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            kv_pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+            mask = in_seq & (kv_pos <= row_pos) & (kv_pos < kv_end)
+            if sliding_window is not None:
+                mask &= kv_pos > row_pos - sliding_window
+            s = jnp.where(mask, s, common.MASK_VALUE)
+            m_prev = m_ref[...]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            # Pages past kv_end were not fetched this round: zero them so stale VMEM
+            # (possibly NaN) never reaches the accumulator through 0 * NaN.
+            kv_col = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+            v = jnp.where(kv_col < kv_end, v, jnp.zeros_like(v))
+            pv = lax.dot_general(
+                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            m_ref[...] = m_new
+            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+            acc_ref[...] = alpha * acc_ref[...] + pv
+            return carry
+
+        return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
+
+    lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], seq_body, 0)
+
+    l = l_ref[...]
+    safe_l = jnp.where(l > 0.0, l, 1.0)
+    o_ref[...] = jnp.where(l > 0.0, acc_ref[...] / safe_l, 0.0).astype(o_ref.dtype)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S+1]
+    block_tables: jax.Array,  # i32[S, max_blocks]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = 8,
+    pages_per_chunk: int = 8,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D]
+    common.check_static(
+        q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    num_seqs_max, max_blocks = block_tables.shape
+    num_tiles = pl.cdiv(num_tokens, block_q)
+    rows = block_q * group
+    chunk = pages_per_chunk * block_size
+
+    q_rows = common.to_rows(q, num_kv_heads, num_tiles * block_q)
+    tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        block_q=block_q,
+        group=group,
+        block_size=block_size,
+        pages_per_chunk=pages_per_chunk,
+        max_blocks=max_blocks,
+    )
+    row_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=5,
+        grid=(num_kv_heads, num_tiles),
+        in_specs=[
+            row_spec,
+            pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM),
+            pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM),
+        ],
+        out_specs=row_spec,
+        scratch_shapes=[
+            pltpu.VMEM((2, chunk, head_dim), k_pages.dtype),
+            pltpu.VMEM((2, chunk, head_dim), v_pages.dtype),
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, head_dim), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )(
+        seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks),
+        tile_lo,
+        tile_hi,
+        q_rows,
+        k_pages,
+        v_pages,
+    )
+    return common.from_rows(out, num_tokens, num_q_heads)
