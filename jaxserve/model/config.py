@@ -1,0 +1,120 @@
+"""ModelConfig: the few numbers the Llama-family model needs, read from an HF `config.json` dict.
+
+GGUF files are first turned into such a dict by the GGUF loader, so there is one path from a
+config to a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = hf.get("architectures") or [model_type]
+            raise ValueError(
+                f"Unsupported model architecture {archs[0]!r} (model_type={model_type!r}) in {source}. "
+                f"jaxserve supports: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
+            )
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(
+                hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+            ),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias") or model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(sliding) if sliding and model_type == "mistral" else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """float32 K and V for every layer (the engine multiplies by dtype size / 4)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse frequencies with the config's RoPE scaling applied (float64 on host)."""
+        d = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        rs = self.rope_scaling
+        if not rs:
+            return inv_freq
+        kind = rs.get("rope_type") or rs.get("type")
+        if kind in (None, "default"):
+            return inv_freq
+        if kind == "linear":
+            return inv_freq / float(rs["factor"])
+        if kind == "llama3":
+            factor = float(rs["factor"])
+            low = float(rs.get("low_freq_factor", 1.0))
+            high = float(rs.get("high_freq_factor", 4.0))
+            old_ctx = float(rs["original_max_position_embeddings"])
+            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+            wavelen = 2 * math.pi / inv_freq
+            scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return np.where(medium, smoothed, scaled)
+        raise ValueError(
+            f"Unsupported rope_scaling type {kind!r}: jaxserve supports default, linear and llama3."
+        )
+
+
+def _rope_scaling(hf: dict) -> dict | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type")
+    return None if kind in (None, "default") else dict(rs)

@@ -1,0 +1,124 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) in Flax, over a paged KV cache.
+
+One forward serves a ragged batch: T new tokens from any mix of prefill chunks and decodes. Each
+layer writes its K/V into its own cache arrays (donated by the caller, so updated in place) and
+attends through the configured attention backend. Only the rows in `logits_indices` reach the
+LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.runtime.attention import AttentionFn, AttentionMetadata, write_kv
+
+
+def apply_rope(x, cos, sin):
+    """HF's rotate-half convention. x: [T, H, D]; cos/sin: [T, D/2]."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    attn_fn: AttentionFn
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata):
+        c = self.cfg
+        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        t = x.shape[0]
+        q = dense(c.num_heads * c.head_dim, "q_proj", c.attention_bias)(x).reshape(t, c.num_heads, c.head_dim)
+        k = dense(c.num_kv_heads * c.head_dim, "k_proj", c.attention_bias)(x).reshape(t, c.num_kv_heads, c.head_dim)
+        v = dense(c.num_kv_heads * c.head_dim, "v_proj", c.attention_bias)(x).reshape(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
+        o = self.attn_fn(
+            q, k_pages, v_pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
+            sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window,
+        )
+        out = dense(c.hidden_size, "o_proj", False)(o.reshape(t, c.num_heads * c.head_dim))
+        return out, (k_pages, v_pages)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * w.astype(jnp.float32)).astype(self.dtype)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        i = self.cfg.intermediate_size
+        return dense(self.cfg.hidden_size, "down_proj")(
+            nn.silu(dense(i, "gate_proj")(x)) * dense(i, "up_proj")(x)
+        )
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    attn_fn: AttentionFn
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv, md):
+        c = self.cfg
+        h, kv = Attention(c, self.attn_fn, self.dtype, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md
+        )
+        x = x + h
+        x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
+        return x, kv
+
+
+class LlamaForCausalLM(nn.Module):
+    cfg: ModelConfig
+    attn_fn: AttentionFn
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids,  # i32[T]
+        positions,  # i32[T]
+        kv_caches,  # list of (k_pages, v_pages) per layer
+        md: AttentionMetadata,
+        logits_indices,  # i32[S] rows that sample
+        inv_freq,  # f32[D/2]
+    ):
+        c = self.cfg
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        x = embed(input_ids)
+        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+        new_caches = []
+        for i in range(c.num_layers):
+            x, kv = DecoderLayer(c, self.attn_fn, self.dtype, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md)
+            new_caches.append(kv)
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
+        if c.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")(x)
+        return logits.astype(jnp.float32), new_caches

@@ -1,0 +1,116 @@
+"""Find and load a model: an HF directory (safetensors), a GGUF file, or the embedded default.
+
+Returns host-side numpy weights in the Flax tree layout; the runner places them on devices.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.weights import hf_to_params
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    params: dict  # numpy tree
+    generation_defaults: dict = field(default_factory=dict)
+    load_seconds: float = 0.0
+
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None or model in ("default", "SmolLM2-135M-Instruct"):
+        from jaxserve.model.default_model import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Model path {str(path)!r} does not exist. Pass a Hugging Face model directory "
+            "(config.json + *.safetensors) or a .gguf file; omit --model for the embedded default."
+        )
+    return path
+
+
+def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
+    t0 = time.perf_counter()
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from jaxserve.model.gguf_loader import load_gguf
+
+        hf_config, weights = load_gguf(path)
+        gen = {}
+    elif path.is_dir():
+        hf_config, weights, gen = _load_hf_dir(path)
+    else:
+        raise ValueError(
+            f"Cannot load {str(path)!r}: expected a directory with config.json and *.safetensors, "
+            "or a .gguf file."
+        )
+    cfg = ModelConfig.from_hf(hf_config, source=str(path))
+    params = hf_to_params(weights, cfg, dtype=dtype)
+    if gen.get("eos_token_id") is not None:
+        eos = gen["eos_token_id"]
+        eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
+        cfg = _replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + eos)))
+    name = "SmolLM2-135M-Instruct" if model in (None, "default") else (model or path.name)
+    return LoadedModel(
+        name=name,
+        path=path,
+        config=cfg,
+        params=params,
+        generation_defaults={k: gen[k] for k in GENERATION_KEYS if gen.get(k) is not None},
+        load_seconds=time.perf_counter() - t0,
+    )
+
+
+def _replace(cfg: ModelConfig, **kw) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def _load_hf_dir(path: Path) -> tuple[dict, dict, dict]:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json: it is not a Hugging Face model directory.")
+    hf_config = json.loads(cfg_file.read_text())
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"No *.safetensors weights in {str(path)!r}. Only safetensors checkpoints are supported "
+            "(convert PyTorch .bin files with `transformers` first)."
+        )
+    weights = {}
+    for f in files:
+        weights.update(_read_safetensors(path / f))
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    return hf_config, weights, gen
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    if not file.exists():
+        raise FileNotFoundError(f"Weight file {str(file)!r} named in the index is missing.")
+    out = {}
+    with safe_open(str(file), framework="flax") as f:  # flax: handles bfloat16 too
+        for name in f.keys():
+            out[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+    return out

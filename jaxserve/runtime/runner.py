@@ -1,0 +1,154 @@
+"""The device side of a step: weights and per-layer KV arrays on devices, one compiled forward per
+token bucket, on-device sampling.
+
+The forward is compiled ahead of time per (T, S) bucket and kept in a dict, so a steady-state step
+can never silently recompile: `num_compiles` only grows when a new shape is met.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.runtime.attention import AttentionMetadata, get_backend
+from jaxserve.runtime.input_batch import StepInputs, next_pow2, token_buckets
+from jaxserve.runtime.sampler import SampleResult, SamplingMode, SamplingTensors, sample
+
+log = logging.getLogger("jaxserve")
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    path = path or os.environ.get("JAXSERVE_COMPILATION_CACHE") or str(
+        Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve")) / "xla"
+    )
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    attention_backend: str = "xla"
+    dtype: str = "float32"
+
+
+def dtype_size(dtype: str) -> int:
+    return np.dtype(jnp.dtype(dtype)).itemsize
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, params: dict, cfg: RunnerConfig):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.model = LlamaForCausalLM(model_cfg, get_backend(cfg.attention_backend), self.dtype)
+        self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
+        self.inv_freq = jnp.asarray(model_cfg.rope_inv_freq(), jnp.float32)
+        shape = (cfg.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [
+            (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(model_cfg.num_layers)
+        ]
+        self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
+        self.t_buckets = token_buckets(cfg.max_num_batched_tokens)
+        self.s_max = next_pow2(cfg.max_num_seqs)
+        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
+        self._sample = jax.jit(sample, static_argnums=(2,))
+        self._compiled: dict[tuple[int, int], object] = {}
+        self.num_compiles = 0
+
+    # ---- shapes -------------------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        t = next(b for b in self.t_buckets if b >= num_tokens)
+        s = min(max(next_pow2(num_seqs), min(t, self.s_max)), self.s_max)
+        return t, s
+
+    def all_buckets(self) -> list[tuple[int, int]]:
+        return sorted({self.bucket_for(t, 1) for t in self.t_buckets})
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _forward_impl(self, params, kv_caches, input_ids, positions, md, logits_indices, inv_freq):
+        return self.model.apply({"params": params}, input_ids, positions, kv_caches, md, logits_indices, inv_freq)
+
+    def _arg_specs(self, t: int, s: int):
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        md = AttentionMetadata(i32(t), i32(s), i32(s + 1), i32(s, self.max_blocks), i32(1))
+        return i32(t), i32(t), md, i32(s)
+
+    def compiled_forward(self, t: int, s: int):
+        key = (t, s)
+        fn = self._compiled.get(key)
+        if fn is None:
+            ids, pos, md, li = self._arg_specs(t, s)
+            fn = self._forward.lower(self.params, self.kv_caches, ids, pos, md, li, self.inv_freq).compile()
+            self._compiled[key] = fn
+            self.num_compiles += 1
+        return fn
+
+    def precompile(self, progress=None) -> float:
+        """Compile every (T, S) bucket now, so no request waits on a compile."""
+        t0 = time.perf_counter()
+        buckets = self.all_buckets()
+        for i, (t, s) in enumerate(buckets):
+            self.compiled_forward(t, s)
+            if progress:
+                progress(i + 1, len(buckets), (t, s))
+        return time.perf_counter() - t0
+
+    def execute(self, inputs: StepInputs, t: int, s: int, tensors: dict, mode: SamplingMode):
+        """Run one step. Returns a SampleResult of device arrays (not yet synced)."""
+        fwd = self.compiled_forward(t, s)
+        md = AttentionMetadata(
+            inputs.slot_mapping, inputs.seq_lens, inputs.query_start_loc, inputs.block_tables, inputs.num_seqs
+        )
+        logits, self.kv_caches = fwd(
+            self.params, self.kv_caches, inputs.input_ids, inputs.positions, md, inputs.logits_indices, self.inv_freq
+        )
+        return self._sample(logits, SamplingTensors(**tensors), mode)
+
+    @staticmethod
+    def fetch(result: SampleResult) -> tuple[np.ndarray, ...]:
+        return tuple(np.asarray(x) for x in jax.device_get(tuple(result)))
+
+    def sampler_cache_size(self) -> int:
+        return self._sample._cache_size()
+
+
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str) -> int:
+    return 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * block_size * dtype_size(dtype)
+
+
+def default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def kv_memory_budget(kv_cache_memory: int | None, memory_fraction: float, weight_bytes: int) -> int:
+    """Bytes for the KV cache: an explicit budget, else a fraction of the device's free memory.
+
+    CPU backends report no memory stats; there the fraction applies to available host RAM, and
+    the default is capped at 1 GiB (as vLLM's CPU backend caps its KV space by default).
+    """
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory)
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return int(free * memory_fraction)
+    import psutil
+
+    return int(min(psutil.virtual_memory().available * memory_fraction, 1 << 30))

@@ -1,0 +1,121 @@
+"""On-device sampling for the rows that sample this step.
+
+Per-row parameters arrive as arrays; what costs extra work (sorting for top-k/top-p/min-p,
+token counts for penalties, logit bias, top-N logprobs) is switched on by a static
+`SamplingMode`, so a plain greedy or plain random batch never pays for it. Each row draws from
+its own key, fold_in(seed, output index), so a seeded request samples the same tokens whatever
+else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SamplingMode(NamedTuple):
+    """Static (compile-time) switches; each distinct value compiles once."""
+
+    all_greedy: bool = True
+    truncation: bool = False  # any row uses top-k / top-p / min-p
+    penalty_widths: tuple[int, int] = (0, 0)  # padded (output ids, prompt ids) widths; (0, 0) = off
+    bias_width: int = 0  # padded logit-bias entries per row (also carries min_tokens EOS bans)
+    num_logprobs: int = -1  # -1: none; N >= 0: sampled logprob plus top-N
+
+
+class SamplingTensors(NamedTuple):
+    temperature: np.ndarray  # f32[S] (0 = greedy)
+    top_k: np.ndarray  # i32[S] (0 = off)
+    top_p: np.ndarray  # f32[S]
+    min_p: np.ndarray  # f32[S]
+    seeds: np.ndarray  # u32[S]
+    steps: np.ndarray  # i32[S] output index of the token being sampled
+    presence: np.ndarray  # f32[S]
+    frequency: np.ndarray  # f32[S]
+    repetition: np.ndarray  # f32[S]
+    output_ids: np.ndarray  # i32[S, Lo] (-1 pad)
+    prompt_ids: np.ndarray  # i32[S, Lp] (-1 pad)
+    bias_ids: np.ndarray  # i32[S, A] (-1 pad)
+    bias_values: np.ndarray  # f32[S, A]
+
+
+class SampleResult(NamedTuple):
+    tokens: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S] logprob of the sampled token (raw model distribution)
+    top_ids: jax.Array  # i32[S, N]
+    top_logprobs: jax.Array  # f32[S, N]
+
+
+def _counts(ids, vocab):
+    """Per-row token counts from padded id lists: f32[S, V]."""
+    s = ids.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
+    return jnp.zeros((s, vocab), jnp.float32).at[rows, jnp.maximum(ids, 0)].add((ids >= 0).astype(jnp.float32))
+
+
+def apply_penalties(logits, t: SamplingTensors):
+    vocab = logits.shape[-1]
+    out_counts = _counts(t.output_ids, vocab)
+    seen = (out_counts + _counts(t.prompt_ids, vocab)) > 0
+    rep = t.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - t.frequency[:, None] * out_counts
+    return logits - t.presence[:, None] * (out_counts > 0)
+
+
+def apply_bias(logits, t: SamplingTensors):
+    s = logits.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], t.bias_ids.shape)
+    return logits.at[rows, jnp.maximum(t.bias_ids, 0)].add(jnp.where(t.bias_ids >= 0, t.bias_values, 0.0))
+
+
+def truncation_mask(scaled, t: SamplingTensors):
+    """Keep-mask for top-k, top-p and min-p, computed on the temperature-scaled logits."""
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    rank = jnp.arange(vocab)[None, :]
+    k = jnp.where(t.top_k > 0, t.top_k, vocab)[:, None]
+    keep = (rank < k) & (cum_before < t.top_p[:, None]) & (probs >= t.min_p[:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)
+    # Smallest kept logit per row is the threshold; ties at the threshold are kept.
+    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return scaled >= threshold
+
+
+def sample(logits, t: SamplingTensors, mode: SamplingMode) -> SampleResult:
+    """logits: f32[S, V] raw model output for the sampling rows."""
+    s = logits.shape[0]
+    raw = logits
+    if mode.penalty_widths != (0, 0):
+        logits = apply_penalties(logits, t)
+    if mode.bias_width:
+        logits = apply_bias(logits, t)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temp = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+        scaled = logits / temp
+        if mode.truncation:
+            scaled = jnp.where(truncation_mask(scaled, t), scaled, -jnp.inf)
+
+        def gumbel(seed, step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
+
+        noise = jax.vmap(gumbel)(t.seeds, t.steps)
+        sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        tokens = jnp.where(t.temperature > 0, sampled, greedy_tokens)
+    if mode.num_logprobs < 0:
+        zeros = jnp.zeros((s,), jnp.float32)
+        return SampleResult(tokens, zeros, jnp.zeros((s, 0), jnp.int32), jnp.zeros((s, 0), jnp.float32))
+    logp = jax.nn.log_softmax(raw, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, mode.num_logprobs) if mode.num_logprobs else (
+        jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32))
+    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
