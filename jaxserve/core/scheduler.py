@@ -1,0 +1,293 @@
+"""Continuous batching, as in vLLM V1: every step is one ragged batch of decode tokens and prefill
+chunks under a token budget and a sequence cap.
+
+Order of work: running requests first (decode-first, the default) or waiting requests first
+(prefill-first); waiting requests are admitted in policy order (`policy.py`). Chunked prefill is
+always on. When a running request cannot get a block, the KV manager has already used free blocks
+and evicted unreferenced cached ones; the scheduler then preempts (recompute) the running request
+with the lowest priority / latest arrival, which goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.kv_manager import KVManager, cdiv
+from jaxserve.core.policy import WaitingQueue
+from jaxserve.core.request import Request, RequestStatus
+
+PREFIX_CACHES = ("radix", "hash", "off")
+EVICTIONS = ("lru", "trunk")
+POLICIES = ("fcfs", "priority", "lpm")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int  # total, including the reserved null block 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    prefix_cache: str = "radix"  # radix | hash | off
+    eviction: str = "lru"  # lru | trunk
+    policy: str = "fcfs"  # fcfs | priority | lpm
+    prefill_first: bool = False  # False: running requests (decodes) are scheduled first
+    lpm_max_wait_steps: int = 32  # lpm aging: after this many passed-over steps, serve in fcfs order
+    lpm_max_queue: int = 128  # lpm falls back to fcfs above this many waiting requests
+    dedup_in_batch: bool = True  # defer a request whose uncached prefix another one is computing
+    hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, fix: str) -> None:
+            if not ok:
+                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {fix}")
+
+        need(self.num_blocks >= 2, "num_blocks", "need at least 2 (block 0 is the reserved null block)")
+        need(self.block_size >= 1, "block_size", "must be a positive number of tokens, e.g. 16")
+        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
+        need(self.max_model_len >= 2, "max_model_len", "must be at least 2 tokens")
+        need(self.prefix_cache in PREFIX_CACHES, "prefix_cache", f"choose one of {PREFIX_CACHES}")
+        need(self.eviction in EVICTIONS, "eviction", f"choose one of {EVICTIONS}")
+        need(self.policy in POLICIES, "policy", f"choose one of {POLICIES}")
+        need(self.lpm_max_wait_steps >= 0, "lpm_max_wait_steps", "must be >= 0")
+        need(self.lpm_max_queue >= 0, "lpm_max_queue", "must be >= 0")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # request.num_computed_tokens when scheduled; block_ids cover [0, start + num_new_tokens)
+    num_tokens: int = -1  # request.num_tokens when scheduled
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This row reaches the end of the known tokens, so it produces the next token."""
+        return self.start + self.num_new_tokens == self.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    preempted: list[Request] = field(default_factory=list)
+    # requests the scheduler ended itself: one that alone outgrew the whole KV cache (FINISHED_LENGTH)
+    finished: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    step: int = 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not (s.num_new_tokens == 1 and s.samples))
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_prefill_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVManager(
+            config.num_blocks, config.block_size, config.prefix_cache, config.eviction, config.hash_seed
+        )
+        self.waiting = WaitingQueue(config, self.kv)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step = 0
+        self.num_preemptions = 0
+        self.num_scheduled_tokens = 0
+        self._order: dict[str, int] = {}  # arrival order, for victims and fcfs ties
+        self._next_order = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        cfg = self.config
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        if req.num_tokens < 1:
+            raise ValueError(f"request {req.request_id!r} has an empty prompt; send at least one token")
+        if req.num_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r}: the prompt has {req.num_tokens} tokens but max_model_len "
+                f"is {cfg.max_model_len}, which must leave room for at least one generated token; "
+                "shorten the prompt or raise max_model_len"
+            )
+        capacity = cfg.num_blocks - 1
+        if cdiv(req.num_tokens + 1, cfg.block_size) > capacity:
+            raise ValueError(
+                f"request {req.request_id!r}: {req.num_tokens} prompt tokens need "
+                f"{cdiv(req.num_tokens + 1, cfg.block_size)} KV blocks but the whole cache has "
+                f"{capacity} ({capacity * cfg.block_size} tokens); shorten the prompt or give the "
+                "KV cache more memory"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = self._next_order
+        self._next_order += 1
+        self.waiting.add(req)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        assert status.is_finished, f"{status!r} is not a finished status"
+        if req.request_id not in self.requests:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.forget(req)
+        del self.requests[req.request_id]
+        del self._order[req.request_id]
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.step)
+        budget = [self.config.max_num_batched_tokens]
+        if self.config.prefill_first:
+            self._schedule_waiting(out, budget)
+            self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
+        else:
+            self._schedule_running(out, budget, skip=set())
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.config.max_num_seqs
+        for s in out.scheduled:
+            if s.request.first_scheduled_step < 0:
+                s.request.first_scheduled_step = self.step
+        self.num_scheduled_tokens += out.num_batched_tokens
+        self.step += 1
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: list[int], skip: set[str]) -> None:
+        for req in list(self.running):
+            if budget[0] <= 0:
+                break
+            if req.status != RequestStatus.RUNNING or req.request_id in skip:
+                continue  # preempted earlier in this loop, or admitted this step already
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            if num_new <= 0:
+                continue  # waiting for the engine to append its sampled token
+            while not self.kv.allocate(req, num_new):
+                victim = self._pick_victim()
+                if victim is req and len(self.running) == 1:
+                    self._finish_too_long(req, out)
+                    break
+                self._preempt(victim, out, budget)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+                budget[0] -= num_new
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
+        if not len(self.waiting) or out.preempted:
+            return  # after a preemption, admitting new work would only thrash (as vLLM)
+        admitted: list[Request] = []
+        for req in self.waiting.ordered(self.running, self.step):
+            if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            hits = self.kv.match(req)  # fresh: an admission before may have evicted blocks
+            if self.waiting.should_defer(req, len(hits)):
+                continue
+            num_new = min(req.num_tokens - len(hits) * self.config.block_size, budget[0])
+            if not self.kv.allocate(req, num_new, hits):
+                break  # head of line waits for memory; running requests are never preempted for it
+            cached = len(hits) * self.config.block_size
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            self.waiting.note_admitted(req, cached)
+            out.scheduled.append(ScheduledRequest(req, num_new, cached))
+            budget[0] -= num_new
+        self.waiting.remove_many(admitted)
+        self.waiting.age(bool(admitted))
+
+    def _victim_key(self, req: Request) -> tuple:
+        prio = req.priority if self.config.policy == "priority" else 0
+        return (prio, req.arrival_time, self._order[req.request_id])
+
+    def _pick_victim(self) -> Request:
+        return max(self.running, key=self._victim_key)
+
+    def _preempt(self, req: Request, out: SchedulerOutput, budget: list[int]) -> None:
+        """Recompute later: free blocks (full ones stay cached), back to the front of the queue."""
+        self.running.remove(req)
+        for i, s in enumerate(out.scheduled):
+            if s.request is req:
+                budget[0] += s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(req)
+        out.preempted.append(req)
+
+    def _finish_too_long(self, req: Request, out: SchedulerOutput) -> None:
+        self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+        out.finished.append(req)
+
+    # ---- after the step -----------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # finished or aborted since
+            assert req.num_computed_tokens == s.start, "update_from_output applied twice?"
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(req)
+            if s.samples:
+                tok = sampled.get(req.request_id)
+                if tok is not None:
+                    req.append_token(tok)
+
+    # ---- numbers ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        st, kv = self.kv.stats, self.kv
+        cached = kv.cache.num_evictable
+        free = kv.num_free_blocks
+        return {
+            "prefix_cache_queries": st.queries,
+            "prefix_cache_hits": st.hits,
+            "prefix_cache_hit_blocks": st.hit_blocks,
+            "hit_rate": st.hits / st.queries if st.queries else 0.0,
+            "evictions": st.evictions,
+            "preemptions": self.num_preemptions,
+            "num_blocks": kv.num_blocks,
+            "blocks_free": free,
+            "blocks_cached": cached,
+            "blocks_used": kv.num_blocks - 1 - free - cached,
+            "num_computed_prompt_tokens": self.num_scheduled_tokens,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "steps": self.step,
+        }
