@@ -1,0 +1,243 @@
+"""Ragged paged attention for NVIDIA GPU (Pallas / Mosaic GPU, Hopper sm_90a first).
+
+Why Mosaic GPU and not Triton: the Triton backend is deprecated upstream, and Mosaic GPU can
+express the page gather directly — each page is one TMA copy whose source ``k_pages.at[block, :,
+head, :]`` takes its block id from a scalar loaded from the block table, and a barrier with
+``pages_per_chunk`` arrivals completes when a whole chunk of pages has landed.
+
+One CTA = one warpgroup = one kv head x one tile of 64 q rows (``64 // G`` tokens, rows laid out
+as in ``common``). For every sequence overlapping the tile it streams that tile's visible KV
+range in chunks of ``pages_per_chunk`` pages, double-buffered in SMEM (chunk c+1's TMAs are in
+flight while chunk c runs on the tensor cores), QK^T and PV as WGMMA with f32 accumulation,
+online softmax in registers. Pages past a sequence's end are fetched from the null block 0 (so
+the barrier arrival count is static) and masked out; the cache is assumed finite there.
+
+Inputs must be bfloat16 or float16 (WGMMA operands); head_dim a multiple of 64.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import common
+
+ROWS = 64  # WGMMA M per warpgroup
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D] bf16/f16
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S+1]
+    block_tables: jax.Array,  # i32[S, max_blocks]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    pages_per_chunk: int = 4,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    if ROWS % max(group, 1):
+        raise ValueError(f"GQA ratio {group} must divide {ROWS}")
+    block_q = ROWS // group
+    common.check_static(
+        q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
+    )
+    dtype = q.dtype
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"the GPU kernel needs bfloat16/float16 inputs, got {dtype}")
+    if k_pages.dtype != dtype or v_pages.dtype != dtype:
+        raise ValueError("q, k_pages and v_pages must share a dtype")
+    if head_dim % 64:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
+    chunk = pages_per_chunk * block_size
+    if chunk % 64 or block_size % 8:
+        raise ValueError(
+            f"pages_per_chunk*block_size={chunk} must be a multiple of 64, block_size of 8"
+        )
+    num_seqs_max, max_blocks = block_tables.shape
+    num_tiles = pl.cdiv(num_tokens, block_q)
+
+    q_rows = common.to_rows(q, num_kv_heads, num_tiles * block_q)  # [Hkv, num_tiles*64, D]
+    tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
+    tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
+    log2e = math.log2(math.e)
+
+    def layout_cast(x, layout):
+        # The Mosaic GPU interpreter has no rule for layout_cast; layouts only matter when lowering.
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def mma_qk(q_ref, k_ref):  # [ROWS, D] x [chunk, D]^T -> f32[ROWS, chunk]
+        if interpret:  # the interpreter's wgmma takes neither transposed refs nor register lhs
+            return lax.dot_general(
+                q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
+            return acc_ref[...]
+
+        return pl.run_scoped(scope, plgpu.ACC((ROWS, k_ref.shape[0]), jnp.float32))
+
+    def mma_pv(p, v_ref):  # [ROWS, chunk] (registers) x [chunk, D] -> f32[ROWS, D]
+        if interpret:
+            return jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_ref)
+            return acc_ref[...]
+
+        # A fresh accumulator rather than ACC.init(acc) + run_state: keeps one code shape.
+        return pl.run_scoped(scope, plgpu.ACC((ROWS, v_ref.shape[1]), jnp.float32))
+
+    def body(seq_lens_g, qsl_g, tables_g, lo_g, hi_g, q_g, k_g, v_g, o_g, scoped):
+        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scoped
+        tile = lax.axis_index("tile")
+        head = lax.axis_index("head")
+        tile_start = tile * block_q
+
+        plgpu.copy_gmem_to_smem(q_g.at[head, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        row_tok = tile_start + lax.div(
+            layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 0), plgpu.Layout.WGMMA),
+            jnp.int32(group),
+        )
+        col = layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 1), plgpu.Layout.WGMMA)
+
+        def fetch(seq, c, slot, num_pages):
+            for j in range(pages_per_chunk):
+                page_idx = c * pages_per_chunk + j
+                entry = tables_g[seq * max_blocks + jnp.minimum(page_idx, max_blocks - 1)]
+                block = jnp.where(page_idx < num_pages, entry, 0)
+                dst = pl.ds(j * block_size, block_size)
+                plgpu.copy_gmem_to_smem(
+                    k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot]
+                )
+
+        def seq_body(seq, carry):
+            q_start = qsl_g[seq]
+            q_end = qsl_g[seq + 1]
+            kv_len = seq_lens_g[seq]
+            ctx_before = kv_len - (q_end - q_start)
+            t_first = jnp.maximum(q_start, tile_start)
+            t_last = jnp.minimum(q_end, tile_start + block_q) - 1
+            kv_end = ctx_before + (t_last - q_start) + 1
+            kv_begin = jnp.int32(0)
+            if sliding_window is not None:
+                kv_begin = jnp.maximum(ctx_before + (t_first - q_start) - sliding_window + 1, 0)
+            num_pages = lax.div(kv_end + (block_size - 1), jnp.int32(block_size))
+            c_lo = lax.div(kv_begin, jnp.int32(chunk))
+            c_hi = jnp.where(
+                t_last >= t_first, lax.div(kv_end + (chunk - 1), jnp.int32(chunk)), c_lo
+            )
+            in_seq = (row_tok >= q_start) & (row_tok < q_end)
+            row_pos = ctx_before + row_tok - q_start
+
+            @pl.when(c_lo < c_hi)
+            def _():
+                fetch(seq, c_lo, 0, num_pages)
+
+            def chunk_body(c, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(c - c_lo, jnp.int32(2))
+
+                @pl.when(c + 1 < c_hi)
+                def _():
+                    fetch(seq, c + 1, 1 - slot, num_pages)
+
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                s = mma_qk(q_smem, k_smem.at[slot]) * sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s / soft_cap)
+                kv_pos = c * chunk + col
+                mask = in_seq & (kv_pos <= row_pos) & (kv_pos < kv_end)
+                if sliding_window is not None:
+                    mask &= kv_pos > row_pos - sliding_window
+                s = jnp.where(mask, s * log2e, common.MASK_VALUE)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                acc = acc + mma_pv(p.astype(dtype), v_smem.at[slot])
+                return acc, m_new, l_i
+
+            return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
+
+        acc = layout_cast(
+            jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA
+        )
+        m_i = layout_cast(
+            jnp.full((ROWS,), common.MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+        )
+        l_i = layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc, m_i, l_i = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, (acc, m_i, l_i))
+
+        l_b = lax.broadcast_in_dim(l_i, acc.shape, [0])
+        out = jnp.where(l_b > 0.0, acc / jnp.where(l_b > 0.0, l_b, 1.0), 0.0)
+        q_smem[...] = out.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_g.at[head, pl.ds(tile * ROWS, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def entry(*refs):
+        transforms = (
+            plgpu.TilingTransform((8, 64)),
+            plgpu.SwizzleTransform(128),
+        )
+        pl.run_scoped(
+            lambda *scoped: body(*refs, scoped),
+            plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
+            plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
+        )
+
+    kernel = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
+        grid=(num_tiles, num_kv_heads),
+        grid_names=("tile", "head"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )
+    out = kernel(
+        seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        tables,
+        tile_lo,
+        tile_hi,
+        q_rows,
+        k_pages,
+        v_pages,
+    )
+    return common.from_rows(out, num_tokens, num_q_heads)
+
+
+@functools.cache
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
