@@ -1,0 +1,81 @@
+"""Pallas kernels for jaxserve, each next to its pure-jnp reference.
+
+``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16),
+``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU kernel in
+its interpreter when ``interpret=True``, else the reference).
+With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreter on any host.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from pallas_kernels import reference
+
+Backend = Literal["auto", "tpu", "gpu", "reference"]
+
+__all__ = ["ragged_paged_attention", "resolve_backend", "write_kv"]
+
+
+def resolve_backend(backend: Backend = "auto", interpret: bool = False) -> str:
+    """``auto``: the kernel for this platform; on CPU the TPU kernel when interpreting (it
+    handles float32 exactly, the GPU kernel needs bf16), else the jnp reference."""
+    if backend == "auto":
+        platform = jax.default_backend()
+        default = "tpu" if interpret else "reference"
+        return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, default)
+    if backend not in ("tpu", "gpu", "reference"):
+        raise ValueError(f"unknown attention backend {backend!r}: use auto, tpu, gpu or reference")
+    return backend
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S+1]
+    block_tables: jax.Array,  # i32[S, max_blocks]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    backend: Backend = "auto",
+    interpret: bool = False,
+    **block_sizes: int,
+) -> jax.Array:  # [T, Hq, D]
+    """Attention of each new token over its own sequence's paged KV (see ``reference``).
+
+    ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu.
+    """
+    args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    name = resolve_backend(backend, interpret)
+    if name == "tpu":
+        from pallas_kernels import tpu
+
+        return tpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
+    if name == "gpu":
+        from pallas_kernels import gpu
+
+        return gpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
+    return reference.ragged_paged_attention(*args, **kwargs)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T]
+    *,
+    backend: Backend = "auto",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """New K/V into their slots. One XLA scatter on every backend (in place when the pages are
+    donated); no Pallas kernel yet, since the scatter already moves only the new rows."""
+    resolve_backend(backend)
+    return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, interpret=interpret)
