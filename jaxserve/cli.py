@@ -1,0 +1,201 @@
+"""The `jaxserve` command: generate, serve, bench, convert.
+
+Every error a user can cause ends in one line on stderr (`jaxserve: error: ...`) and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EVICTIONS, PREFIX_CACHES, SCHEDULES, EngineConfig, parse_bytes
+
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", "-m", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache budget, e.g. 2GiB (default: --memory-fraction of free device memory; 1GiB max on CPU)")
+    g.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of free device memory for the KV cache")
+    g.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="radix", help="prefix cache design (default radix)")
+    g.add_argument("--eviction", choices=EVICTIONS, default="lru", help="prefix cache eviction policy (default lru)")
+    g.add_argument("--schedule", choices=SCHEDULES, default="fcfs", help="admission order (default fcfs)")
+    order = g.add_mutually_exclusive_group()
+    order.add_argument("--prefill-first", dest="prefill_first", action="store_true", help="admit new prompts before decodes")
+    order.add_argument("--decode-first", dest="prefill_first", action="store_false", help="running requests first (default)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="default: xla on CPU, pallas on TPU/GPU")
+    g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="shard the model over N devices")
+    g.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="compile step shapes on first use instead of at start-up")
+    g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    kw = {k: getattr(args, k) for k in EngineConfig.field_names() if hasattr(args, k)}
+    kw.update(overrides)
+    return EngineConfig(**kw)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    g.add_argument("--temperature", "-t", type=float, default=None,
+                   help="0 = greedy (default: the model's generation config, else 0)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict):
+    from jaxserve.sampling_params import SamplingParams
+
+    kw = {"temperature": 0.0, **defaults}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, **kw)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.engine import LLMEngine
+
+    prompts = args.prompt or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise ValueError('No prompt given: pass it as an argument (jaxserve generate "Hello") or on stdin.')
+    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    engine = LLMEngine(engine_config(args, precompile=False))
+    params = sampling_params(args, engine.loaded.generation_defaults)
+    tok = engine.tokenizer
+    for i, prompt in enumerate(prompts):
+        if args.raw or not tok.has_chat_template:
+            ids = tok.encode(prompt)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            ids = tok.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+        engine.add_request(str(i), prompt, params, prompt_token_ids=ids)
+        text = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = out.outputs[0].delta_text
+                text += delta
+                if stream and delta:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            print(text)
+        if len(prompts) > 1 and i < len(prompts) - 1:
+            print()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    name = args.name.replace("-", "_")
+    try:
+        mod = importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"bench.{name}":
+            raise
+        raise ValueError(f"Unknown benchmark {args.name!r}: see `jaxserve bench --help`.") from None
+    return int(mod.main(args.bench_args) or 0)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxserve.server.app import serve
+
+    return serve(args)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jaxserve.model.orbax_io import convert
+
+    return convert(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxserve",
+        description="LLM inference and serving on JAX: paged KV cache, prefix caching, continuous batching.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate text for prompts (chat template applied unless --raw)",
+                       description="Generate a completion for each prompt. For a chat model the prompt is sent "
+                       "as a user message through the model's chat template.")
+    g.add_argument("prompt", nargs="*", help="prompt text (or read from stdin)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--system", default=None, help="system message for chat models")
+    s = g.add_mutually_exclusive_group()
+    s.add_argument("--stream", dest="stream", action="store_true", default=None, help="print tokens as they come "
+                   "(default on a terminal)")
+    s.add_argument("--no-stream", dest="stream", action="store_false", help="print the whole answer at the end")
+    add_sampling_args(g)
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from jaxserve.server.app import add_serve_args
+
+        add_serve_args(sv)
+    except ImportError:
+        pass
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: sim, offline, serve, roofline, ... (code in bench/)")
+    b.add_argument("name", help="benchmark name, e.g. sim")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("convert", help="convert an HF directory or GGUF file to an Orbax checkpoint")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.set_defaults(func=cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False) or args.command == "serve"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as e:
+        msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+        print(f"jaxserve: error: {msg}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - known user-facing failures from dependencies
+        from jaxserve.model.default_model import DefaultModelError
+
+        if isinstance(e, DefaultModelError):
+            print(f"jaxserve: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The offline batch API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    `LLM()` runs the embedded default model (SmolLM2-135M-Instruct). Keyword arguments are
+    EngineConfig fields: max_model_len, max_num_seqs, max_num_batched_tokens, block_size,
+    kv_cache_memory, prefix_cache, eviction, schedule, attention_backend, dtype, ...
+    """
+
+    def __init__(self, model: str | None = None, *, precompile: bool = False, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, precompile=precompile, **kwargs))
+        if precompile:
+            self.engine.precompile()
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's behaviour: the model's generation_config.json supplies the defaults."""
+        return SamplingParams(**self.engine.loaded.generation_defaults)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of the prompts. A list of ints counts as token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = [(None, list(p)) if not isinstance(p, str) else (p, None) for p in prompts]
+        return self._run(items, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations, through the chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        items = [(None, tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)) for c in convs]
+        return self._run(items, sampling_params, use_tqdm, None)
+
+    def _run(self, items, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        params = (
+            list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
+        )
+        if len(params) != len(items):
+            raise ValueError(f"Got {len(params)} sampling params for {len(items)} prompts: pass one, or one per prompt.")
+        engine = self.engine
+        ids = []
+        try:
+            for i, ((text, token_ids), p) in enumerate(zip(items, params)):
+                rid = str(self._next_id)
+                self._next_id += 1
+                engine.add_request(rid, text, p, prompt_token_ids=token_ids,
+                                   priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        return self._drain(ids, use_tqdm)
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        t0 = time.perf_counter()
+        in_toks = out_toks = 0
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    out_toks += sum(len(o.delta_token_ids) for o in out.outputs)
+                    if out.finished:
+                        results[out.request_id] = out
+                        in_toks += len(out.prompt_token_ids)
+                        if bar is not None:
+                            dt = max(time.perf_counter() - t0, 1e-9)
+                            bar.set_postfix_str(f"in: {in_toks / dt:.0f} tok/s, out: {out_toks / dt:.0f} tok/s")
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(results) < len(ids):
+                    raise RuntimeError("The engine stopped with requests unfinished.")
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[r] for r in ids]
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, unit="req")
+
+
+def _flatten(x: Iterable) -> list:
+    return list(x)

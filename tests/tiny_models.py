@@ -1,0 +1,76 @@
+"""Small random-initialised HF models (with a real BPE tokenizer) saved to disk, for tests.
+
+Each is a genuine HF checkpoint: config.json + model.safetensors + tokenizer files, loadable by
+transformers (the numerical reference) and by jaxserve.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "JAX is a library for array computation and program transformation.",
+    "def add(a, b):\n    return a + b\n",
+    "Caf\u00e9, na\u00efve, r\u00e9sum\u00e9 \u2014 \u6771\u4eac \U0001F600 numbers 12345 and symbols !?#",
+    "Once upon a time there was a small model that learned to count: one, two, three, four.",
+] * 20
+
+ARCH = {
+    "llama": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=False)),
+    "llama3": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
+    "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=True)),
+    "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=32)),
+}
+
+
+def build_tokenizer(vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", chat_template=template,
+    )
+
+
+def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
+                    kv_heads: int = 2, max_pos: int = 512, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    tok = build_tokenizer()
+    spec = ARCH[arch]
+    cfg = getattr(transformers, spec["cls"])(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **spec["extra"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are not all ~0
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "norm" in str(p.shape):
+                pass
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
