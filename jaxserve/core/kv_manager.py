@@ -94,13 +94,18 @@ class KVManager:
                 self._ref(b)
             req.block_ids = list(hit_blocks)
         if need > self.pool.num_free:
-            evicted = self.cache.evict(need - self.pool.num_free)
-            self.stats.evictions += len(evicted)
-            for b in evicted:
-                self.pool.push(b)
+            self.evict(need - self.pool.num_free)
         for _ in range(max(need, 0)):
             req.block_ids.append(self.pool.pop())
         return True
+
+    def evict(self, n: int) -> int:
+        """Drop up to n unreferenced cached blocks back to the free list; returns how many."""
+        evicted = self.cache.evict(n)
+        self.stats.evictions += len(evicted)
+        for b in evicted:
+            self.pool.push(b)
+        return len(evicted)
 
     def commit(self, req: Request) -> None:
         """Cache the request's newly full blocks whose K/V is written (after a step)."""

@@ -1,0 +1,39 @@
+"""A tiny engine loop for scheduler tests: fake sampled tokens, finish on max_tokens."""
+
+from __future__ import annotations
+
+import random
+
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+
+
+def step(sched: Scheduler, rng: random.Random, vocab: int = 5, check: bool = True) -> SchedulerOutput:
+    out = sched.schedule()
+    if check:
+        sched.kv.check_invariants()
+    ids = [s.request.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids)), "a request twice in one batch"
+    assert not {r.request_id for r in out.preempted} & set(ids), "preempted and scheduled"
+    for s in out.scheduled:
+        assert len(s.request.block_ids) * sched.config.block_size >= s.start + s.num_new_tokens
+    sched.update_from_output(out, {i: rng.randrange(vocab) for i in ids})
+    for s in out.scheduled:
+        r = s.request
+        if r.status == RequestStatus.RUNNING and r.num_output_tokens >= r.max_tokens:
+            sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+    if check:
+        sched.kv.check_invariants()
+    return out
+
+
+def run(sched: Scheduler, reqs: list[Request] = (), seed: int = 0, max_steps: int = 100_000,
+        check: bool = True) -> list[SchedulerOutput]:
+    rng = random.Random(seed)
+    for r in reqs:
+        sched.add_request(r)
+    outs = []
+    while sched.has_unfinished_requests():
+        outs.append(step(sched, rng, check=check))
+        assert len(outs) < max_steps, "no progress"
+    return outs
