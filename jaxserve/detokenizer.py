@@ -16,7 +16,8 @@ the last few prompt tokens seed the window for the same reason.
 Stop strings are searched in the decoded text, so they match across token boundaries. Unless
 `include_stop_str_in_output`, the last len(longest stop) - 1 characters are held back until they
 cannot be the start of a stop string, so a stop string never leaks into the streamed output and
-nothing after it is ever emitted.
+nothing after it is ever emitted. With several stop strings, the one that is complete first in the
+text wins (ties: the one starting first), whatever the token boundaries.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ class IncrementalDetokenizer:
             best = None
             for s in self.stop_strings:
                 i = self._full.find(s, start)
-                if i >= 0 and (best is None or i < best[0]):
+                if i >= 0 and (best is None or (i + len(s), i) < (best[0] + len(best[1]), best[0])):
                     best = (i, s)
-            if best is not None:
+            if best is not None:  # the stop string that completed first (then the longest)
                 i, s = best
                 self.stopped = True
                 self.stop_str = s
