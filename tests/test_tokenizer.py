@@ -115,3 +115,41 @@ def test_gguf_tokenizer_needs_no_torch(path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def _spm_gguf(path):
+    import gguf
+    import numpy as np
+
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁w", "el", "ll", "llo", "▁hel", "▁hello",
+              "or", "orl", "▁world", "▁wor", "ld", "a", "▁a"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_array("tokenizer.ggml.token_type", [2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+def test_sentencepiece_gguf(tmp_path):
+    """A sentencepiece ("llama") GGUF vocabulary: merges rebuilt from scores, byte fallback, BOS."""
+    from transformers import AutoTokenizer
+
+    _spm_gguf(tmp_path / "spm.gguf")
+    t = Tokenizer.from_pretrained(tmp_path / "spm.gguf")
+    r = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for s in ["hello world", "hello\nworld é😀", "", "a", "wor ld", "hello</s>"]:
+        assert t.encode(s) == r.encode(s), s
+        ids = t.encode(s)
+        for skip in (True, False):
+            assert t.decode(ids, skip) == r.decode(ids, skip_special_tokens=skip)
+    assert t.bos_token_id == 1 and t.eos_token_ids == {2} and t.encode("a")[0] == 1
+    # Leading spaces: llama.cpp / sentencepiece always add the dummy prefix ("▁▁a"); transformers'
+    # Metaspace skips it when the text already starts with a space. We follow llama.cpp.
+    assert t.convert_ids_to_tokens(t.encode("  a")) == ["<s>", "▁", "▁", "▁a"]
+    assert t.decode(t.encode("  a")) == "  a"
