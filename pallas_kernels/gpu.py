@@ -9,8 +9,10 @@ One CTA = one warpgroup = one kv head x one tile of 64 q rows (``64 // G`` token
 as in ``common``). For every sequence overlapping the tile it streams that tile's visible KV
 range in chunks of ``pages_per_chunk`` pages, double-buffered in SMEM (chunk c+1's TMAs are in
 flight while chunk c runs on the tensor cores), QK^T and PV as WGMMA with f32 accumulation,
-online softmax in registers. Pages past a sequence's end are fetched from the null block 0 (so
-the barrier arrival count is static) and masked out; the cache is assumed finite there.
+online softmax in registers. Chunk slots past a sequence's last page re-fetch that page (so the
+barrier arrival count is static) and are masked out; masked probabilities are exactly 0, so the
+kernel needs finite K/V in the slots of a sequence's own pages (stale slots past its length
+included) but never reads the null block or other sequences' pages.
 
 Inputs must be bfloat16 or float16 (WGMMA operands); head_dim a multiple of 64.
 """
@@ -121,8 +123,8 @@ def ragged_paged_attention(
         def fetch(seq, c, slot, num_pages):
             for j in range(pages_per_chunk):
                 page_idx = c * pages_per_chunk + j
-                entry = tables_g[seq * max_blocks + jnp.minimum(page_idx, max_blocks - 1)]
-                block = jnp.where(page_idx < num_pages, entry, 0)
+                # Past the context, re-fetch the last real page (never the null block).
+                block = tables_g[seq * max_blocks + jnp.minimum(page_idx, num_pages - 1)]
                 dst = pl.ds(j * block_size, block_size)
                 plgpu.copy_gmem_to_smem(
                     k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot]

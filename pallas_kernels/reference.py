@@ -65,6 +65,8 @@ def ragged_paged_attention(
         mask &= kv_pos > pos[:, None] - sliding_window
     s = jnp.where(mask[:, None, :], s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
+    # Slots past the context (block-table padding -> null block) may hold anything, even NaN.
+    v = jnp.where((kv_pos < seq_lens[seq][:, None])[:, :, None, None], v, 0.0)
     out = jnp.einsum("thc,tchd->thd", p, v)
     out = jnp.where(valid[:, None, None], out, 0.0)
     return out.astype(q.dtype)

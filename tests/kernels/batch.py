@@ -1,0 +1,83 @@
+"""Random ragged paged-attention batches in the engine's layout (shared by the kernel tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Batch:
+    args: tuple  # (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
+    num_real_tokens: int
+    used_blocks: np.ndarray  # block ids referenced by some real sequence
+
+
+def make_batch(
+    rng: np.random.Generator,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 8,
+    num_pad_seqs: int = 1,
+    pad_tokens: int = 3,
+    dtype=jnp.float32,
+    poison_unused: bool = True,
+) -> Batch:
+    """kv_lens include the new tokens. Unreferenced blocks (and the null block) hold NaN when
+    ``poison_unused``, so any read outside a sequence's own context poisons the output."""
+    assert all(0 <= q <= kv for q, kv in zip(q_lens, kv_lens))
+    num_seqs = len(q_lens)
+    total_seqs = num_seqs + num_pad_seqs
+    max_blocks = max((-(-kv // block_size) for kv in kv_lens), default=0) + 1
+    need = sum(-(-kv // block_size) for kv in kv_lens)
+    num_blocks = need + 4
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((total_seqs, max_blocks), np.int32)
+    taken = 0
+    for s, kv in enumerate(kv_lens):
+        n = -(-kv // block_size)
+        tables[s, :n] = perm[taken : taken + n]
+        taken += n
+    qsl = np.zeros(total_seqs + 1, np.int32)
+    qsl[1 : num_seqs + 1] = np.cumsum(q_lens)
+    qsl[num_seqs + 1 :] = qsl[num_seqs]
+    seq_lens = np.zeros(total_seqs, np.int32)
+    seq_lens[:num_seqs] = kv_lens
+    num_tokens = int(qsl[-1]) + pad_tokens
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    used = perm[:taken]
+    if poison_unused:
+        unused = np.setdiff1d(np.arange(num_blocks), used)
+        k[unused] = np.nan
+        v[unused] = np.nan
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
+    args = (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(seq_lens),
+        jnp.asarray(qsl),
+        jnp.asarray(tables),
+        jnp.asarray([num_seqs], jnp.int32),
+    )
+    return Batch(args, int(qsl[-1]), used)
+
+
+def assert_close(out, ref, num_real_tokens: int, *, rtol: float, atol: float) -> None:
+    """Finite everywhere (NaN never passes), zero padding rows, close to the reference."""
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), f"{np.isnan(out).sum()} NaN / non-finite outputs"
+    assert np.isfinite(ref).all(), "reference is not finite"
+    np.testing.assert_array_equal(out[num_real_tokens:], 0.0)
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol)
