@@ -1,0 +1,54 @@
+"""The kernels lower for real TPU and CUDA targets from this CPU host (jax.export).
+
+This runs the Pallas -> Mosaic TPU / Mosaic GPU lowering in full; it does not run the device
+compilers (Mosaic's layout passes on TPU, ptxas on GPU), which only a device can.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import ragged_paged_attention
+
+
+def _shapes(dtype, head_dim, num_q_heads=8, num_kv_heads=2, num_tokens=64, num_seqs=8):
+    block_size, num_blocks, max_blocks = 16, 64, 16
+    i32 = jnp.int32
+    return (
+        jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_blocks, block_size, num_kv_heads, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_seqs,), i32),
+        jax.ShapeDtypeStruct((num_seqs + 1,), i32),
+        jax.ShapeDtypeStruct((num_seqs, max_blocks), i32),
+        jax.ShapeDtypeStruct((1,), i32),
+    )
+
+
+def _custom_calls(fn, platform, shapes) -> set[str]:
+    text = jax.export.export(jax.jit(fn), platforms=[platform])(*shapes).mlir_module()
+    return set(re.findall(r"custom_call @(\w+)", text)) | set(
+        re.findall(r'call_target_name = "(\w+)"', text)
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tpu_lowering(dtype, head_dim):
+    fn = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, soft_cap=30.0, sliding_window=128, backend="tpu",
+        block_q=16, pages_per_chunk=8,
+    )
+    assert "tpu_custom_call" in _custom_calls(fn, "tpu", _shapes(dtype, head_dim))
+
+
+@pytest.mark.parametrize("head_dim,heads", [(64, (8, 2)), (128, (32, 8)), (128, (8, 1))])
+def test_cuda_lowering(head_dim, heads):
+    fn = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, soft_cap=30.0, backend="gpu", pages_per_chunk=4
+    )
+    shapes = _shapes(jnp.bfloat16, head_dim, *heads)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
