@@ -70,18 +70,20 @@ class KVManager:
             return []
         return self.cache.match(self.keys(req), (req.num_tokens - 1) // self.block_size)
 
-    def allocate(self, req: Request, num_new_tokens: int, hit_blocks: list[int] | None = None) -> bool:
+    def allocate(
+        self, req: Request, num_new_tokens: int, hit_blocks: list[int] | None = None, reserve: int = 0
+    ) -> bool:
         """Give req blocks for num_new_tokens more tokens (after its cache hit, if admitting).
 
         hit_blocks: blocks from `match`, taken only when req holds no blocks yet. Returns False,
-        changing nothing, if free + evictable blocks are not enough.
+        changing nothing, if free + evictable blocks are not enough, or would fall below reserve.
         """
         hit_blocks = hit_blocks or []
         assert not hit_blocks or not req.block_ids
         num_computed = req.num_computed_tokens + len(hit_blocks) * self.block_size
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(req.block_ids) - len(hit_blocks)
         reserved_hits = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
-        if need > self.num_available_blocks - reserved_hits:
+        if need + reserve > self.num_available_blocks - reserved_hits:
             return False
         if not req.block_ids:  # admission: the cache lookup counts now
             self.stats.queries += req.num_tokens

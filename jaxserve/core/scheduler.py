@@ -34,6 +34,8 @@ class SchedulerConfig:
     prefill_first: bool = False  # False: running requests (decodes) are scheduled first
     lpm_max_wait_steps: int = 32  # lpm aging: after this many passed-over steps, serve in fcfs order
     lpm_max_queue: int = 128  # lpm falls back to fcfs above this many waiting requests
+    # admission keeps this fraction of blocks free for running requests to grow (vLLM V0's watermark)
+    watermark: float = 0.01
     dedup_in_batch: bool = True  # defer a request whose uncached prefix another one is computing
     hash_seed: int = 0
 
@@ -52,6 +54,7 @@ class SchedulerConfig:
         need(self.policy in POLICIES, "policy", f"choose one of {POLICIES}")
         need(self.lpm_max_wait_steps >= 0, "lpm_max_wait_steps", "must be >= 0")
         need(self.lpm_max_queue >= 0, "lpm_max_queue", "must be >= 0")
+        need(0 <= self.watermark < 1, "watermark", "must be a fraction in [0, 1)")
 
 
 @dataclass(slots=True)
@@ -103,6 +106,7 @@ class Scheduler:
         self.num_scheduled_tokens = 0
         self._order: dict[str, int] = {}  # arrival order, for victims and fcfs ties
         self._next_order = 0
+        self._watermark_blocks = int(config.watermark * (config.num_blocks - 1))
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -214,7 +218,7 @@ class Scheduler:
             if self.waiting.should_defer(req, len(hits)):
                 continue
             num_new = min(req.num_tokens - len(hits) * self.config.block_size, budget[0])
-            if not self.kv.allocate(req, num_new, hits):
+            if not self.kv.allocate(req, num_new, hits, reserve=self._watermark_blocks):
                 break  # head of line waits for memory; running requests are never preempted for it
             cached = len(hits) * self.config.block_size
             req.num_computed_tokens = cached

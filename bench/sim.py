@@ -1,0 +1,196 @@
+"""`jaxserve bench sim`: the real Scheduler and KV manager driven by a cost-model runner.
+
+No model compute: a step takes a + b * prefill_tokens + c * decode_tokens seconds (constants are
+printed), sampled tokens are random. Requests arrive on the modelled clock, so queueing, memory
+pressure, eviction and preemption behave as in the engine. Runs in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.workloads import WORKLOADS, WorkItem
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class CostModel:
+    a: float = 4e-3  # fixed per-step overhead (s)
+    b: float = 4e-5  # per prefill token (s)
+    c: float = 2e-4  # per decode token (s)
+
+    def step_time(self, prefill: int, decode: int) -> float:
+        return self.a + self.b * prefill + self.c * decode
+
+    def __str__(self) -> str:
+        return (f"step_s = {self.a * 1e3:g} ms + {self.b * 1e6:g} us * prefill_tokens"
+                f" + {self.c * 1e6:g} us * decode_tokens")
+
+
+@dataclass(slots=True)
+class SimConfig:
+    prefix_cache: str = "radix"
+    eviction: str = "lru"
+    policy: str = "fcfs"
+    prefill_first: bool = False
+
+    @property
+    def name(self) -> str:
+        first = "prefill-first" if self.prefill_first else "decode-first"
+        if self.prefix_cache == "off":
+            return f"off {self.policy} {first}"
+        return f"{self.prefix_cache} {self.eviction} {self.policy} {first}"
+
+
+def grid(kind: str) -> list[SimConfig]:
+    out = []
+    for pf in (False, True):
+        out.append(SimConfig("off", "lru", "fcfs", pf))
+        for cache in ("hash", "radix"):
+            for ev in ("lru", "trunk"):
+                for pol in ("fcfs", "lpm") if kind == "full" else ("fcfs",):
+                    out.append(SimConfig(cache, ev, pol, pf))
+        if kind != "full":
+            out.append(SimConfig("radix", "trunk", "lpm", pf))
+    return out
+
+
+def simulate(items: list[WorkItem], cfg: SimConfig, *, num_blocks: int = 512, block_size: int = 16,
+             max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 4096,
+             cost: CostModel | None = None, vocab_size: int = 32000, seed: int = 0,
+             check_invariants: bool = False) -> dict:
+    cost = cost or CostModel()
+    rng = random.Random(seed)
+    sched = Scheduler(SchedulerConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        prefix_cache=cfg.prefix_cache, eviction=cfg.eviction, policy=cfg.policy,
+        prefill_first=cfg.prefill_first))
+    reqs = [Request(f"r{i}", list(it.prompt_token_ids), it.max_tokens, arrival_time=it.arrival_time)
+            for i, it in enumerate(items)]
+    arrive_step: dict[str, int] = {}
+    ttft_s: dict[str, float] = {}
+    ttft_steps: dict[str, int] = {}
+    e2e_s: dict[str, float] = {}
+    t, steps, nxt, rejected = 0.0, 0, 0, 0
+    while nxt < len(reqs) or sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and reqs[nxt].arrival_time > t:
+            t = reqs[nxt].arrival_time  # idle until the next arrival
+        while nxt < len(reqs) and reqs[nxt].arrival_time <= t:
+            try:
+                sched.add_request(reqs[nxt])
+                arrive_step[reqs[nxt].request_id] = steps
+            except ValueError:
+                rejected += 1
+            nxt += 1
+        out = sched.schedule()
+        if check_invariants:
+            sched.kv.check_invariants()
+        t += cost.step_time(out.num_prefill_tokens, out.num_decode_tokens)
+        steps += 1
+        sampled = {s.request.request_id: rng.randrange(vocab_size) for s in out.scheduled if s.samples}
+        sched.update_from_output(out, sampled)
+        for s in out.scheduled:
+            r = s.request
+            if r.status != RequestStatus.RUNNING or not s.samples:
+                continue
+            if r.request_id not in ttft_s:
+                ttft_s[r.request_id] = t - r.arrival_time
+                ttft_steps[r.request_id] = steps - arrive_step[r.request_id]
+            if r.num_output_tokens >= r.max_tokens or r.num_tokens >= max_model_len:
+                sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+                e2e_s[r.request_id] = t - r.arrival_time
+        for r in out.finished:
+            e2e_s[r.request_id] = t - r.arrival_time
+    if check_invariants:
+        sched.kv.check_invariants()
+    st = sched.stats()
+    assert st["blocks_used"] == 0, "blocks leaked at the end of the run"
+    tt_s = np.array(list(ttft_s.values()))
+    tt_n = np.array(list(ttft_steps.values()))
+    return {
+        "config": cfg.name, "prefix_cache": cfg.prefix_cache, "eviction": cfg.eviction,
+        "policy": cfg.policy, "prefill_first": cfg.prefill_first,
+        "steps": steps, "modelled_time_s": t,
+        "ttft_mean_steps": float(tt_n.mean()), "ttft_p99_steps": float(np.percentile(tt_n, 99)),
+        "ttft_mean_s": float(tt_s.mean()), "ttft_p99_s": float(np.percentile(tt_s, 99)),
+        "e2e_mean_s": float(np.mean(list(e2e_s.values()))),
+        "hit_rate": st["hit_rate"], "preemptions": st["preemptions"], "evictions": st["evictions"],
+        "computed_tokens": st["num_computed_prompt_tokens"], "requests": len(e2e_s),
+        "rejected": rejected,
+    }
+
+
+COLUMNS = [("config", "config", "{}"), ("steps", "steps", "{}"),
+           ("ttft_mean_steps", "TTFT mean (steps)", "{:.1f}"), ("ttft_p99_steps", "p99", "{:.0f}"),
+           ("ttft_mean_s", "TTFT mean (s)", "{:.3f}"), ("ttft_p99_s", "p99 (s)", "{:.3f}"),
+           ("e2e_mean_s", "e2e mean (s)", "{:.3f}"), ("hit_rate", "hit rate", "{:.1%}"),
+           ("preemptions", "preempt", "{}"), ("evictions", "evict", "{}")]
+
+
+def table(rows: list[dict]) -> str:
+    cells = [[h for _, h, _ in COLUMNS]] + [[f.format(r[k]) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                               enumerate(zip(row, widths))) + " |" for row in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jaxserve bench sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="prefill_heavy,decode_heavy,agent_tree,multi_turn_chat,no_sharing",
+                   help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grid", choices=["default", "full"], default="default",
+                   help="full adds lpm to every cache/eviction pair")
+    p.add_argument("--num-blocks", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--cost", default="4e-3,4e-5,2e-4",
+                   help="a,b,c of step_s = a + b*prefill_tokens + c*decode_tokens")
+    p.add_argument("--out", default=None, help="write all rows as JSON here")
+    args = p.parse_args(argv)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for n in names:
+        if n not in WORKLOADS:
+            p.error(f"unknown workload {n!r}; choose from {', '.join(WORKLOADS)}")
+    try:
+        cost = CostModel(*(float(x) for x in args.cost.split(",")))
+    except (TypeError, ValueError):
+        p.error(f"--cost {args.cost!r}: give three numbers a,b,c")
+    print(f"cost model: {cost}; {args.num_blocks} blocks x {args.block_size} tokens, "
+          f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
+          f"seed={args.seed}")
+    result = {"cost_model": {"a": cost.a, "b": cost.b, "c": cost.c, "formula": str(cost)},
+              "args": vars(args), "workloads": {}}
+    t0 = time.perf_counter()
+    for name in names:
+        items = list(WORKLOADS[name](num_requests=args.num_requests, seed=args.seed))
+        rows = [simulate(items, c, num_blocks=args.num_blocks, block_size=args.block_size,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         cost=cost, seed=args.seed) for c in grid(args.grid)]
+        print(f"\n## {name} ({len(items)} requests)\n")
+        print(table(rows))
+        result["workloads"][name] = rows
+    print(f"\n(simulated in {time.perf_counter() - t0:.1f} s wall)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
