@@ -78,10 +78,16 @@ class KVManager:
         hit_blocks: blocks from `match`, taken only when req holds no blocks yet. Returns False,
         changing nothing, if free + evictable blocks are not enough, or would fall below reserve.
         """
-        hit_blocks = hit_blocks or []
-        assert not hit_blocks or not req.block_ids
-        num_computed = req.num_computed_tokens + len(hit_blocks) * self.block_size
-        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(req.block_ids) - len(hit_blocks)
+        bs = self.block_size
+        if not hit_blocks:
+            need = (req.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(req.block_ids)
+            if need <= 0 and req.block_ids:
+                return True  # fast path: a decode token that fits in its last block
+            hit_blocks = []
+        else:
+            assert not req.block_ids, "cache hits are only taken on admission"
+            num_computed = req.num_computed_tokens + len(hit_blocks) * bs
+            need = cdiv(num_computed + num_new_tokens, bs) - len(hit_blocks)
         reserved_hits = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
         if need + reserve > self.num_available_blocks - reserved_hits:
             return False
@@ -114,7 +120,7 @@ class KVManager:
         if not self.caching:
             return
         start = self._committed[req.request_id]
-        end = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        end = req.num_computed_tokens // self.block_size
         if end <= start:
             return
         ids = self.cache.insert(self.keys(req), req.block_ids, start, end)

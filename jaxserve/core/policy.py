@@ -62,7 +62,7 @@ class WaitingQueue:
         if self._dedup:
             self._pending = set()
             for r in running:
-                if r.num_computed_tokens < r.num_tokens:
+                if r.num_tokens - r.num_computed_tokens > 1:  # a prefill in progress
                     self._add_pending(r, r.num_computed_tokens // self.kv.block_size)
         policy = self.config.policy
         if policy == "priority":

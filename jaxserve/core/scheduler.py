@@ -187,15 +187,17 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: list[int], skip: set[str]) -> None:
+        allocate, scheduled, running = self.kv.allocate, out.scheduled, RequestStatus.RUNNING
         for req in list(self.running):
             if budget[0] <= 0:
                 break
-            if req.status != RequestStatus.RUNNING or req.request_id in skip:
+            if req.status != running or req.request_id in skip:
                 continue  # preempted earlier in this loop, or admitted this step already
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            num_tokens = len(req.token_ids)
+            num_new = min(num_tokens - req.num_computed_tokens, budget[0])
             if num_new <= 0:
                 continue  # waiting for the engine to append its sampled token
-            while not self.kv.allocate(req, num_new):
+            while not allocate(req, num_new):
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
                     self._finish_too_long(req, out)
@@ -204,7 +206,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens))
+                scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, num_tokens))
                 budget[0] -= num_new
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
