@@ -3,6 +3,10 @@ token bucket, on-device sampling.
 
 The forward is compiled ahead of time per (T, S) bucket and kept in a dict, so a steady-state step
 can never silently recompile: `num_compiles` only grows when a new shape is met.
+
+Tensor parallelism (`tensor_parallel_size` > 1): params, KV caches and the compiled forward are laid
+out on a ("data", "model") mesh by `jaxserve.runtime.mesh`; the forward is compiled with explicit
+in/out shardings (batch inputs, logits and sampled tokens replicated).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata, get_backend
 from jaxserve.runtime.input_batch import StepInputs, next_pow2, token_buckets
 from jaxserve.runtime.sampler import SampleResult, SamplingMode, SamplingTensors, sample
@@ -45,6 +50,7 @@ class RunnerConfig:
     max_num_batched_tokens: int
     attention_backend: str = "xla"
     dtype: str = "float32"
+    tensor_parallel_size: int = 1
 
 
 def dtype_size(dtype: str) -> int:
@@ -52,24 +58,53 @@ def dtype_size(dtype: str) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, params: dict, cfg: RunnerConfig):
-        self.model_cfg = model_cfg
+    def __init__(self, model_cfg: ModelConfig, params, cfg: RunnerConfig, mesh=None):
+        """params: a numpy tree (placed shard by shard) or a lazy checkpoint with
+        `restore(shardings, dtype)` (an Orbax checkpoint, restored straight onto the mesh)."""
         self.cfg = cfg
         self.dtype = jnp.dtype(cfg.dtype)
-        self.model = LlamaForCausalLM(model_cfg, get_backend(cfg.attention_backend), self.dtype)
-        self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
-        self.inv_freq = jnp.asarray(model_cfg.rope_inv_freq(), jnp.float32)
+        self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
+        tp = meshlib.tp_size(self.mesh)
+        self.source_config = model_cfg
+        # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
+        self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
+        self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
+        self.model = LlamaForCausalLM(
+            model_cfg, meshlib.shard_attention(get_backend(cfg.attention_backend), self.mesh), self.dtype
+        )
+        self.params = self._place_params(params)
+        self._replicated = meshlib.replicated(self.mesh)
+        self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
+        self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
         shape = (cfg.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_caches = [
-            (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(model_cfg.num_layers)
-        ]
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
+        self.kv_caches = [(zeros(), zeros()) for _ in range(model_cfg.num_layers)]
         self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.t_buckets = token_buckets(cfg.max_num_batched_tokens)
         self.s_max = next_pow2(cfg.max_num_seqs)
-        self._forward = jax.jit(self._forward_impl, donate_argnums=(1,))
-        self._sample = jax.jit(sample, static_argnums=(2,))
+        rep, kv = self._replicated, self.kv_sharding
+        self._forward = jax.jit(
+            self._forward_impl, donate_argnums=(1,),
+            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep), out_shardings=(rep, kv),
+        )
+        self._sample = jax.jit(sample, static_argnums=(2,), in_shardings=(rep, rep), out_shardings=rep)
         self._compiled: dict[tuple[int, int], object] = {}
         self.num_compiles = 0
+
+    def _place_params(self, params) -> dict:
+        mc, mesh = self.source_config, self.mesh
+        if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
+            shapes = params.shapes()
+            params = params.restore(meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)
+        else:
+            shapes = meshlib.shape_tree(params)
+            params = meshlib.place_host_params(params, meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)
+        self.param_shardings = meshlib.param_shardings(meshlib.expanded_shapes(shapes, mc, self.kv_repeat), mc, mesh)
+        return meshlib.expand_kv_heads(params, mc, self.kv_repeat, self.param_shardings)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return meshlib.tp_size(self.mesh)
 
     # ---- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -115,21 +150,27 @@ class ModelRunner:
         md = AttentionMetadata(
             inputs.slot_mapping, inputs.seq_lens, inputs.query_start_loc, inputs.block_tables, inputs.num_seqs
         )
-        logits, self.kv_caches = fwd(
-            self.params, self.kv_caches, inputs.input_ids, inputs.positions, md, inputs.logits_indices, self.inv_freq
+        ids, pos, md, li = meshlib.to_global(  # no-op in one process
+            (inputs.input_ids, inputs.positions, md, inputs.logits_indices), self._replicated
         )
-        return self._sample(logits, SamplingTensors(**tensors), mode)
+        logits, self.kv_caches = fwd(self.params, self.kv_caches, ids, pos, md, li, self.inv_freq)
+        return self._sample(logits, meshlib.to_global(SamplingTensors(**tensors), self._replicated), mode)
 
     @staticmethod
     def fetch(result: SampleResult) -> tuple[np.ndarray, ...]:
+        if jax.process_count() > 1:  # replicated over processes: read the local copy
+            return tuple(meshlib.to_host(x) for x in result)
         return tuple(np.asarray(x) for x in jax.device_get(tuple(result)))
 
     def sampler_cache_size(self) -> int:
         return self._sample._cache_size()
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str) -> int:
-    return 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * block_size * dtype_size(dtype)
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """KV bytes of one block on one device (kv heads split over tp, at least one head each)."""
+    tp = tensor_parallel_size
+    heads = max(model_cfg.num_kv_heads // tp, 1) if tp > 1 else model_cfg.num_kv_heads
+    return 2 * model_cfg.num_layers * heads * model_cfg.head_dim * block_size * dtype_size(dtype)
 
 
 def default_dtype() -> str:

@@ -1,0 +1,291 @@
+"""Tensor parallelism by JAX sharding: the device mesh and where each array lives on it.
+
+A `Mesh` with axes ("data", "model"). The model axis shards the Llama family Megatron-style, and
+XLA's SPMD partitioner inserts the collectives (one all-reduce after o_proj and after down_proj
+per layer, one all-gather of the logits):
+
+  q/k/v/gate/up kernels [in, out]   column-parallel   P(None, "model")   (biases P("model"))
+  o/down kernels        [in, out]   row-parallel      P("model", None)
+  embedding             [V, H]      vocab-parallel    P("model", None)
+  lm_head kernel        [H, V]      vocab-parallel    P(None, "model")
+  norms                             replicated
+  KV cache    [blocks, bs, Hkv, D]  on kv heads       P(None, None, "model", None)
+
+When tp > num_kv_heads the kv heads are replicated the way vLLM does it: each kv head is repeated
+r = tp / num_kv_heads times (k/v projection columns and cache heads), so every device holds exactly
+one kv head and the GQA grouping is unchanged (q head h still reads original kv head h // group).
+Attention itself runs per shard under `shard_map` (each device attends its own heads; this is also
+what a Pallas kernel needs).
+
+Weights are placed shard by shard: each device receives only its slice of the host array
+(`jax.make_array_from_callback`), never a full copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.model.config import ModelConfig
+
+DATA, MODEL = "data", "model"
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+# ---- the mesh ---------------------------------------------------------------------------------
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh over the first dp * tp visible devices (all processes' devices)."""
+    tp, dp = int(tensor_parallel_size), int(data_parallel_size)
+    if tp < 1 or dp < 1:
+        raise ValueError(f"Invalid mesh size data={dp}, model={tp}: both must be >= 1.")
+    devices = list(jax.devices() if devices is None else devices)
+    need = tp * dp
+    if need > len(devices):
+        hint = ""
+        if devices and devices[0].platform == "cpu":
+            hint = (f" On CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={need} "
+                    "to split the host into that many devices.")
+        raise ValueError(
+            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} devices, but only "
+            f"{len(devices)} {devices[0].platform if devices else ''} device(s) are visible.{hint}"
+        )
+    if jax.process_count() > 1 and need != len(devices):
+        raise ValueError(
+            f"Multi-host runs need the mesh to cover every device: {need} requested, "
+            f"{len(devices)} devices over {jax.process_count()} processes."
+        )
+    devs = devices[:need]
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh((dp, tp), devices=devs)
+    except Exception:  # noqa: BLE001 - topology-unaware fallback (e.g. CPU subsets)
+        grid = np.array(devs).reshape(dp, tp)
+    return Mesh(grid, (DATA, MODEL))
+
+
+def tp_size(mesh: Mesh) -> int:
+    return int(mesh.shape[MODEL])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def _layout_problem(cfg: ModelConfig, tp: int) -> str | None:
+    if cfg.num_heads % tp:
+        return f"num_attention_heads={cfg.num_heads} is not divisible by {tp}"
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        return (f"num_key_value_heads={cfg.num_kv_heads} neither divides nor is divisible by {tp} "
+                "(kv heads are split, or replicated when tp > kv heads)")
+    if cfg.intermediate_size % tp:
+        return f"intermediate_size={cfg.intermediate_size} is not divisible by {tp}"
+    return None
+
+
+def valid_tp_sizes(cfg: ModelConfig, limit: int | None = None) -> list[int]:
+    limit = limit or cfg.num_heads
+    return [t for t in range(1, limit + 1) if _layout_problem(cfg, t) is None]
+
+
+def check_layout(cfg: ModelConfig, tp: int) -> None:
+    """Raise a ValueError naming the valid sizes when the model cannot be split tp ways."""
+    problem = _layout_problem(cfg, tp)
+    if problem:
+        raise ValueError(
+            f"Cannot shard this model over tensor_parallel_size={tp}: {problem}. "
+            f"Valid tensor parallel sizes for it: {', '.join(map(str, valid_tp_sizes(cfg)))}."
+        )
+
+
+def kv_replication(cfg: ModelConfig, tp: int) -> int:
+    """How many times each kv head is repeated so the kv heads split evenly over tp devices."""
+    return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
+
+
+def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config the sharded model runs with (kv heads repeated when tp > num_kv_heads)."""
+    check_layout(cfg, tp)
+    r = kv_replication(cfg, tp)
+    return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+
+
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P:
+    """PartitionSpec of one parameter (path in the Flax tree, e.g. layers_0/self_attn/q_proj/kernel)."""
+    if tp == 1:
+        return P()
+    name, leaf = path[-2], path[-1]
+    if name in COLUMN:
+        return P(None, MODEL) if leaf == "kernel" else P(MODEL)
+    if name in ROW and leaf == "kernel":
+        return P(MODEL, None)
+    if name in ("embed_tokens", "lm_head"):
+        vocab_axis = 0 if name == "embed_tokens" else 1
+        spec = [None, None]
+        if shape[vocab_axis] % tp == 0:  # vocab-parallel
+            spec[vocab_axis] = MODEL
+        elif shape[1 - vocab_axis] % tp == 0:  # odd vocab: split the hidden axis instead
+            spec[1 - vocab_axis] = MODEL
+        return P(*spec)
+    return P()  # norms, q/k norms, o/down biases (none in this family)
+
+
+def _paths(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _paths(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def _build(tree, fn):
+    out: dict = {}
+    for path, leaf in _paths(tree):
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = fn(path, leaf)
+    return out
+
+
+def shape_tree(params) -> dict:
+    """{path: shape} tree of a numpy / jax / ShapeDtypeStruct tree."""
+    return _build(params, lambda _p, w: tuple(w.shape))
+
+
+def _is_kv_proj(path) -> bool:
+    return len(path) >= 2 and path[-2] in ("k_proj", "v_proj")
+
+
+def expanded_shapes(shapes: dict, cfg: ModelConfig, r: int) -> dict:
+    """Checkpoint shapes -> shapes after repeating each kv head r times."""
+    def f(path, shape):
+        if r > 1 and _is_kv_proj(path):
+            return tuple(shape[:-1]) + (shape[-1] * r,)
+        return shape
+
+    return _build(shapes, f)
+
+
+def param_shardings(shapes: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """NamedSharding per parameter, for the (kv-expanded) shapes the sharded model runs with."""
+    tp = tp_size(mesh)
+    return _build(shapes, lambda path, shape: NamedSharding(mesh, param_spec(path, shape, cfg, tp)))
+
+
+def checkpoint_shardings(shapes: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Shardings to load the checkpoint's own shapes with: the target layout, except k/v
+    projections are loaded replicated (they are small) when they still need repeating."""
+    tp = tp_size(mesh)
+    r = kv_replication(cfg, tp)
+
+    def f(path, shape):
+        if r > 1 and _is_kv_proj(path):
+            return replicated(mesh)
+        return NamedSharding(mesh, param_spec(path, shape, cfg, tp))
+
+    return _build(shapes, f)
+
+
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(None, None, MODEL, None) if tp_size(mesh) > 1 else P())
+
+
+# ---- placing weights --------------------------------------------------------------------------
+def place_host_params(host: dict, shardings: dict, dtype) -> dict:
+    """numpy tree -> jax arrays laid out by `shardings`, each device receiving only its slice."""
+    dtype = jnp.dtype(dtype)
+
+    def put(path, w):
+        node = shardings
+        for k in path:
+            node = node[k]
+        w = np.asarray(w)
+        return jax.make_array_from_callback(w.shape, node, lambda idx: np.asarray(w[idx], dtype=dtype))
+
+    return _build(host, put)
+
+
+def expand_kv_heads(params: dict, cfg: ModelConfig, r: int, target: dict) -> dict:
+    """Repeat each kv head r times in k/v projections (kernel [H, Hkv*D], bias [Hkv*D]), on device,
+    producing arrays already in their target (column-parallel) sharding."""
+    if r == 1:
+        return params
+    d = cfg.head_dim
+
+    def rep(w):
+        lead = w.shape[:-1]
+        w = w.reshape(*lead, -1, d)
+        return jnp.repeat(w, r, axis=-2).reshape(*lead, -1)
+
+    def f(path, w):
+        if not _is_kv_proj(path):
+            return w
+        node = target
+        for k in path:
+            node = node[k]
+        return jax.jit(rep, out_shardings=node)(w)
+
+    return _build(params, f)
+
+
+def bytes_per_device(tree) -> dict:
+    """{device: bytes of `tree`'s shards it holds}, from the arrays' shardings."""
+    out: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+# ---- attention under shard_map ----------------------------------------------------------------
+def shard_attention(attn_fn, mesh: Mesh):
+    """Run an attention backend per model shard: each device attends over its own q and kv heads.
+
+    Same signature as the backends (q[T, Hq, D], pages[nb, bs, Hkv, D], metadata..., **kw); the
+    batch metadata is replicated. Needed for Pallas kernels, and keeps XLA from ever gathering
+    the cache across devices.
+    """
+    if tp_size(mesh) == 1:
+        return attn_fn
+    heads, pages, rep = P(None, MODEL, None), P(None, None, MODEL, None), P()
+
+    def sharded(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs, **kw):
+        f = jax.shard_map(
+            functools.partial(attn_fn, **kw), mesh=mesh,
+            in_specs=(heads, pages, pages, rep, rep, rep, rep), out_specs=heads, check_vma=False,
+        )
+        return f(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
+
+    return sharded
+
+
+# ---- host <-> global arrays (multi-process) ---------------------------------------------------
+def to_global(tree, sharding: NamedSharding):
+    """Host numpy leaves -> arrays with `sharding` (identical host data on every process).
+
+    In one process jit accepts numpy directly; with several processes the inputs of a step must be
+    global arrays, built here from each process's (identical) copy."""
+    if jax.process_count() == 1:
+        return tree
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(x) -> np.ndarray:
+    """A replicated (possibly multi-process) array -> numpy, from the local copy."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    return np.asarray(x.addressable_data(0))
