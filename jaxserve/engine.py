@@ -81,6 +81,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 attention_backend=config.attention_backend or ("xla" if rt.jax.default_backend() == "cpu" else "pallas"),
                 dtype=dtype,
+                tensor_parallel_size=config.tensor_parallel_size,
             ),
         )
         self.loaded.params = None  # host copy no longer needed
@@ -115,7 +116,8 @@ class LLMEngine:
         from jaxserve.runtime import runner as rt
 
         budget = rt.kv_memory_budget(self.config.kv_cache_memory, self.config.memory_fraction, 0)
-        per_block = rt.kv_bytes_per_block(self.model_config, self.config.block_size, dtype)
+        per_block = rt.kv_bytes_per_block(self.model_config, self.config.block_size, dtype,
+                                          self.config.tensor_parallel_size)  # per device
         blocks = budget // per_block
         if blocks < 2:
             raise ValueError(
