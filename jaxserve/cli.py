@@ -16,6 +16,20 @@ from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EVICTIONS, PREFIX_CACHES
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that points at --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"jaxserve: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", "-m", default=None,
@@ -24,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+    g.add_argument("--kv-cache-memory", type=_bytes_arg, default=None,
                    help="KV cache budget, e.g. 2GiB (default: --memory-fraction of free device memory; 1GiB max on CPU)")
     g.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of free device memory for the KV cache")
     g.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="radix", help="prefix cache design (default radix)")
@@ -131,11 +145,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="jaxserve",
         description="LLM inference and serving on JAX: paged KV cache, prefix caching, continuous batching.",
     )
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
     g = sub.add_parser("generate", help="generate text for prompts (chat template applied unless --raw)",
