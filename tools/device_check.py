@@ -186,7 +186,8 @@ def main():
         print(f"{name:<22}{g('kernel_ms', nan):>10.3f}{g('xla_ms', nan):>9.3f}"
               f"{g('xla_ms', nan) / g('kernel_ms', nan):>8.2f}{g('kernel_gbps', nan):>12.0f}"
               f"{100 * g('kernel_gbps', nan) / bw:>7.0f}%{g('xla_gbps', nan):>10.0f}"
-              f"{g('rel_err_vs_xla', nan):>9.1e}" + (f"  {row['error'][:60]}" if "error" in row else ""))
+              f"{g('rel_err_vs_xla', nan):>9.1e}"
+              + (f"  {row['error'][:60]}" if "error" in row else ""))
     json.dump(report, open(opts.json, "w"), indent=2)
     print(f"\nwrote {opts.json}")
     ok = all(c["ok"] for c in report["checks"]) and not any("error" in t for t in report["timings"])

@@ -38,7 +38,9 @@ def _check(kernel_fn, batch, *, rtol, atol, sliding_window=None, soft_cap=None, 
     assert_close(out, ref, batch.num_real_tokens, rtol=rtol, atol=atol)
 
 
-tpu_kernel = functools.partial(tpu.ragged_paged_attention, block_q=4, pages_per_chunk=2, interpret=True)
+tpu_kernel = functools.partial(
+    tpu.ragged_paged_attention, block_q=4, pages_per_chunk=2, interpret=True
+)
 gpu_kernel = functools.partial(gpu.ragged_paged_attention, pages_per_chunk=8, interpret=True)
 
 
@@ -99,7 +101,9 @@ def test_gpu_variants(heads, head_dim, window, cap):
         head_dim=head_dim,
         dtype=jnp.bfloat16,
     )
-    _check(gpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=window, soft_cap=cap)
+    _check(
+        gpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=window, soft_cap=cap
+    )
 
 
 def test_gpu_rejects_float32():
