@@ -82,7 +82,8 @@ def test_tpu_all_padding_batch():
 
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_cases(case):
-    b = make_batch(np.random.default_rng(100 + list(CASES).index(case)), *CASES[case], dtype=jnp.bfloat16)
+    rng = np.random.default_rng(100 + list(CASES).index(case))
+    b = make_batch(rng, *CASES[case], dtype=jnp.bfloat16)
     _check(gpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True)
 
 
