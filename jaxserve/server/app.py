@@ -1,0 +1,223 @@
+"""The Starlette app and `jaxserve serve`: routes, API key, errors, start-up and graceful shutdown.
+
+    build_app(engine, cfg) -> Starlette     (the engine thread starts and stops with the app's lifespan)
+    serve(args) -> int                      (the CLI: build the engine, precompile, run uvicorn, drain on SIGTERM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import jaxserve
+from jaxserve.server import protocol as P
+from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.server.config import ServerConfig, add_serve_args
+from jaxserve.server.errors import APIError, bad_request, http_error
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.serving import OpenAIServing
+
+log = logging.getLogger("jaxserve.server")
+
+__all__ = ["ServerConfig", "add_serve_args", "build_app", "serve"]
+
+
+class _APIKey:
+    """Pure ASGI middleware: 'Authorization: Bearer KEY' on every path but the public ones."""
+
+    def __init__(self, app: ASGIApp, key: str, public_paths: tuple[str, ...]):
+        self.app = app
+        self.key = key.encode()
+        self.public = set(public_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.public:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                msg = "Missing API key: send 'Authorization: Bearer <key>'." if not auth else "Invalid API key."
+                await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Starlette:
+    """An app serving `engine` (an LLMEngine nobody else touches from now on)."""
+    from jaxserve.tokenizer import Tokenizer
+
+    cfg = cfg or ServerConfig()
+    names = list(cfg.served_model_names or [engine.loaded.name])
+    metrics = ServerMetrics(lambda: aengine.stats, names[0])
+    aengine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.aborted, hang_timeout=cfg.hang_timeout)
+    serving = OpenAIServing(engine, aengine, cfg, tokenizer or Tokenizer.from_pretrained(engine.loaded.path))
+    started = int(time.time())
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "jaxserve",
+                "root": engine.loaded.name, "max_model_len": serving.max_model_len}
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in names]})
+
+    async def model(request: Request) -> Response:
+        return JSONResponse(model_card(serving.check_model(request.path_params["name"])))
+
+    async def health(request: Request) -> Response:
+        reason = aengine.health() or ("The server is shutting down." if serving.draining else None)
+        if reason is not None:
+            return APIError(503, reason, code="unhealthy").response()
+        return JSONResponse({"status": "ok"})
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": jaxserve.__version__})
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def tokenize(request: Request) -> Response:
+        req = P.parse(P.TokenizeRequest, await serving.read_body(request))
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("Send exactly one of 'prompt' and 'messages'.", "prompt")
+        if req.messages is not None:
+            ids = serving.render_chat(req.messages, req.add_generation_prompt)
+        else:
+            ids = serving.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len})
+
+    async def detokenize(request: Request) -> Response:
+        req = P.parse(P.DetokenizeRequest, await serving.read_body(request))
+        serving.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"Token id {bad} is outside the vocabulary (0..{serving.vocab_size - 1}).", "tokens")
+        return JSONResponse({"prompt": serving.tok.decode(req.tokens)})
+
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        return http_error(exc.status_code, exc.detail).response()
+
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
+        return APIError(503, str(exc), code="engine_unavailable").response()
+
+    async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        log.exception("Unhandled error on %s", request.url.path)
+        return APIError(500, "Internal server error: see the server log.", code="internal_error").response()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        aengine.start()
+        try:
+            yield
+        finally:
+            await aengine.shutdown()
+
+    routes = [
+        Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+    ]
+    middleware = [Middleware(_APIKey, key=cfg.api_key, public_paths=cfg.public_paths)] if cfg.api_key else []
+    app = Starlette(
+        routes=routes, lifespan=lifespan, middleware=middleware,
+        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, EngineDeadError: on_engine_dead,
+                            ClientDisconnect: on_disconnect, Exception: on_error},
+    )
+    app.state.engine = aengine
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.config = cfg
+    return app
+
+
+async def drain(app: Starlette, timeout: float) -> None:
+    """Refuse new work (503), let in-flight requests finish for up to `timeout` s, then abort the rest."""
+    serving, aengine = app.state.serving, app.state.engine
+    serving.draining = True
+    deadline = time.monotonic() + timeout
+    while aengine.num_active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if aengine.num_active:
+        log.warning("Shutdown timeout: aborting %d unfinished requests", aengine.num_active)
+        aengine.abort_all()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains before exiting; a second one exits at once."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette, url: str, capacity: int):
+        super().__init__(config)
+        self.app, self.url, self.capacity = app, url, capacity
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started:
+            log.info("Ready: %s serving %s on %s (KV cache %d tokens)", "jaxserve", self.app.state.serving.model_names[0],
+                     self.url, self.capacity)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        timeout = self.app.state.config.shutdown_timeout
+        log.info("%s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name, timeout)
+
+        async def drain_then_exit() -> None:
+            await drain(self.app, timeout)
+            self.should_exit = True
+
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain_then_exit()))
+
+
+def serve(args: argparse.Namespace) -> int:
+    from jaxserve.cli import engine_config
+    from jaxserve.engine import LLMEngine
+
+    cfg = ServerConfig.from_args(args)
+    engine = LLMEngine(engine_config(args))
+    if args.precompile:
+        from tqdm.auto import tqdm
+
+        with tqdm(desc="Compiling step buckets", unit="bucket", dynamic_ncols=True) as bar:
+            def progress(i: int, total: int, bucket) -> None:
+                bar.total = total
+                bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}")
+                bar.update(1)
+
+            engine.precompile(progress)
+    app = build_app(engine, cfg)
+    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    url = f"http://{host}:{cfg.port}"
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, lifespan="on",
+                            timeout_graceful_shutdown=max(cfg.shutdown_timeout, 1.0), access_log=False)
+    server = _Server(config, app, url, engine.kv_capacity_tokens)
+    server.run()
+    return 0

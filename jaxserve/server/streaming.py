@@ -1,0 +1,87 @@
+"""Server-sent events and client-disconnect watching.
+
+A disconnect is detected by reading the ASGI `receive` channel (after the body has been read, the
+next message is `http.disconnect`), not by waiting for a CancelledError that the server may or may
+not raise into a streaming response. On disconnect the request is aborted at once, which frees its
+KV blocks; the stream then ends by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("jaxserve.server")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
+    """Await `work`; if the client goes away first, call on_disconnect (which must end `work`)."""
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    work = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            log.info("Client disconnected: request aborted")
+            on_disconnect()
+        return await work
+    finally:
+        watcher.cancel()
+
+
+class EventStream:
+    """An ASGI response streaming `events` as SSE; aborts the work when the client disconnects."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Callable[[], None]):
+        self.events = events
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            await _wait_disconnect(receive)
+            if not finished:
+                gone.set()
+                log.info("Client disconnected mid-stream: request aborted")
+                self.on_disconnect()
+
+        finished = False
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+            async for chunk in self.events:
+                if gone.is_set():
+                    break
+                try:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except OSError:  # the transport broke before the disconnect message arrived
+                    gone.set()
+                    self.on_disconnect()
+                    break
+            finished = True
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            finished = True
+            watcher.cancel()
+            await self.events.aclose()
+            if gone.is_set():
+                self.on_disconnect()  # idempotent
