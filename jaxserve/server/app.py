@@ -111,7 +111,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         return exc.response()
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
-        return http_error(exc.status_code, exc.detail).response()
+        return http_error(exc.status_code, exc.detail, request.method, request.url.path).response()
 
     async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
         return APIError(503, str(exc), code="engine_unavailable").response()

@@ -47,11 +47,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def http_error(status: int, detail: str | None = None) -> APIError:
+def http_error(status: int, detail: str | None, method: str, path: str) -> APIError:
     """Starlette's own HTTP errors (unknown route, wrong method) in the OpenAI shape."""
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-    return APIError(status, detail if detail and detail != phrase else phrase, code=code)
+    where = f"{method} {path[:100]}"
+    return APIError(status, f"{detail if detail and detail != phrase else phrase}: {where}.", code=code)
 
 
 _INVALID_FIELD = re.compile(r"^Invalid (\w+)=")
@@ -62,8 +63,10 @@ def from_value_error(e: ValueError, aliases: dict[str, str] | None = None, defau
     msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
     m = _INVALID_FIELD.match(msg)
     param = m[1] if m else default_param
-    if param and aliases:
-        param = aliases.get(param, param)
+    if param and aliases and aliases.get(param, param) != param:
+        if m:  # name the parameter the client sent (e.g. top_logprobs, not logprobs)
+            msg = f"Invalid {aliases[param]}=" + msg[m.end():]
+        param = aliases[param]
     return bad_request(msg, param)
 
 

@@ -81,6 +81,8 @@ class CompletionRequest(_SamplingRequest):
         def ids(x) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
+        if v == []:
+            raise ValueError("is empty: send at least one token")
         if isinstance(v, str) or ids(v):
             return v
         if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):

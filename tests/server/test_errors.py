@@ -1,0 +1,112 @@
+"""Every bad request gets an OpenAI-shaped error with the right status and `param`; the next good one works."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+LONG = "one two three four five six seven eight nine ten " * 30  # > max_model_len (256) tokens
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+def comp(**kw):
+    return {"prompt": "Hello", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"messages": MSG, "max_tokens": 4, **kw}
+
+
+# (id, method, path, body: dict | bytes | None, status, param)
+CASES = [
+    ("malformed-json", "POST", C, b'{"prompt": "x",', 400, None),
+    ("json-not-object", "POST", C, b"[1, 2]", 400, None),
+    ("empty-body", "POST", C, b"", 400, None),
+    ("missing-prompt", "POST", C, {"max_tokens": 4}, 400, "prompt"),
+    ("temperature-type", "POST", C, comp(temperature="hot"), 400, "temperature"),
+    ("temperature-negative", "POST", C, comp(temperature=-0.5), 400, "temperature"),
+    ("top_p-zero", "POST", C, comp(top_p=0), 400, "top_p"),
+    ("top_p-above-1", "POST", C, comp(top_p=1.5), 400, "top_p"),
+    ("n-zero", "POST", C, comp(n=0), 400, "n"),
+    ("n-above-cap", "POST", C, comp(n=17), 400, "n"),
+    ("n-string", "POST", C, comp(n="2"), 400, "n"),
+    ("max_tokens-zero", "POST", C, comp(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens-string", "POST", C, comp(max_tokens="ten"), 400, "max_tokens"),
+    ("logprobs-above-cap", "POST", C, comp(logprobs=21), 400, "logprobs"),
+    ("prompt-empty-string", "POST", C, comp(prompt=""), 400, "prompt"),
+    ("prompt-empty-list", "POST", C, comp(prompt=[]), 400, "prompt"),
+    ("prompt-mixed-list", "POST", C, comp(prompt=["a", 1]), 400, "prompt"),
+    ("prompt-id-out-of-vocab", "POST", C, comp(prompt=[5, 999999]), 400, "prompt"),
+    ("prompt-id-negative", "POST", C, comp(prompt=[[3, -1]]), 400, "prompt"),
+    ("prompt-too-long", "POST", C, comp(prompt=LONG), 400, "prompt"),
+    ("prompt-plus-max_tokens", "POST", C, comp(prompt="Hello " * 20, max_tokens=250), 400, "max_tokens"),
+    ("unknown-model", "POST", C, comp(model="gpt-17"), 404, "model"),
+    ("stop-not-strings", "POST", C, comp(stop=[1, 2]), 400, "stop"),
+    ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop"),
+    ("logit_bias-key", "POST", C, comp(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias-value", "POST", C, comp(logit_bias={"5": 1000}), 400, "logit_bias"),
+    ("logit_bias-out-of-vocab", "POST", C, comp(logit_bias={"999999": 1}), 400, "logit_bias"),
+    ("stop_token_ids-out-of-vocab", "POST", C, comp(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("stream_options-without-stream", "POST", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("stream-type", "POST", C, comp(stream="yes"), 400, "stream"),
+    ("presence_penalty-range", "POST", C, comp(presence_penalty=3), 400, "presence_penalty"),
+    ("top_k-negative", "POST", C, comp(top_k=-5), 400, "top_k"),
+    ("repetition_penalty-zero", "POST", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("min_tokens-above-max", "POST", C, comp(min_tokens=9), 400, "min_tokens"),
+    ("seed-float", "POST", C, comp(seed=1.5), 400, "seed"),
+    ("echo-with-logprobs", "POST", C, comp(echo=True, logprobs=1), 400, "echo"),
+    ("cache_salt-empty", "POST", C, comp(cache_salt=""), 400, "cache_salt"),
+    ("chat-no-messages", "POST", CHAT, {"max_tokens": 4}, 400, "messages"),
+    ("chat-empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
+    ("chat-bad-role", "POST", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
+    ("chat-image-part", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     400, "messages[0].content[0]"),
+    ("chat-top_logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("chat-top_logprobs-above-cap", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("chat-max_completion_tokens-zero", "POST", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("chat-context-exceeded", "POST", CHAT, chat(max_completion_tokens=1000), 400, "max_completion_tokens"),
+    ("chat-logprobs-type", "POST", CHAT, chat(logprobs=3), 400, "logprobs"),
+    ("unknown-route", "GET", "/v1/nope", None, 404, None),
+    ("wrong-method", "GET", C, None, 405, None),
+    ("tokenize-neither", "POST", "/tokenize", {}, 400, "prompt"),
+    ("detokenize-out-of-vocab", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("unknown-model-card", "GET", "/v1/models/gpt-17", None, 404, "model"),
+]
+
+
+def test_table_is_big_enough():
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_then_good(server, http, name, method, path, body, status, param):
+    kw = {}
+    if isinstance(body, bytes):
+        kw = dict(content=body, headers={"content-type": "application/json"})
+    elif body is not None:
+        kw = dict(json=body)
+    r = http.request(method, path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert isinstance(err["message"], str) and 0 < len(err["message"]) <= 500
+    if body is not None:  # the body is never echoed back
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        assert len(raw) < 40 or raw.decode() not in r.text
+    assert LONG[:100] not in r.text
+    good = http.post(C, json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_errors_through_the_official_client(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=server.model, prompt="x", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSG)
