@@ -1,6 +1,7 @@
 """Find and load a model: an HF directory (safetensors), a GGUF file, or the embedded default.
 
-Returns host-side numpy weights in the Flax tree layout; the runner places them on devices.
+Returns host-side numpy weights in the Flax tree layout; the runner places them on devices. An
+Orbax directory (`jaxserve convert` output) is returned unread, for the runner to restore onto the mesh.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class LoadedModel:
     name: str
     path: Path
     config: ModelConfig
-    params: dict  # numpy tree
+    params: dict  # numpy tree, or a lazy OrbaxCheckpoint (restored by the runner)
     generation_defaults: dict = field(default_factory=dict)
     load_seconds: float = 0.0
 
@@ -46,11 +47,16 @@ def resolve_model_path(model: str | None) -> Path:
 def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
     t0 = time.perf_counter()
     path = resolve_model_path(model)
+    params = None
     if path.is_file() and path.suffix == ".gguf":
         from jaxserve.model.gguf_loader import load_gguf
 
         hf_config, weights = load_gguf(path)
         gen = {}
+    elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
+        from jaxserve.model.orbax_io import open_orbax
+
+        hf_config, params, gen = open_orbax(path)  # lazy: the runner restores it onto the mesh
     elif path.is_dir():
         hf_config, weights, gen = _load_hf_dir(path)
     else:
@@ -59,7 +65,8 @@ def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
             "or a .gguf file."
         )
     cfg = ModelConfig.from_hf(hf_config, source=str(path))
-    params = hf_to_params(weights, cfg, dtype=dtype)
+    if params is None:
+        params = hf_to_params(weights, cfg, dtype=dtype)
     if gen.get("eos_token_id") is not None:
         eos = gen["eos_token_id"]
         eos = tuple(eos) if isinstance(eos, list) else (int(eos),)
