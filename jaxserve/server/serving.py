@@ -189,6 +189,8 @@ class OpenAIServing:
         except BaseException:
             stream.abort()
             raise
+        if stream.aborted:  # by a drain that timed out while the adds were queued
+            raise APIError(503, "The server is shutting down: retry on another instance.", code="shutting_down")
         ctx = _Response(self, kind, params.n, api_id, model)
         if kind.params.stream:
             return EventStream(ctx.events(stream), stream.abort)

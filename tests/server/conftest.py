@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -58,6 +59,21 @@ class ServerThread:
         """Run fn(engine) on the engine thread (the only thread allowed to touch it)."""
         aengine = self.app.state.engine
         return asyncio.run_coroutine_threadsafe(aengine.call(fn), aengine.loop).result(60)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the engine thread (between steps) so requests queue up deterministically."""
+        self._gate = threading.Event()
+        aengine = self.app.state.engine
+        fut = asyncio.run_coroutine_threadsafe(aengine.call(lambda e: self._gate.wait(60)), aengine.loop)
+        try:
+            yield
+        finally:
+            self.resume()
+            fut.result(60)
+
+    def resume(self) -> None:
+        self._gate.set()
 
     def wait_idle(self, timeout: float = 30) -> dict:
         """Wait until the engine has no requests; return its stats."""
