@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
@@ -21,10 +21,10 @@ class LLM:
     kv_cache_memory, prefix_cache, eviction, schedule, attention_backend, dtype, ...
     """
 
-    def __init__(self, model: str | None = None, *, precompile: bool = False, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, precompile=precompile, **kwargs))
-        if precompile:
-            self.engine.precompile()
+    def __init__(self, model: str | None = None, *, use_tqdm: bool = True, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        if self.engine.config.precompile:
+            self.engine.precompile(_compile_progress() if use_tqdm else None)
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -118,5 +118,19 @@ def _progress(total: int):
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, unit="req")
 
 
-def _flatten(x: Iterable) -> list:
-    return list(x)
+def _compile_progress():
+    """A progress callback for precompilation: one bar over the step buckets."""
+    from tqdm.auto import tqdm
+
+    bar = None
+
+    def update(done: int, total: int, bucket) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc="Compiling step buckets", unit="bucket", dynamic_ncols=True)
+        bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}")
+        bar.update(1)
+        if done == total:
+            bar.close()
+
+    return update

@@ -27,7 +27,7 @@ def tiny_model(tmp_path_factory):
     return get
 
 
-ENGINE_KW = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_blocks=96)
+ENGINE_KW = dict(precompile=False, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_blocks=96)
 
 
 @pytest.fixture(scope="session")

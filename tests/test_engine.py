@@ -212,7 +212,7 @@ def test_abort_frees_blocks(tiny_llm):
 
 
 def test_steady_state_steps_never_recompile(tiny_model):
-    llm = LLM(tiny_model("llama"), precompile=True, **ENGINE_KW)
+    llm = LLM(tiny_model("llama"), **{**ENGINE_KW, "precompile": True})
     runner = llm.engine.runner
     compiled = runner.num_compiles
     assert compiled == len(runner.all_buckets())

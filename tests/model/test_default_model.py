@@ -24,7 +24,7 @@ PROMPTS = [
 def default_llm():
     from jaxserve import LLM
 
-    return LLM(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 << 20)
+    return LLM(precompile=False, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 << 20)
 
 
 def test_greedy_tokens_match_transformers_gguf_loader(default_llm):

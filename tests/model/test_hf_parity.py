@@ -65,7 +65,7 @@ def test_greedy_matches_transformers(tiny_model, arch):
     from jaxserve import LLM, SamplingParams
 
     path = tiny_model(arch)
-    llm = LLM(path, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=32)
+    llm = LLM(path, precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=32)
     prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n" * 2]
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
     _, model = hf_logits(path, [1, 2])

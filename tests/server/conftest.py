@@ -15,7 +15,13 @@ import uvicorn
 
 from tests.tiny_models import make_tiny_model
 
-ENGINE = dict(max_model_len=256, num_blocks=256, max_num_seqs=32, max_num_batched_tokens=64, block_size=16)
+ENGINE = {
+    "max_model_len": 256,
+    "num_blocks": 256,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 64,
+    "block_size": 16,
+}
 
 
 def free_port() -> int:
@@ -31,14 +37,18 @@ class ServerThread:
         from jaxserve.server.app import build_app
         from jaxserve.server.config import ServerConfig
 
-        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE, **(engine_kw or {})}))
+        self.engine = LLMEngine(
+            EngineConfig(model=str(model_dir), **{**ENGINE, **(engine_kw or {})})
+        )
         self.engine.precompile()
         self.port = free_port()
         self.cfg = ServerConfig(port=self.port, **server_kw)
         self.app = build_app(self.engine, self.cfg)
         self.model = self.app.state.serving.model_names[0]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -47,10 +57,14 @@ class ServerThread:
             time.sleep(0.02)
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
+        )
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+        return openai.AsyncOpenAI(
+            base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw
+        )
 
     def http(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=60, **kw)
@@ -65,7 +79,9 @@ class ServerThread:
         """Hold the engine thread (between steps) so requests queue up deterministically."""
         self._gate = threading.Event()
         aengine = self.app.state.engine
-        fut = asyncio.run_coroutine_threadsafe(aengine.call(lambda e: self._gate.wait(60)), aengine.loop)
+        fut = asyncio.run_coroutine_threadsafe(
+            aengine.call(lambda e: self._gate.wait(60)), aengine.loop
+        )
         try:
             yield
         finally:
@@ -80,7 +96,11 @@ class ServerThread:
         deadline = time.monotonic() + timeout
         while True:
             stats = self.on_engine(lambda e: {**e.get_stats(), "num_requests": e.num_requests})
-            if stats["num_requests"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            if (
+                stats["num_requests"] == 0
+                and stats["num_running"] == 0
+                and stats["num_waiting"] == 0
+            ):
                 return stats
             assert time.monotonic() < deadline, f"engine still busy: {stats}"
             time.sleep(0.05)

@@ -15,7 +15,7 @@ MAX_TOKENS = 24
 
 def metric(text: str, name: str, labels: str = "") -> float:
     total = 0.0
-    for m in re.finditer(rf"^jaxserve:{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+    for m in re.finditer(rf"^jaxserve:{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
         if labels in m[1]:
             total += float(m[2])
     return total
@@ -31,10 +31,19 @@ def assert_engine_clean(server) -> dict:
 
 def test_32_streams_quarter_disconnect(server, client, http):
     prompts = [f"Request {i}: the capital of France is" for i in range(NUM_CLIENTS)]
-    kw = dict(model=server.model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
-    reference = {i: client.completions.create(prompt=prompts[i], **kw).choices[0].text
-                 for i in range(NUM_DISCONNECT, NUM_CLIENTS)}
-    aborts_before = metric(http.get("/metrics").text, "request_success_total", 'finished_reason="abort"')
+    kw = {
+        "model": server.model,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    reference = {
+        i: client.completions.create(prompt=prompts[i], **kw).choices[0].text
+        for i in range(NUM_DISCONNECT, NUM_CLIENTS)
+    }
+    aborts_before = metric(
+        http.get("/metrics").text, "request_success_total", 'finished_reason="abort"'
+    )
     health = []
 
     async def full(ac, i):
@@ -46,8 +55,9 @@ def test_32_streams_quarter_disconnect(server, client, http):
         return text, finishes
 
     async def hang_up(ac, i):
-        stream = await ac.completions.create(prompt=prompts[i], stream=True,
-                                             **{**kw, "max_tokens": 240})
+        stream = await ac.completions.create(
+            prompt=prompts[i], stream=True, **{**kw, "max_tokens": 240}
+        )
         n = 0
         async for _ in stream:
             n += 1
@@ -62,11 +72,15 @@ def test_32_streams_quarter_disconnect(server, client, http):
             await asyncio.sleep(0.05)
 
     async def main():
-        ac = server.async_client(http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64)))
+        ac = server.async_client(
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+        )
         async with httpx.AsyncClient(base_url=server.url) as ah:
-            return await asyncio.gather(*[hang_up(ac, i) for i in range(NUM_DISCONNECT)],
-                                        *[full(ac, i) for i in range(NUM_DISCONNECT, NUM_CLIENTS)],
-                                        probe_health(ah))
+            return await asyncio.gather(
+                *[hang_up(ac, i) for i in range(NUM_DISCONNECT)],
+                *[full(ac, i) for i in range(NUM_DISCONNECT, NUM_CLIENTS)],
+                probe_health(ah),
+            )
 
     results = asyncio.run(main())
     assert results[:NUM_DISCONNECT] == [3] * NUM_DISCONNECT
@@ -79,16 +93,25 @@ def test_32_streams_quarter_disconnect(server, client, http):
     m = http.get("/metrics").text
     assert metric(m, "num_requests_running") == 0 and metric(m, "num_requests_waiting") == 0
     assert metric(m, "kv_cache_usage_perc") == 0
-    assert metric(m, "request_success_total", 'finished_reason="abort"') - aborts_before == NUM_DISCONNECT
+    assert (
+        metric(m, "request_success_total", 'finished_reason="abort"') - aborts_before
+        == NUM_DISCONNECT
+    )
 
 
 def test_non_streaming_disconnect_aborts(server, http):
-    aborts_before = metric(http.get("/metrics").text, "request_success_total", 'finished_reason="abort"')
-    body = (b'{"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": true, "n": 2, '
-            b'"model": "%s"}' % server.model.encode())
+    aborts_before = metric(
+        http.get("/metrics").text, "request_success_total", 'finished_reason="abort"'
+    )
+    body = (
+        b'{"prompt": "Once upon a time", "max_tokens": 240, "ignore_eos": true, "n": 2, '
+        b'"model": "%s"}' % server.model.encode()
+    )
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     # Wait until the engine runs it, then hang up.
     for _ in range(600):
         if server.on_engine(lambda e: e.num_requests) == 1:

@@ -41,7 +41,14 @@ CASES = [
     ("prompt-id-out-of-vocab", "POST", C, comp(prompt=[5, 999999]), 400, "prompt"),
     ("prompt-id-negative", "POST", C, comp(prompt=[[3, -1]]), 400, "prompt"),
     ("prompt-too-long", "POST", C, comp(prompt=LONG), 400, "prompt"),
-    ("prompt-plus-max_tokens", "POST", C, comp(prompt="Hello " * 20, max_tokens=250), 400, "max_tokens"),
+    (
+        "prompt-plus-max_tokens",
+        "POST",
+        C,
+        comp(prompt="Hello " * 20, max_tokens=250),
+        400,
+        "max_tokens",
+    ),
     ("unknown-model", "POST", C, comp(model="gpt-17"), 404, "model"),
     ("stop-not-strings", "POST", C, comp(stop=[1, 2]), 400, "stop"),
     ("stop-empty-string", "POST", C, comp(stop=[""]), 400, "stop"),
@@ -49,7 +56,14 @@ CASES = [
     ("logit_bias-value", "POST", C, comp(logit_bias={"5": 1000}), 400, "logit_bias"),
     ("logit_bias-out-of-vocab", "POST", C, comp(logit_bias={"999999": 1}), 400, "logit_bias"),
     ("stop_token_ids-out-of-vocab", "POST", C, comp(stop_token_ids=[10**6]), 400, "stop_token_ids"),
-    ("stream_options-without-stream", "POST", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    (
+        "stream_options-without-stream",
+        "POST",
+        C,
+        comp(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
     ("stream-type", "POST", C, comp(stream="yes"), 400, "stream"),
     ("presence_penalty-range", "POST", C, comp(presence_penalty=3), 400, "presence_penalty"),
     ("top_k-negative", "POST", C, comp(top_k=-5), 400, "top_k"),
@@ -60,14 +74,51 @@ CASES = [
     ("cache_salt-empty", "POST", C, comp(cache_salt=""), 400, "cache_salt"),
     ("chat-no-messages", "POST", CHAT, {"max_tokens": 4}, 400, "messages"),
     ("chat-empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
-    ("chat-bad-role", "POST", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
-    ("chat-image-part", "POST", CHAT,
-     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     400, "messages[0].content[0]"),
+    (
+        "chat-bad-role",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "robot", "content": "x"}]),
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat-image-part",
+        "POST",
+        CHAT,
+        chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+        400,
+        "messages[0].content[0]",
+    ),
     ("chat-top_logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
-    ("chat-top_logprobs-above-cap", "POST", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
-    ("chat-max_completion_tokens-zero", "POST", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
-    ("chat-context-exceeded", "POST", CHAT, chat(max_completion_tokens=1000), 400, "max_completion_tokens"),
+    (
+        "chat-top_logprobs-above-cap",
+        "POST",
+        CHAT,
+        chat(logprobs=True, top_logprobs=21),
+        400,
+        "top_logprobs",
+    ),
+    (
+        "chat-max_completion_tokens-zero",
+        "POST",
+        CHAT,
+        chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "chat-context-exceeded",
+        "POST",
+        CHAT,
+        chat(max_completion_tokens=1000),
+        400,
+        "max_completion_tokens",
+    ),
     ("chat-logprobs-type", "POST", CHAT, chat(logprobs=3), 400, "logprobs"),
     ("unknown-route", "GET", "/v1/nope", None, 404, None),
     ("wrong-method", "GET", C, None, 405, None),
@@ -85,9 +136,9 @@ def test_table_is_big_enough():
 def test_bad_request_then_good(server, http, name, method, path, body, status, param):
     kw = {}
     if isinstance(body, bytes):
-        kw = dict(content=body, headers={"content-type": "application/json"})
+        kw = {"content": body, "headers": {"content-type": "application/json"}}
     elif body is not None:
-        kw = dict(json=body)
+        kw = {"json": body}
     r = http.request(method, path, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]

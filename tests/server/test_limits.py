@@ -17,8 +17,14 @@ KEY = "sekret-key"
 @pytest.fixture(scope="module")
 def strict(tiny_model):
     """One sequence at a time, at most 2 queued, a key on everything but /health, 32 KiB bodies."""
-    s = ServerThread(tiny_model, dict(max_num_seqs=1), api_key=KEY, public_paths=("/health",),
-                     max_body_bytes=32 * 1024, max_queued_requests=2)
+    s = ServerThread(
+        tiny_model,
+        {"max_num_seqs": 1},
+        api_key=KEY,
+        public_paths=("/health",),
+        max_body_bytes=32 * 1024,
+        max_queued_requests=2,
+    )
     yield s
     s.stop()
 
@@ -33,8 +39,14 @@ GOOD = {"prompt": "Hello", "max_tokens": 2}
 def test_api_key(strict):
     with strict.http() as h:
         for headers in ({}, auth("wrong"), auth(KEY + "x"), {"Authorization": KEY}):
-            for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics")):
-                r = h.request(method, path, headers=headers, json=GOOD if method == "POST" else None)
+            for method, path in (
+                ("GET", "/v1/models"),
+                ("POST", "/v1/completions"),
+                ("GET", "/metrics"),
+            ):
+                r = h.request(
+                    method, path, headers=headers, json=GOOD if method == "POST" else None
+                )
                 assert r.status_code == 401, (headers, path)
                 err = r.json()["error"]
                 assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
@@ -45,7 +57,11 @@ def test_api_key(strict):
 
     with pytest.raises(openai.AuthenticationError):
         strict.client(api_key="wrong").models.list()
-    assert strict.client(api_key=KEY).completions.create(model=strict.model, prompt="Hi", max_tokens=2).choices
+    assert (
+        strict.client(api_key=KEY)
+        .completions.create(model=strict.model, prompt="Hi", max_tokens=2)
+        .choices
+    )
 
 
 def test_no_key_needed_without_api_key(server, http):
@@ -65,7 +81,9 @@ def test_body_size_limit(strict):
                 yield b" " * 1024
             yield b'{"prompt": "Hi"}'
 
-        r = h.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        r = h.post(
+            "/v1/completions", content=chunked(), headers={"content-type": "application/json"}
+        )
         assert r.status_code == 413
         assert h.post("/v1/completions", json=GOOD).status_code == 200
 
@@ -73,11 +91,18 @@ def test_body_size_limit(strict):
 def test_queue_overflow_429(strict):
     """While the engine thread is held, requests pile up in the queue: 2 may wait, the rest get 429 at once."""
     with strict.paused():
+
         async def burst():
             async with httpx.AsyncClient(base_url=strict.url, headers=auth(), timeout=60) as ac:
-                tasks = [asyncio.ensure_future(ac.post("/v1/completions", json=GOOD)) for _ in range(6)]
-                done, _ = await asyncio.wait(tasks, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-                while sum(t.done() for t in tasks) < 4:  # the refused ones come back while the engine is held
+                tasks = [
+                    asyncio.ensure_future(ac.post("/v1/completions", json=GOOD)) for _ in range(6)
+                ]
+                _done, _ = await asyncio.wait(
+                    tasks, timeout=30, return_when=asyncio.FIRST_COMPLETED
+                )
+                while (
+                    sum(t.done() for t in tasks) < 4
+                ):  # the refused ones come back while the engine is held
                     await asyncio.sleep(0.01)
                 early = sorted(t.result().status_code for t in tasks if t.done())
                 strict.resume()
@@ -92,12 +117,18 @@ def test_queue_overflow_429(strict):
 
 
 def test_429_body(strict):
-    strict.app.state.serving.cfg.max_queued_requests, saved = 0, strict.app.state.serving.cfg.max_queued_requests
+    strict.app.state.serving.cfg.max_queued_requests, saved = (
+        0,
+        strict.app.state.serving.cfg.max_queued_requests,
+    )
     try:
         with strict.http(headers=auth()) as h:
             r = h.post("/v1/completions", json=GOOD)
             assert r.status_code == 429
-            assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
+            assert (
+                r.json()["error"]["type"] == "rate_limit_error"
+                and r.json()["error"]["code"] == "queue_full"
+            )
     finally:
         strict.app.state.serving.cfg.max_queued_requests = saved
 
@@ -108,8 +139,13 @@ def test_metrics_counters_move(server, http, client):
     n_prompt = len(server.engine.tokenizer.encode(prompt))
     assert n_prompt > 16  # at least one full block, so the repeat hits the prefix cache
     for _ in range(2):
-        client.completions.create(model=server.model, prompt=prompt, max_tokens=5, temperature=0,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
     after = http.get("/metrics").text
 
     def moved(name, labels=""):
@@ -119,10 +155,19 @@ def test_metrics_counters_move(server, http, client):
     assert moved("generation_tokens_total") == 10
     assert moved("request_success_total", 'finished_reason="length"') == 2
     assert moved("prefix_cache_queries_total") >= 2 and moved("prefix_cache_hits_total") >= 1
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for h in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert moved(h + "_count") == 2, h
     assert moved("inter_token_latency_seconds_count") == 8
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions_total",
+    ):
         assert f"jaxserve:{name}" in after
 
 
@@ -133,7 +178,9 @@ def test_drain_refuses_new_work_and_aborts_at_timeout(strict):
     aengine = strict.app.state.engine
     with strict.http(headers=auth()) as h, strict.paused():
         held = []
-        t = threading.Thread(target=lambda: held.append(h.post("/v1/completions", json={**GOOD, "stream": True})))
+        t = threading.Thread(
+            target=lambda: held.append(h.post("/v1/completions", json={**GOOD, "stream": True}))
+        )
         t.start()
         while aengine.num_active == 0:  # admitted; its add waits for the held engine thread
             t.join(0.01)
