@@ -62,14 +62,14 @@ def pytest_collection_modifyitems(session, config, items):
     only_mine = len(mine) == len(items)
     if os.environ.get(CHILD_ENV) or (only_mine and _try_in_process()):
         return
-    delegate = _Delegate(mine)
+    delegate = _Delegate(session)
     for it in mine:
         it.runtest = delegate.runner_for(it)
 
 
 class _Delegate:
-    def __init__(self, items):
-        self.items = items
+    def __init__(self, session):
+        self.session = session  # its items, read at the first run, are the ones left after -k / -m
         self.results: dict | None = None
         self.error = ""
 
@@ -78,7 +78,7 @@ class _Delegate:
         env = xla_env()
         env[CHILD_ENV] = "1"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               *[it.nodeid for it in self.items]]
+               *[it.nodeid for it in self.session.items if _ours(it)]]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         self.results = {}
         self.error = proc.stdout[-4000:] + proc.stderr[-4000:]
