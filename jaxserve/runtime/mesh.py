@@ -52,8 +52,9 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
         if devices and devices[0].platform == "cpu":
             hint = (f" On CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={need} "
                     "to split the host into that many devices.")
+        what = f"tensor_parallel_size={tp}" + (f" x data_parallel_size={dp}" if dp > 1 else "")
         raise ValueError(
-            f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {need} devices, but only "
+            f"{what} needs {need} devices, but only "
             f"{len(devices)} {devices[0].platform if devices else ''} device(s) are visible.{hint}"
         )
     if jax.process_count() > 1 and need != len(devices):
