@@ -220,13 +220,15 @@ class LLMEngine:
         if not sched.scheduled:
             return [self._output(g) for g in touched.values()]
         now = time.time()
-        rows = [(s.request.token_ids, s.start, s.num_new_tokens, s.request.block_ids) for s in sched.scheduled]
+        # Rows whose sequence has earlier context go first: the XLA attention reads pages only for them.
+        scheduled = sorted(sched.scheduled, key=lambda s: s.start == 0)
+        rows = [(s.request.token_ids, s.start, s.num_new_tokens, s.request.block_ids) for s in scheduled]
         num_tokens = sched.num_batched_tokens
         t, s_bucket = self.runner.bucket_for(num_tokens, len(rows))
         inputs = build_step_inputs(
             rows, t_bucket=t, s_bucket=s_bucket, block_size=self.config.block_size, max_blocks=self.runner.max_blocks
         )
-        seqs = [self._seqs[s.request.request_id] for s in sched.scheduled]
+        seqs = [self._seqs[s.request.request_id] for s in scheduled]
         tensors, mode = self._sampling_inputs(seqs, s_bucket)
         result = self.runner.execute(inputs, t, s_bucket, tensors, SamplingMode(**mode))
         tokens, chosen_lp, top_ids, top_lps = self.runner.fetch(result)
@@ -234,12 +236,12 @@ class LLMEngine:
         self.counters["computed_tokens"] += num_tokens
 
         sampled = {}
-        for i, sr in enumerate(sched.scheduled):
+        for i, sr in enumerate(scheduled):
             if sr.samples:
                 sampled[sr.request.request_id] = int(tokens[i])
         self.scheduler.update_from_output(sched, sampled)
 
-        for i, sr in enumerate(sched.scheduled):
+        for i, sr in enumerate(scheduled):
             seq = seqs[i]
             group = self._groups.get(seq.group_id)
             if group is None:
