@@ -1,0 +1,241 @@
+"""`jaxserve bench roofline`: this machine's limits, and the model's throughput ceilings under them.
+
+Measures (with JAX, float32 by default):
+  * matmul GFLOP/s for decode-sized dots (B x d @ d x intermediate, one per batch size asked) and
+    for a large square dot;
+  * memory bandwidth: read (a sum over a large array) and copy (read + write) GB/s.
+From a ModelConfig it computes FLOPs per token (every matmul incl. the lm head, plus attention over
+`--context` cached tokens) and bytes per decode step (all weights once, plus each sequence's KV
+cache), then prints:
+  * compute ceiling  = matmul GFLOP/s at batch B / GFLOP per token          (tok/s)
+  * bandwidth ceiling = B * GB/s / (weight bytes + B * KV bytes)             (tok/s)
+    (GB/s: the better of read and copy, so the ceiling is an upper bound)
+  * the roofline = min of the two; single-stream decode (B=1) is bandwidth-bound.
+
+Other tools call `measure()` once and `ceilings(cfg, batch, context, measured)` to show results
+as a fraction of the limit.
+
+    jaxserve bench roofline [--model PATH] [--batch 1,16,64] [--context 512] [--dtype float32] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from bench import common
+
+
+# ---- model arithmetic ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelCosts:
+    params_matmul: int  # weights used in matmuls per token (layers + lm head)
+    params_lm_head: int  # part of params_matmul: only paid by tokens whose logits are computed
+    params_total: int  # incl. embedding (when untied) and norms
+    flops_per_token: float  # at the given context
+    flops_attention: float  # part of flops_per_token
+    weight_bytes: int  # bytes read per decode step (every weight once; embedding only a row if untied)
+    kv_bytes_per_token_ctx: float  # KV bytes read per sequence per step at the given context
+    context: int
+    dtype_bytes: int
+
+
+def model_costs(cfg, context: int = 512, dtype_bytes: int = 4) -> ModelCosts:
+    """FLOPs and bytes for one token of a Llama-family model with `context` tokens already cached."""
+    d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    q = d * cfg.num_heads * hd
+    kv = 2 * d * cfg.num_kv_heads * hd
+    o = cfg.num_heads * hd * d
+    mlp = 3 * d * cfg.intermediate_size
+    layer = q + kv + o + mlp
+    lm_head = d * cfg.vocab_size
+    params_matmul = L * layer + lm_head
+    norms = L * 2 * d + d + (L * 2 * hd if cfg.qk_norm else 0)
+    bias = L * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd if cfg.attention_bias else 0
+    embed = 0 if cfg.tie_word_embeddings else d * cfg.vocab_size
+    params_total = params_matmul + norms + bias + embed
+    attn = 4.0 * L * cfg.num_heads * hd * context  # q.k over the context, then p.v
+    flops = 2.0 * params_matmul + attn
+    # A decode step reads every matmul weight once (the untied embedding table: one row per token).
+    weight_bytes = (params_matmul + norms + bias) * dtype_bytes
+    kv_ctx = 2.0 * L * cfg.num_kv_heads * hd * context * dtype_bytes
+    return ModelCosts(params_matmul, lm_head, params_total, flops, attn, weight_bytes, kv_ctx, context, dtype_bytes)
+
+
+# ---- measurements -------------------------------------------------------------------------------
+def _time(fn, *args, repeats: int, min_time: float) -> float:
+    """Median seconds per call (after one warm-up call), at least `repeats` calls and `min_time` s."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times, t_start = [], time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - t_start < min_time:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+        if len(times) > 10_000:
+            break
+    return statistics.median(times)
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int = 5, min_time: float = 0.3) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    return 2.0 * m * k * n / _time(f, a, b, repeats=repeats, min_time=min_time) / 1e9
+
+
+def memory_gbps(nbytes: int = 256 << 20, repeats: int = 5, min_time: float = 0.3) -> dict:
+    """{"read": GB/s of a float32 sum, "copy": GB/s (read + write bytes) of an in-place x * 1.0001}.
+
+    The copy donates its input, so it measures streaming bandwidth, not the page faults of a fresh
+    output buffer (an undonated elementwise op on CPU runs ~10x slower for that reason).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    t_read = _time(jax.jit(jnp.sum), x, repeats=repeats, min_time=min_time)
+    scale = jax.jit(lambda v: v * 1.0001, donate_argnums=0)
+    state = [scale(x)]
+    jax.block_until_ready(state[0])
+
+    def step():
+        state[0] = scale(state[0])
+        return state[0]
+
+    t_copy = _time(step, repeats=repeats, min_time=min_time)
+    return {"read": nbytes / t_read / 1e9, "copy": 2 * nbytes / t_copy / 1e9, "bytes": nbytes}
+
+
+def measure(cfg=None, batches=(1, 64), dtype: str = "float32", quick: bool = False) -> dict:
+    """Matmul GFLOP/s per batch size (dots shaped like the model's MLP) and for a large square, plus GB/s."""
+    d = cfg.hidden_size if cfg is not None else 576
+    inter = cfg.intermediate_size if cfg is not None else 1536
+    rep, mt = (3, 0.1) if quick else (5, 0.4)
+    out = {"dtype": dtype, "matmul_gflops": {}, "matmul_shapes": {}}
+    for b in sorted({int(b) for b in batches}):
+        out["matmul_gflops"][str(b)] = matmul_gflops(b, d, inter, dtype, rep, mt)
+        out["matmul_shapes"][str(b)] = f"{b}x{d} @ {d}x{inter}"
+    big = 1024 if quick else 2048
+    out["matmul_gflops"]["large"] = matmul_gflops(big, big, big, dtype, rep, mt)
+    out["matmul_shapes"]["large"] = f"{big}x{big} @ {big}x{big}"
+    out["memory_gbps"] = memory_gbps((64 << 20) if quick else (256 << 20), rep, mt)
+    return out
+
+
+def _gflops_at(measured: dict, batch: int) -> float:
+    """Measured GFLOP/s at this batch size (nearest measured batch at or below it; large for >= 256)."""
+    g = measured["matmul_gflops"]
+    sizes = sorted(int(k) for k in g if k != "large")
+    if not sizes or (batch >= 256 and "large" in g):
+        return g["large"]
+    below = [s for s in sizes if s <= batch]
+    return g[str(below[-1] if below else sizes[0])]
+
+
+def ceilings(cfg, batch: int, context: int, measured: dict, dtype_bytes: int = 4) -> dict:
+    """Throughput ceilings (tok/s) for `batch` sequences decoding at `context` tokens."""
+    c = model_costs(cfg, context, dtype_bytes)
+    gflops = _gflops_at(measured, batch)
+    bw = max(measured["memory_gbps"]["read"], measured["memory_gbps"]["copy"])  # best streaming rate
+    compute = gflops * 1e9 / c.flops_per_token
+    step_bytes = c.weight_bytes + batch * c.kv_bytes_per_token_ctx
+    bandwidth = batch * bw * 1e9 / step_bytes
+    return {"batch": batch, "context": context, "gflop_per_token": c.flops_per_token / 1e9,
+            "matmul_gflops": gflops, "bandwidth_gbps": bw, "weight_mb": c.weight_bytes / 1e6,
+            "kv_mb_per_seq": c.kv_bytes_per_token_ctx / 1e6, "compute_tok_s": compute,
+            "bandwidth_tok_s": bandwidth, "roofline_tok_s": min(compute, bandwidth),
+            "bound": "compute" if compute < bandwidth else "bandwidth"}
+
+
+def work_fraction(wall_s: float, prompt_tokens: int, output_tokens: int, cfg, batch: int, context: int,
+                  measured: dict, dtype_bytes: int = 4) -> dict:
+    """Ideal compute time / wall time for a whole run: prompt tokens pay the layers' matmuls and
+    attention, sampled tokens also the lm head, all at the matmul rate measured at `batch`."""
+    c = model_costs(cfg, context, dtype_bytes)
+    layer_flops = 2.0 * (c.params_matmul - c.params_lm_head) + c.flops_attention
+    flops = prompt_tokens * layer_flops + output_tokens * c.flops_per_token
+    gflops = _gflops_at(measured, batch)
+    ideal = flops / (gflops * 1e9)
+    return {"gflop": flops / 1e9, "matmul_gflops": gflops, "ideal_s": ideal, "wall_s": wall_s,
+            "achieved_gflops": flops / wall_s / 1e9, "fraction_of_compute": ideal / wall_s}
+
+
+def fraction(tok_s: float, cfg, batch: int, context: int, measured: dict, dtype_bytes: int = 4) -> dict:
+    """A result as a fraction of the roofline at its batch and context."""
+    c = ceilings(cfg, batch, context, measured, dtype_bytes)
+    return {**c, "measured_tok_s": tok_s, "fraction_of_roofline": tok_s / c["roofline_tok_s"]}
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jaxserve bench roofline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", "-m", default=None, help="HF dir or .gguf (default: the embedded default model)")
+    p.add_argument("--batch", default="1,8,16,32,64", help="comma-separated batch sizes (default 1,8,16,32,64)")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per sequence for attention/KV (512)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--quick", action="store_true", help="shorter, smaller measurements (smoke tests)")
+    p.add_argument("--out", default=None, help="write JSON here")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",") if b]
+
+    from jaxserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    cfg = config_only(path)
+    dbytes = 4 if args.dtype == "float32" else 2
+    measured = measure(cfg, batches, args.dtype, args.quick)
+    costs = model_costs(cfg, args.context, dbytes)
+
+    rows = [(measured["matmul_shapes"][k], v) for k, v in measured["matmul_gflops"].items()]
+    print(common.table(rows, ("matmul (" + args.dtype + ")", "GFLOP/s"), "Measured on this machine"))
+    mem = measured["memory_gbps"]
+    print(common.kv_table([("read GB/s (sum)", mem["read"]), ("copy GB/s (read+write)", mem["copy"])]))
+    print(common.kv_table([
+        ("matmul params (incl. lm head)", costs.params_matmul), ("params total", costs.params_total),
+        ("GFLOP/token (matmuls)", 2 * costs.params_matmul / 1e9),
+        (f"GFLOP/token (attention @ {args.context})", costs.flops_attention / 1e9),
+        ("weight MB read per step", costs.weight_bytes / 1e6),
+        (f"KV MB per sequence @ {args.context}", costs.kv_bytes_per_token_ctx / 1e6),
+    ], f"Model {path.name}"))
+    rows, results = [], []
+    for b in batches:
+        c = ceilings(cfg, b, args.context, measured, dbytes)
+        results.append(c)
+        rows.append((b, c["matmul_gflops"], c["compute_tok_s"], c["bandwidth_tok_s"], c["roofline_tok_s"], c["bound"]))
+    print(common.table(rows, ("batch", "GFLOP/s", "compute tok/s", "bandwidth tok/s", "roofline tok/s", "bound"),
+                       f"Ceilings at context {args.context} ({args.dtype})"))
+    common.report("roofline", argv, model=common.model_info(path, cfg),
+                  config=vars(args), results={"measured": measured, "costs": asdict(costs), "ceilings": results},
+                  out=args.out)
+    return 0
+
+
+def config_only(path):
+    """The ModelConfig without loading weights where possible (HF dir: config.json; GGUF: metadata)."""
+    import json
+    from pathlib import Path
+
+    from jaxserve.model.config import ModelConfig
+
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    if path.is_file() and path.suffix == ".gguf":
+        from jaxserve.model.gguf_loader import GGUFFile, gguf_config
+
+        return ModelConfig.from_hf(gguf_config(GGUFFile(path)), str(path))
+    from jaxserve.model.loader import load_model
+
+    return load_model(str(path)).config
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
