@@ -75,7 +75,7 @@ def launch(args) -> int:
     env.pop("XLA_FLAGS", None)  # the device count per process comes from --devices-per-process
     base = [sys.executable, __file__, "--model", args.model, "--processes", str(args.processes),
             "--devices-per-process", str(args.devices_per_process), "--max-tokens", str(args.max_tokens),
-            "--coordinator", coord, *sum((["--prompt", p] for p in args.prompt), [])]
+            "--coordinator", coord, *[a for p in args.prompt for a in ("--prompt", p)]]
     procs = [subprocess.Popen(base + ["--process-id", str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(args.processes)]
     outs = []

@@ -87,7 +87,8 @@ def test_orbax_round_trip_bit_identical(tiny_model, orbax_dir, tmp_path):
     from jaxserve.tokenizer import Tokenizer
 
     msgs = [{"role": "user", "content": "Café 東京 😀 def add(a, b)"}]
-    assert Tokenizer.from_pretrained(dst).apply_chat_template(msgs) == Tokenizer.from_pretrained(src).apply_chat_template(msgs)
+    ours, theirs = Tokenizer.from_pretrained(dst), Tokenizer.from_pretrained(src)
+    assert ours.apply_chat_template(msgs) == theirs.apply_chat_template(msgs)
     with pytest.raises(ValueError, match="already exists"):
         convert_model(src, dst)
     with pytest.raises(ValueError, match="already a jaxserve Orbax checkpoint"):
