@@ -1,7 +1,7 @@
 """The Starlette app and `jaxserve serve`: routes, API key, errors, start-up and graceful shutdown.
 
-    build_app(engine, cfg) -> Starlette     (the engine thread starts and stops with the app's lifespan)
-    serve(args) -> int                      (the CLI: build the engine, precompile, run uvicorn, drain on SIGTERM)
+build_app(engine, cfg) -> Starlette     (the engine thread starts and stops with the app's lifespan)
+serve(args) -> int                      (the CLI: build the engine, precompile, run uvicorn, drain on SIGTERM)
 """
 
 from __future__ import annotations
@@ -49,7 +49,11 @@ class _APIKey:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                msg = "Missing API key: send 'Authorization: Bearer <key>'." if not auth else "Invalid API key."
+                msg = (
+                    "Missing API key: send 'Authorization: Bearer <key>'."
+                    if not auth
+                    else "Invalid API key."
+                )
                 await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -62,13 +66,23 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     cfg = cfg or ServerConfig()
     names = list(cfg.served_model_names or [engine.loaded.name])
     metrics = ServerMetrics(lambda: aengine.stats, names[0])
-    aengine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.aborted, hang_timeout=cfg.hang_timeout)
-    serving = OpenAIServing(engine, aengine, cfg, tokenizer or Tokenizer.from_pretrained(engine.loaded.path))
+    aengine = AsyncEngine(
+        engine, on_output=metrics.observe, on_abort=metrics.aborted, hang_timeout=cfg.hang_timeout
+    )
+    serving = OpenAIServing(
+        engine, aengine, cfg, tokenizer or Tokenizer.from_pretrained(engine.loaded.path)
+    )
     started = int(time.time())
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": started, "owned_by": "jaxserve",
-                "root": engine.loaded.name, "max_model_len": serving.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "jaxserve",
+            "root": engine.loaded.name,
+            "max_model_len": serving.max_model_len,
+        }
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card(n) for n in names]})
@@ -97,14 +111,18 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             ids = serving.render_chat(req.messages, req.add_generation_prompt)
         else:
             ids = serving.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len})
+        return JSONResponse(
+            {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+        )
 
     async def detokenize(request: Request) -> Response:
         req = P.parse(P.DetokenizeRequest, await serving.read_body(request))
         serving.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"Token id {bad} is outside the vocabulary (0..{serving.vocab_size - 1}).", "tokens")
+            raise bad_request(
+                f"Token id {bad} is outside the vocabulary (0..{serving.vocab_size - 1}).", "tokens"
+            )
         return JSONResponse({"prompt": serving.tok.decode(req.tokens)})
 
     async def on_api_error(request: Request, exc: APIError) -> Response:
@@ -121,7 +139,9 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
 
     async def on_error(request: Request, exc: Exception) -> Response:
         log.exception("Unhandled error on %s", request.url.path)
-        return APIError(500, "Internal server error: see the server log.", code="internal_error").response()
+        return APIError(
+            500, "Internal server error: see the server log.", code="internal_error"
+        ).response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -142,11 +162,20 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
-    middleware = [Middleware(_APIKey, key=cfg.api_key, public_paths=cfg.public_paths)] if cfg.api_key else []
+    middleware = (
+        [Middleware(_APIKey, key=cfg.api_key, public_paths=cfg.public_paths)] if cfg.api_key else []
+    )
     app = Starlette(
-        routes=routes, lifespan=lifespan, middleware=middleware,
-        exception_handlers={APIError: on_api_error, HTTPException: on_http_error, EngineDeadError: on_engine_dead,
-                            ClientDisconnect: on_disconnect, Exception: on_error},
+        routes=routes,
+        lifespan=lifespan,
+        middleware=middleware,
+        exception_handlers={
+            APIError: on_api_error,
+            HTTPException: on_http_error,
+            EngineDeadError: on_engine_dead,
+            ClientDisconnect: on_disconnect,
+            Exception: on_error,
+        },
     )
     app.state.engine = aengine
     app.state.serving = serving
@@ -180,15 +209,23 @@ class _Server(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
-            log.info("Ready: %s serving %s on %s (KV cache %d tokens)", "jaxserve", self.app.state.serving.model_names[0],
-                     self.url, self.capacity)
+            log.info(
+                "Ready: %s serving %s on %s (KV cache %d tokens)",
+                "jaxserve",
+                self.app.state.serving.model_names[0],
+                self.url,
+                self.capacity,
+            )
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._draining or self._loop is None:
             return super().handle_exit(sig, frame)
         self._draining = True
+        self.app.state.serving.draining = True  # signal handlers run on the loop's (main) thread
         timeout = self.app.state.config.shutdown_timeout
-        log.info("%s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name, timeout)
+        log.info(
+            "%s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name, timeout
+        )
 
         async def drain_then_exit() -> None:
             await drain(self.app, timeout)
@@ -207,6 +244,7 @@ def serve(args: argparse.Namespace) -> int:
         from tqdm.auto import tqdm
 
         with tqdm(desc="Compiling step buckets", unit="bucket", dynamic_ncols=True) as bar:
+
             def progress(i: int, total: int, bucket) -> None:
                 bar.total = total
                 bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}")
@@ -216,8 +254,15 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, cfg)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}"
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, lifespan="on",
-                            timeout_graceful_shutdown=max(cfg.shutdown_timeout, 1.0), access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=max(cfg.shutdown_timeout, 1.0),
+        access_log=False,
+    )
     server = _Server(config, app, url, engine.kv_capacity_tokens)
     server.run()
     return 0

@@ -20,7 +20,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -74,8 +75,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, on_output: Callable[[RequestOutput], None] | None = None,
-                 on_abort: Callable[[str, int], None] | None = None, hang_timeout: float = 120.0, idle_tick: float = 0.25):
+    def __init__(
+        self,
+        engine,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        on_abort: Callable[[str, int], None] | None = None,
+        hang_timeout: float = 120.0,
+        idle_tick: float = 0.25,
+    ):
         self.engine = engine
         self.hang_timeout = hang_timeout
         self.idle_tick = idle_tick
@@ -92,7 +100,7 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()
         self._step_started: float | None = None
 
-    # ---- lifecycle (loop thread) ---------------------------------------------------------------------
+    # ---- lifecycle (loop thread) -----------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = False
@@ -106,12 +114,21 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
-    # ---- requests (loop thread) ----------------------------------------------------------------------
+    # ---- requests (loop thread) ------------------------------------------------------------------
     def stream(self) -> RequestStream:
         return RequestStream(self)
 
-    async def add(self, stream: RequestStream, request_id: str, tag: Any, prompt_token_ids: list[int],
-                  params: SamplingParams, *, priority: int = 0, cache_salt: str | None = None) -> None:
+    async def add(
+        self,
+        stream: RequestStream,
+        request_id: str,
+        tag: Any,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Queue one engine request whose outputs go to `stream`. Raises ValueError if it can never run."""
         self.check_alive()
         fut = self._loop.create_future()
@@ -145,7 +162,7 @@ class AsyncEngine:
         self._cmds.put(("call", fut, fn))
         return await fut
 
-    # ---- state (loop thread) -------------------------------------------------------------------------
+    # ---- state (loop thread) ---------------------------------------------------------------------
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop
@@ -179,7 +196,7 @@ class AsyncEngine:
         if reason is not None:
             raise EngineDeadError(reason)
 
-    # ---- engine thread -----------------------------------------------------------------------------
+    # ---- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
         try:
@@ -194,7 +211,7 @@ class AsyncEngine:
                     self._step_started = None
                 if outputs or ran or busy:
                     self._post(self._deliver, outputs, eng.get_stats(), added)
-        except BaseException as e:  # noqa: BLE001 - reported to every waiting client and to /health
+        except BaseException as e:
             log.exception("The engine loop died")
             self._step_started = None
             self._post(self._fail, e)
@@ -213,8 +230,9 @@ class AsyncEngine:
                 _, fut, rid, ids, params, priority, salt = cmd
                 added += 1
                 try:
-                    self.engine.add_request(rid, None, params, prompt_token_ids=ids, priority=priority,
-                                            cache_salt=salt)
+                    self.engine.add_request(
+                        rid, None, params, prompt_token_ids=ids, priority=priority, cache_salt=salt
+                    )
                     self._post(_resolve, fut, None, None)
                 except ValueError as e:
                     self._post(_resolve, fut, None, e)
@@ -240,7 +258,7 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    # ---- back on the loop thread -------------------------------------------------------------------
+    # ---- back on the loop thread -----------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput], stats: dict, added: int) -> None:
         self._pending_adds -= added
         self.stats = stats

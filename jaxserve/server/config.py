@@ -35,37 +35,77 @@ class ServerConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"Invalid port={self.port}: must be in 0..65535.")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("Invalid api_key='': give a non-empty key, or none to serve without one.")
+            raise ValueError(
+                "Invalid api_key='': give a non-empty key, or none to serve without one."
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
         public = tuple(p for p in (args.public_paths or "").split(",") if p)
         return cls(
-            host=args.host, port=args.port, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
-            public_paths=public, served_model_names=tuple(args.served_model_name or ()),
-            max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
-            shutdown_timeout=args.shutdown_timeout, hang_timeout=args.hang_timeout, log_level=args.log_level,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+            public_paths=public,
+            served_model_names=tuple(args.served_model_name or ()),
+            max_queued_requests=args.max_queued_requests,
+            max_body_bytes=args.max_body_bytes,
+            shutdown_timeout=args.shutdown_timeout,
+            hang_timeout=args.hang_timeout,
+            log_level=args.log_level,
         )
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY, else no key)")
-    g.add_argument("--public-paths", default=",".join(DEFAULT_PUBLIC_PATHS),
-                   help="comma-separated paths open without the key (default /health,/metrics,/version; "
-                   "'' protects all)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients send (default: the model's name)")
-    g.add_argument("--max-queued-requests", type=int, default=1024,
-                   help="answer 429 when more requests than this wait for a first step (default 1024)")
-    g.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20,
-                   help="answer 413 for request bodies larger than this (default 8MiB)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default 30)")
-    g.add_argument("--hang-timeout", type=float, default=120.0,
-                   help="/health answers 503 if one engine step runs longer than this (default 120 s)")
-    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn log level (default info)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY, else no key)",
+    )
+    g.add_argument(
+        "--public-paths",
+        default=",".join(DEFAULT_PUBLIC_PATHS),
+        help="comma-separated paths open without the key (default /health,/metrics,/version; "
+        "'' protects all)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send (default: the model's name)",
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="answer 429 when more requests than this wait for a first step (default 1024)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=8 << 20,
+        help="answer 413 for request bodies larger than this (default 8MiB)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default 30)",
+    )
+    g.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=120.0,
+        help="/health answers 503 if one engine step runs longer than this (default 120 s)",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn log level (default info)",
+    )

@@ -25,8 +25,15 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -35,8 +42,14 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        msg = self.message if len(self.message) <= MAX_MESSAGE_CHARS else self.message[:MAX_MESSAGE_CHARS] + "..."
-        return {"error": {"message": msg, "type": self.type, "param": self.param, "code": self.code}}
+        msg = (
+            self.message
+            if len(self.message) <= MAX_MESSAGE_CHARS
+            else self.message[:MAX_MESSAGE_CHARS] + "..."
+        )
+        return {
+            "error": {"message": msg, "type": self.type, "param": self.param, "code": self.code}
+        }
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
@@ -52,20 +65,24 @@ def http_error(status: int, detail: str | None, method: str, path: str) -> APIEr
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
     where = f"{method} {path[:100]}"
-    return APIError(status, f"{detail if detail and detail != phrase else phrase}: {where}.", code=code)
+    return APIError(
+        status, f"{detail if detail and detail != phrase else phrase}: {where}.", code=code
+    )
 
 
 _INVALID_FIELD = re.compile(r"^Invalid (\w+)=")
 
 
-def from_value_error(e: ValueError, aliases: dict[str, str] | None = None, default_param: str | None = None) -> APIError:
+def from_value_error(
+    e: ValueError, aliases: dict[str, str] | None = None, default_param: str | None = None
+) -> APIError:
     """A ValueError from SamplingParams/the engine ("Invalid <field>=<value>: <rule>.") as a 400."""
     msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
     m = _INVALID_FIELD.match(msg)
     param = m[1] if m else default_param
     if param and aliases and aliases.get(param, param) != param:
         if m:  # name the parameter the client sent (e.g. top_logprobs, not logprobs)
-            msg = f"Invalid {aliases[param]}=" + msg[m.end():]
+            msg = f"Invalid {aliases[param]}=" + msg[m.end() :]
         param = aliases[param]
     return bad_request(msg, param)
 
@@ -74,8 +91,10 @@ def from_validation_error(errors: list[dict]) -> APIError:
     """The first pydantic error as a 400 naming the parameter (e.g. `messages[0].role`)."""
     err = errors[0]
     if err["type"] == "json_invalid":
-        return bad_request(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}.",
-                           code="invalid_json")
+        return bad_request(
+            f"The request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}.",
+            code="invalid_json",
+        )
     loc = err.get("loc", ())
     if not loc:
         return bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -91,4 +110,8 @@ def from_validation_error(errors: list[dict]) -> APIError:
         msg = f"Invalid '{param}': {msg[0].lower() + msg[1:] if msg else msg}"
         if not msg.endswith("."):
             msg += "."
-    return bad_request(msg, param, code="invalid_value" if err["type"] != "missing" else "missing_required_parameter")
+    return bad_request(
+        msg,
+        param,
+        code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
+    )

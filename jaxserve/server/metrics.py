@@ -9,7 +9,7 @@ registry, so several servers can live in one process (tests).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -18,10 +18,54 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from jaxserve.outputs import RequestOutput
 
 NS = "jaxserve:"
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -45,13 +89,26 @@ class _EngineCollector:
             return c
 
         usable = max(st.get("num_blocks", 1) - 1, 1)  # block 0 is the null block
-        yield gauge("num_requests_running", "Sequences in the running batch.", st.get("num_running", 0))
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", st.get("num_waiting", 0))
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (1 = full).",
-                    st.get("blocks_used", 0) / usable)
-        yield counter("prefix_cache_queries", "Prefix cache lookups.", st.get("prefix_cache_queries", 0))
-        yield counter("prefix_cache_hits", "Prefix cache lookups that hit.", st.get("prefix_cache_hits", 0))
-        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", st.get("preemptions", 0))
+        yield gauge(
+            "num_requests_running", "Sequences in the running batch.", st.get("num_running", 0)
+        )
+        yield gauge(
+            "num_requests_waiting", "Sequences waiting to be scheduled.", st.get("num_waiting", 0)
+        )
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV cache blocks held by requests (1 = full).",
+            st.get("blocks_used", 0) / usable,
+        )
+        yield counter(
+            "prefix_cache_queries", "Prefix cache lookups.", st.get("prefix_cache_queries", 0)
+        )
+        yield counter(
+            "prefix_cache_hits", "Prefix cache lookups that hit.", st.get("prefix_cache_hits", 0)
+        )
+        yield counter(
+            "num_preemptions", "Requests preempted for lack of KV blocks.", st.get("preemptions", 0)
+        )
         yield counter("prompt_tokens", "Prompt tokens admitted.", st.get("prompt_tokens", 0))
         yield counter("generation_tokens", "Tokens generated.", st.get("generation_tokens", 0))
 
@@ -60,17 +117,34 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], dict], model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name))
-        kw = dict(labelnames=["model_name"], registry=self.registry)
-        self.success = Counter(NS + "request_success", "Finished requests (choices) by finish reason.",
-                               labelnames=["model_name", "finished_reason"], registry=self.registry)
-        self.ttft = Histogram(NS + "time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
-        self.itl = Histogram(NS + "inter_token_latency_seconds", "Time between consecutive output steps.",
-                             buckets=_ITL_BUCKETS, **kw).labels(model_name)
-        self.e2e = Histogram(NS + "e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
-        self.queue = Histogram(NS + "request_queue_time_seconds", "Arrival to first scheduled.",
-                               buckets=_LATENCY_BUCKETS, **kw).labels(model_name)
+        kw = {"labelnames": ["model_name"], "registry": self.registry}
+        self.success = Counter(
+            NS + "request_success",
+            "Finished requests (choices) by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            NS + "time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.itl = Histogram(
+            NS + "inter_token_latency_seconds",
+            "Time between consecutive output steps.",
+            buckets=_ITL_BUCKETS,
+            **kw,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            NS + "e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, **kw
+        ).labels(model_name)
+        self.queue = Histogram(
+            NS + "request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            **kw,
+        ).labels(model_name)
         self._model = model_name
         self._last_token: dict[str, float] = {}
 

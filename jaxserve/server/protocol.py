@@ -52,7 +52,11 @@ class _SamplingRequest(_Model):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, v: Any) -> Any:
-        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        if (
+            v is None
+            or isinstance(v, str)
+            or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+        ):
             return v
         raise ValueError("must be a string or a list of strings")
 
@@ -66,7 +70,9 @@ class _SamplingRequest(_Model):
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true.", "stream_options"
+            )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -79,15 +85,23 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _prompt(cls, v: Any) -> Any:
         def ids(x) -> bool:
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            return isinstance(x, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in x
+            )
 
         if v == []:
             raise ValueError("is empty: send at least one token")
         if isinstance(v, str) or ids(v):
             return v
-        if isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+        if (
+            isinstance(v, list)
+            and v
+            and (all(isinstance(p, str) for p in v) or all(ids(p) for p in v))
+        ):
             return v
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token id lists")
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token id lists"
+        )
 
 
 class ChatMessage(_Model):
@@ -138,8 +152,15 @@ def parse(model: type[_Model], body: bytes) -> Any:
         raise from_validation_error(e.errors(include_input=False)) from None
 
 
-def to_sampling_params(req: _SamplingRequest, *, defaults: dict, max_tokens: int | None, logprobs: int | None,
-                       vocab_size: int, aliases: dict[str, str]) -> SamplingParams:
+def to_sampling_params(
+    req: _SamplingRequest,
+    *,
+    defaults: dict,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    aliases: dict[str, str],
+) -> SamplingParams:
     """Build SamplingParams: explicit request values, then the model's generation config, then OpenAI's."""
     kw: dict[str, Any] = {"temperature": 1.0, **defaults}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
@@ -149,18 +170,36 @@ def to_sampling_params(req: _SamplingRequest, *, defaults: dict, max_tokens: int
     for name, ids in (("logit_bias", list(bias)), ("stop_token_ids", req.stop_token_ids or [])):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise bad_request(f"Token id {bad} in '{name}' is outside the vocabulary (0..{vocab_size - 1}).", name)
+            raise bad_request(
+                f"Token id {bad} in '{name}' is outside the vocabulary (0..{vocab_size - 1}).", name
+            )
     try:
         return SamplingParams(
-            n=req.n, max_tokens=max_tokens, stop=req.stop or [], seed=req.seed, logprobs=logprobs,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=bias or None,
-            min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or [],
-            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            n=req.n,
+            max_tokens=max_tokens,
+            stop=req.stop or [],
+            seed=req.seed,
+            logprobs=logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=bias or None,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids or [],
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
             **kw,
         )
     except ValueError as e:
         raise from_value_error(e, aliases) from None
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "parse",
-           "to_sampling_params"]
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "parse",
+    "to_sampling_params",
+]

@@ -151,6 +151,10 @@ def test_metrics_counters_move(server, http, client):
     def moved(name, labels=""):
         return metric(after, name, labels) - metric(before, name, labels)
 
+    names = ["prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+             "prefix_cache_hits_total", "time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+             "request_queue_time_seconds_count", "inter_token_latency_seconds_count"]
+    print({n: moved(n) for n in names})
     assert moved("prompt_tokens_total") == 2 * n_prompt
     assert moved("generation_tokens_total") == 10
     assert moved("request_success_total", 'finished_reason="length"') == 2

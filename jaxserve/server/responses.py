@@ -1,0 +1,246 @@
+"""OpenAI response shapes: choices, logprobs (legacy and chat), usage, SSE chunks.
+
+One ResponseBuilder per API call turns the engine's RequestOutputs into either one JSON body or a
+stream of chunks: one chunk per step per choice that changed, `finish_reason` exactly once per
+choice, an optional usage chunk, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from jaxserve.server import protocol as P
+from jaxserve.server.async_engine import EngineDeadError, RequestStream
+from jaxserve.server.errors import APIError
+from jaxserve.server.streaming import DONE, sse
+from jaxserve.tokenizer import _byte_alphabet
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str | None = None
+
+
+@dataclass
+class Kind:
+    """What differs between completions and chat."""
+
+    object: str  # "text_completion" | "chat.completion"
+    chunk_object: str
+    id_prefix: str
+    params: P._SamplingRequest
+    prompts: list[Prompt]
+    echo: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+class TokenTexts:
+    """Per-token display text and raw bytes, cached (logprobs name every sampled token)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        t = self._text.get(token_id)
+        if t is None:
+            t = self._text[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return t
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's raw bytes (a byte-level token may hold part of a UTF-8 character)."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            b = self._bytes[token_id] = list(
+                _raw_bytes(self.tok, token_id) or self.text(token_id).encode()
+            )
+        return b
+
+
+def _raw_bytes(tok, token_id: int) -> bytes | None:
+    piece = tok.convert_ids_to_tokens([token_id])[0]
+    if piece is None or token_id in tok.all_special_ids:
+        return None
+    m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    if m:  # sentencepiece byte fallback
+        return bytes([int(m[1], 16)])
+    inv = _inverse_byte_alphabet()
+    if all(ch in inv for ch in piece):  # GPT-2 byte-level BPE
+        return bytes(inv[ch] for ch in piece)
+    return piece.replace("\u2581", " ").encode()
+
+
+@functools.lru_cache(maxsize=1)
+def _inverse_byte_alphabet() -> dict[str, int]:
+    return {ch: b for b, ch in _byte_alphabet().items()}
+
+
+class ResponseBuilder:
+    """Shapes one API call's outputs as OpenAI choices, streamed or whole."""
+
+    def __init__(self, tokens: TokenTexts, kind: Kind, n: int, api_id: str, model: str):
+        self.tokens, self.kind, self.n, self.id, self.model = tokens, kind, n, api_id, model
+        self.created = int(time.time())
+        self.chat = kind.object == "chat.completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _echo(self, prompt_idx: int) -> str:
+        p = self.kind.prompts[prompt_idx]
+        if p.text is None:
+            p.text = self.tokens.tok.decode(
+                p.ids, skip_special_tokens=self.kind.params.skip_special_tokens
+            )
+        return p.text
+
+    # ---- logprobs in both API shapes -------------------------------------------------------------
+    def _logprobs(self, lps: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+        if lps is None:
+            return None
+        tt = self.tokens.text
+        if self.chat:
+
+            def entry(tid: int, lp: float) -> dict:
+                return {
+                    "token": tt(tid),
+                    "logprob": max(lp, MIN_LOGPROB),
+                    "bytes": self.tokens.bytes(tid),
+                }
+
+            return {
+                "content": [
+                    {
+                        **entry(lp.token_id, lp.logprob),
+                        "top_logprobs": [entry(i, v) for i, v in lp.top],
+                    }
+                    for lp in lps
+                ]
+            }
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            t = tt(lp.token_id)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(max(lp.logprob, MIN_LOGPROB))
+            top: dict[str, float] = {}
+            for i, v in lp.top:  # best first; tokens with the same text keep the best
+                top.setdefault(tt(i), max(v, MIN_LOGPROB))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(t)
+        return out
+
+    def _choice(
+        self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool
+    ) -> dict:
+        c: dict[str, Any] = {"index": index}
+        if not self.chat:
+            c["text"] = text
+        elif delta:
+            c["delta"] = {"content": text} if text else {}
+        else:
+            c["message"] = {"role": "assistant", "content": text}
+        c["logprobs"] = logprobs
+        c["finish_reason"] = o.finish_reason
+        c["stop_reason"] = o.stop_reason
+        return c
+
+    def _usage(self, finals: dict[int, RequestOutput]) -> dict:
+        prompt = sum(len(p.ids) for p in self.kind.prompts)
+        completion = sum(len(o.token_ids) for r in finals.values() for o in r.outputs)
+        cached = sum(r.num_cached_tokens for r in finals.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    # ---- whole -----------------------------------------------------------------------------------
+    async def collect(self, stream: RequestStream) -> dict[int, RequestOutput] | None:
+        finals: dict[int, RequestOutput] = {}
+        async for idx, out in stream:
+            if out.finished:
+                finals[idx] = out
+        return finals if len(finals) == len(self.kind.prompts) else None
+
+    def body(self, finals: dict[int, RequestOutput]) -> dict:
+        choices = []
+        for idx in sorted(finals):
+            for o in finals[idx].outputs:
+                text = (self._echo(idx) + o.text) if self.kind.echo else o.text
+                choices.append(
+                    self._choice(
+                        idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False
+                    )
+                )
+        return {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
+
+    # ---- streamed --------------------------------------------------------------------------------
+    async def events(self, stream: RequestStream):
+        """One chunk per step per choice that changed; finish_reason exactly once per choice."""
+        include_usage = bool(
+            self.kind.params.stream_options and self.kind.params.stream_options.include_usage
+        )
+        head = self._head(self.kind.chunk_object)
+        finals: dict[int, RequestOutput] = {}
+        done: set[int] = set()
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        try:
+            if self.chat:
+                for i in range(len(self.kind.prompts) * self.n):
+                    yield sse(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+            async for idx, out in stream:
+                if out.finished:
+                    finals[idx] = out
+                for o in out.outputs:
+                    index = idx * self.n + o.index
+                    if index in done or not (
+                        o.delta_text or o.finished or (o.delta_logprobs and o.logprobs is not None)
+                    ):
+                        continue
+                    text = o.delta_text
+                    if self.kind.echo and index not in started:
+                        text = self._echo(idx) + text
+                    started.add(index)
+                    lps = (
+                        self._logprobs(o.delta_logprobs, offsets.get(index, 0))
+                        if o.logprobs is not None
+                        else None
+                    )
+                    if lps is not None and not self.chat:
+                        offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
+                    if o.finished:
+                        done.add(index)
+                    yield sse({**head, "choices": [self._choice(index, text, lps, o, delta=True)]})
+            if stream.aborted:
+                return
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": self._usage(finals)})
+        except EngineDeadError as e:
+            yield sse(APIError(503, str(e), code="engine_unavailable").body())
+        finally:
+            stream.abort()  # no-op once finished; frees the blocks of a stream cut short
+        yield DONE
