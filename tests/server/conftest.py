@@ -13,8 +13,6 @@ import openai
 import pytest
 import uvicorn
 
-from tests.tiny_models import make_tiny_model
-
 ENGINE = {
     "max_model_len": 256,
     "num_blocks": 256,
@@ -111,13 +109,13 @@ class ServerThread:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model):
-    s = ServerThread(tiny_model)
+def server(tiny_llama):
+    s = ServerThread(tiny_llama)
     yield s
     s.stop()
 

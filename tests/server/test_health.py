@@ -11,8 +11,8 @@ from tests.server.conftest import ServerThread
 
 
 @pytest.fixture(scope="module")
-def faulty(tiny_model):
-    s = ServerThread(tiny_model, {"max_num_seqs": 8})
+def faulty(tiny_llama):
+    s = ServerThread(tiny_llama, {"max_num_seqs": 8})
     yield s
     s.stop()
 

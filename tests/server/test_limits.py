@@ -15,10 +15,10 @@ KEY = "sekret-key"
 
 
 @pytest.fixture(scope="module")
-def strict(tiny_model):
+def strict(tiny_llama):
     """One sequence at a time, at most 2 queued, a key on everything but /health, 32 KiB bodies."""
     s = ServerThread(
-        tiny_model,
+        tiny_llama,
         {"max_num_seqs": 1},
         api_key=KEY,
         public_paths=("/health",),

@@ -15,15 +15,15 @@ import httpx
 from tests.server.conftest import free_port
 
 
-def test_serve_cli_sigterm_drains(tiny_model, tmp_path):
+def test_serve_cli_sigterm_drains(tiny_llama, tmp_path):
     """In-flight streams run to the end, new requests get 503, the process exits 0."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "serve.log", "w+") as log:
-        _run(tiny_model, port, url, log)
+        _run(tiny_llama, port, url, log)
 
 
-def _run(tiny_model, port: int, url: str, log) -> None:
+def _run(tiny_llama, port: int, url: str, log) -> None:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -31,7 +31,7 @@ def _run(tiny_model, port: int, url: str, log) -> None:
             "jaxserve.cli",
             "serve",
             "--model",
-            str(tiny_model),
+            str(tiny_llama),
             "--port",
             str(port),
             "--max-model-len",
