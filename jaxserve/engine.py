@@ -220,8 +220,8 @@ class LLMEngine:
         if not sched.scheduled:
             return [self._output(g) for g in touched.values()]
         now = time.time()
-        # Rows whose sequence has earlier context go first: the XLA attention reads pages only for them.
-        scheduled = sorted(sched.scheduled, key=lambda s: s.start == 0)
+        # Decode rows (one new token) first: the XLA attention takes them in a loop of their own.
+        scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         rows = [(s.request.token_ids, s.start, s.num_new_tokens, s.request.block_ids) for s in scheduled]
         num_tokens = sched.num_batched_tokens
         t, s_bucket = self.runner.bucket_for(num_tokens, len(rows))

@@ -44,103 +44,122 @@ def xla_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    rows_per_block: int = 64,
+    decode_rows: int = 32,
+    prefill_rows: int = 32,
     blocks_per_chunk: int = 8,
 ):
-    """Ragged paged attention in plain XLA, in two parts merged by their softmax statistics.
+    """Ragged paged attention in plain XLA: flash-style loops with dynamic trip counts.
 
-    1. This step's own tokens attend to each other (same sequence, causal) densely: no page reads.
-    2. Each token attends to its sequence's *earlier* context (computed in previous steps) through
-       the block table: a loop over row blocks of tokens that have such a prefix, and inside it a
-       loop over chunks of pages up to the longest prefix in the row block. Both trip counts are
-       dynamic, so a fresh prefill reads no pages at all and nothing recompiles as contexts grow.
-    The batch builder puts rows with a prefix first, which keeps the outer loop short.
+    Decode rows (sequences with one new token) each read their own sequence's pages, a block of
+    rows at a time. Prefill rows (several new tokens) are taken in tiles; for each sequence in a
+    tile its pages are read once, chunk by chunk, and scored against all the tile's rows with one
+    matmul. Nothing is read past the longest context in play, so nothing recompiles as contexts
+    grow. The batch builder puts decode rows first, which keeps both loops short; any order is
+    still correct.
     """
     t, hq, d = q.shape
     nb, bs, hkv, _ = k_pages.shape
     g = hq // hkv
-    max_blocks = block_tables.shape[1]
-    r = min(rows_per_block, t)
+    s_max, max_blocks = block_tables.shape
     chunk = blocks_per_chunk * bs
+    rd, rp = min(decode_rows, t), min(prefill_rows, t)
 
     seq, pos, valid = _token_layout(seq_lens, query_start_loc, num_seqs, t)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    prefix = jnp.where(valid, seq_lens[seq] - q_len, 0)  # i32[T] context written before this step
-    qf = q.reshape(t, hkv, g, d).astype(jnp.float32) * sm_scale
-
-    def cap(s):
-        return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
-
-    # Part 1: the step's own tokens, read back from their slots (they were just written).
-    slot = block_tables[seq, jnp.minimum(pos // bs, max_blocks - 1)] * bs + pos % bs
-    real = valid[:, None, None]
-    k_new = jnp.where(real, k_pages.reshape(nb * bs, hkv, d)[slot].astype(jnp.float32), 0.0)
-    v_new = jnp.where(real, v_pages.reshape(nb * bs, hkv, d)[slot].astype(jnp.float32), 0.0)
-    mask = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None]) & valid[:, None] & valid[None, :]
-    if sliding_window is not None:
-        mask &= pos[None, :] > pos[:, None] - sliding_window
-    s = cap(jnp.einsum("tkgd,ukd->tkgu", qf, k_new))
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    m1 = jnp.max(s, axis=-1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m1), m1, 0.0)[..., None])
-    l1 = jnp.sum(p, axis=-1)
-    acc1 = jnp.einsum("tkgu,ukd->tkgd", p, v_new)
-
-    # Part 2: the earlier context, through the block tables.
+    is_decode = valid & (q_len == 1)
     tables = jnp.pad(block_tables, ((0, 0), (0, (-max_blocks) % blocks_per_chunk)))
-    has_prefix = prefix > 0
-    last_row = jnp.max(jnp.where(has_prefix, jnp.arange(t), -1))
-    num_row_blocks = (last_row + r) // r
-    pad_t = (-t) % r  # row blocks must tile T; padded rows have no prefix
-    padded = lambda x, v=0: jnp.pad(x, [(0, pad_t)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
-    seq_p, pos_p, prefix_p, qf_p = padded(seq), padded(pos), padded(prefix), padded(qf)
+    qf = q.reshape(t, hkv, g, d).astype(jnp.float32) * sm_scale
+    pad = max(rd, rp)
+    padded = lambda x, v=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
+    seq_p, pos_p, valid_p, qf_p = padded(seq), padded(pos, -1), padded(valid, False), padded(qf)
 
-    def row_block(i, carry):
-        m_all, l_all, acc_all = carry
-        start = i * r
-        rseq = jax.lax.dynamic_slice_in_dim(seq_p, start, r)
-        rpos = jax.lax.dynamic_slice_in_dim(pos_p, start, r)
-        rpre = jax.lax.dynamic_slice_in_dim(prefix_p, start, r)
-        rq = jax.lax.dynamic_slice_in_dim(qf_p, start, r)
-        rtab = tables[rseq]  # i32[R, padded_blocks]
+    def cap(x):
+        return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
+
+    def visible(kv_pos, row_pos):  # bool[R, C]: causal (and window) visibility
+        ok = kv_pos[None, :] <= row_pos[:, None]
+        if sliding_window is not None:
+            ok &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+        return ok
+
+    def online(carry, sc, v, ok, vspec):
+        """One online-softmax update. sc: [R, Hkv, G, C] scores; v: values matching the C axis."""
+        m, l, acc = carry
+        sc = jnp.where(ok, cap(sc), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(sc - m_safe[..., None])
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + jnp.einsum(vspec, p, v)
+
+    def empty(r):
+        return jnp.full((r, hkv, g), -jnp.inf), jnp.zeros((r, hkv, g)), jnp.zeros((r, hkv, g, d))
+
+    tp = t + pad
+    m_all, l_all, acc_all = empty(tp)
+
+    # Decode rows: per-row page gather.
+    num_decode_blocks = (jnp.max(jnp.where(is_decode, jnp.arange(t), -1)) + rd) // rd
+
+    def decode_block(i, carry):
+        start = i * rd
+        rseq = jax.lax.dynamic_slice_in_dim(seq_p, start, rd)
+        rpos = jax.lax.dynamic_slice_in_dim(pos_p, start, rd)
+        rq = jax.lax.dynamic_slice_in_dim(qf_p, start, rd)
+        rtab = tables[rseq]
 
         def kv_chunk(c, inner):
-            m, l, acc = inner
             blk = jax.lax.dynamic_slice_in_dim(rtab, c * blocks_per_chunk, blocks_per_chunk, axis=1)
             kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            ok = kv_pos[None, :] < rpre[:, None]
-            if sliding_window is not None:
-                ok &= kv_pos[None, :] > rpos[:, None] - sliding_window
-            k = k_pages[blk].reshape(r, chunk, hkv, d).astype(jnp.float32)
-            v = jnp.where(ok[:, :, None, None], v_pages[blk].reshape(r, chunk, hkv, d).astype(jnp.float32), 0.0)
-            sc = jnp.where(ok[:, None, None, :], cap(jnp.einsum("tkgd,tckd->tkgc", rq, k)), -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            pc = jnp.exp(sc - m_safe[..., None])
-            corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-            return m_new, l * corr + jnp.sum(pc, axis=-1), acc * corr[..., None] + jnp.einsum("tkgc,tckd->tkgd", pc, v)
+            ok = visible(kv_pos, rpos)
+            k = k_pages[blk].reshape(rd, chunk, hkv, d).astype(jnp.float32)
+            v = jnp.where(ok[:, :, None, None], v_pages[blk].reshape(rd, chunk, hkv, d).astype(jnp.float32), 0.0)
+            return online(inner, jnp.einsum("rkgd,rckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,rckd->rkgd")
 
-        init = (jnp.full((r, hkv, g), -jnp.inf), jnp.zeros((r, hkv, g)), jnp.zeros((r, hkv, g, d)))
-        num_chunks = (jnp.max(rpre) + chunk - 1) // chunk
-        m, l, acc = jax.lax.fori_loop(0, num_chunks, kv_chunk, init)
-        return (
-            jax.lax.dynamic_update_slice_in_dim(m_all, m, start, 0),
-            jax.lax.dynamic_update_slice_in_dim(l_all, l, start, 0),
-            jax.lax.dynamic_update_slice_in_dim(acc_all, acc, start, 0),
-        )
+        num_chunks = (jnp.max(rpos) + chunk) // chunk
+        m, l, acc = jax.lax.fori_loop(0, num_chunks, kv_chunk, empty(rd))
+        m_all, l_all, acc_all = carry
+        upd = jax.lax.dynamic_update_slice_in_dim
+        return upd(m_all, m, start, 0), upd(l_all, l, start, 0), upd(acc_all, acc, start, 0)
 
-    tp = t + pad_t
-    init = (jnp.full((tp, hkv, g), -jnp.inf), jnp.zeros((tp, hkv, g)), jnp.zeros((tp, hkv, g, d)))
-    m2, l2, acc2 = jax.lax.fori_loop(0, num_row_blocks, row_block, init)
-    m2, l2, acc2 = m2[:t], l2[:t], acc2[:t]
+    carry = jax.lax.fori_loop(0, num_decode_blocks, decode_block, (m_all, l_all, acc_all))
 
-    # Merge the two parts.
-    m = jnp.maximum(m1, m2)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    c1 = jnp.exp(jnp.where(jnp.isfinite(m1), m1 - m_safe, -jnp.inf))
-    c2 = jnp.exp(jnp.where(jnp.isfinite(m2), m2 - m_safe, -jnp.inf))
-    l = l1 * c1 + l2 * c2
-    out = (acc1 * c1[..., None] + acc2 * c2[..., None]) / jnp.where(l > 0, l, 1.0)[..., None]
+    # Prefill rows: tiles starting after the decode rows; pages read once per (tile, sequence).
+    first = jnp.min(jnp.where(valid & ~is_decode, jnp.arange(t), t))
+    last = jnp.max(jnp.where(valid & ~is_decode, jnp.arange(t), -1))
+    num_tiles = jnp.where(last >= first, (last - first + rp) // rp, 0)
+
+    def prefill_tile(i, carry):
+        start = first + i * rp
+        rseq = jax.lax.dynamic_slice_in_dim(seq_p, start, rp)
+        rpos = jax.lax.dynamic_slice_in_dim(pos_p, start, rp)
+        rvalid = jax.lax.dynamic_slice_in_dim(valid_p, start, rp)
+        rq = jax.lax.dynamic_slice_in_dim(qf_p, start, rp)
+        s_first = rseq[0]
+        s_last = jnp.max(jnp.where(rvalid, rseq, s_first))
+
+        def one_seq(sid, inner):
+            mine = rvalid & (rseq == sid)
+            top = jnp.max(jnp.where(mine, rpos, -1))
+
+            def kv_chunk(c, inner2):
+                blk = jax.lax.dynamic_slice_in_dim(tables[sid], c * blocks_per_chunk, blocks_per_chunk)
+                kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+                ok = visible(kv_pos, rpos) & mine[:, None]
+                k = k_pages[blk].reshape(chunk, hkv, d).astype(jnp.float32)
+                v = jnp.where((kv_pos <= top)[:, None, None], v_pages[blk].reshape(chunk, hkv, d).astype(jnp.float32), 0.0)
+                return online(inner2, jnp.einsum("rkgd,ckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,ckd->rkgd")
+
+            return jax.lax.fori_loop(0, (top + chunk) // chunk, kv_chunk, inner)
+
+        m, l, acc = jax.lax.fori_loop(s_first, s_last + 1, one_seq, empty(rp))
+        m_all, l_all, acc_all = carry
+        upd = jax.lax.dynamic_update_slice_in_dim
+        return upd(m_all, m, start, 0), upd(l_all, l, start, 0), upd(acc_all, acc, start, 0)
+
+    _, l_all, acc_all = jax.lax.fori_loop(0, num_tiles, prefill_tile, carry)
+    l_all, acc_all = l_all[:t], acc_all[:t]
+    out = acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(t, hq, d).astype(q.dtype)
 
