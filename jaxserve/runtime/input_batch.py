@@ -17,7 +17,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
+def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
     out, t = [], smallest
     while t < max_tokens:
         out.append(t)
