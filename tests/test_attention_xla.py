@@ -40,5 +40,5 @@ def test_xla_backend_matches_reference(case, heads, window, cap):
                    block_size=8, pad_tokens=5)
     kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=cap)
     want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*b.args)
-    got = jax.jit(functools.partial(xla_ragged_paged_attention, decode_rows=4, prefill_rows=4, blocks_per_chunk=2, **kw))(*b.args)
+    got = jax.jit(functools.partial(xla_ragged_paged_attention, decode_rows=4, decode_blocks_per_chunk=1, prefill_rows=4, blocks_per_chunk=2, **kw))(*b.args)
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)

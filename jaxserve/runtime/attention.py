@@ -8,6 +8,7 @@ by name (`--attention-backend`); `xla` is the portable default, `pallas` the ker
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -44,7 +45,8 @@ def xla_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    decode_rows: int = 32,
+    decode_rows: int = 16,
+    decode_blocks_per_chunk: int = 2,
     prefill_rows: int = 32,
     blocks_per_chunk: int = 8,
 ):
@@ -62,12 +64,13 @@ def xla_ragged_paged_attention(
     g = hq // hkv
     s_max, max_blocks = block_tables.shape
     chunk = blocks_per_chunk * bs
+    dchunk, dbpc = decode_blocks_per_chunk * bs, decode_blocks_per_chunk
     rd, rp = min(decode_rows, t), min(prefill_rows, t)
 
     seq, pos, valid = _token_layout(seq_lens, query_start_loc, num_seqs, t)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     is_decode = valid & (q_len == 1)
-    tables = jnp.pad(block_tables, ((0, 0), (0, (-max_blocks) % blocks_per_chunk)))
+    tables = jnp.pad(block_tables, ((0, 0), (0, (-max_blocks) % math.lcm(blocks_per_chunk, dbpc))))
     qf = q.reshape(t, hkv, g, d).astype(jnp.float32) * sm_scale
     pad = max(rd, rp)
     padded = lambda x, v=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
@@ -109,14 +112,14 @@ def xla_ragged_paged_attention(
         rtab = tables[rseq]
 
         def kv_chunk(c, inner):
-            blk = jax.lax.dynamic_slice_in_dim(rtab, c * blocks_per_chunk, blocks_per_chunk, axis=1)
-            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            blk = jax.lax.dynamic_slice_in_dim(rtab, c * dbpc, dbpc, axis=1)
+            kv_pos = c * dchunk + jnp.arange(dchunk, dtype=jnp.int32)
             ok = visible(kv_pos, rpos)
-            k = k_pages[blk].reshape(rd, chunk, hkv, d).astype(jnp.float32)
-            v = jnp.where(ok[:, :, None, None], v_pages[blk].reshape(rd, chunk, hkv, d).astype(jnp.float32), 0.0)
+            k = k_pages[blk].reshape(rd, dchunk, hkv, d).astype(jnp.float32)
+            v = jnp.where(ok[:, :, None, None], v_pages[blk].reshape(rd, dchunk, hkv, d).astype(jnp.float32), 0.0)
             return online(inner, jnp.einsum("rkgd,rckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,rckd->rkgd")
 
-        num_chunks = (jnp.max(rpos) + chunk) // chunk
+        num_chunks = (jnp.max(rpos) + dchunk) // dchunk
         m, l, acc = jax.lax.fori_loop(0, num_chunks, kv_chunk, empty(rd))
         m_all, l_all, acc_all = carry
         upd = jax.lax.dynamic_update_slice_in_dim
