@@ -47,7 +47,7 @@ def xla_ragged_paged_attention(
     soft_cap: float | None = None,
     decode_rows: int = 16,
     decode_blocks_per_chunk: int = 2,
-    prefill_rows: int = 32,
+    prefill_rows: int = 128,
     blocks_per_chunk: int = 8,
 ):
     """Ragged paged attention in plain XLA: flash-style loops with dynamic trip counts.
