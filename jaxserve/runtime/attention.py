@@ -14,6 +14,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.reference import token_layout
+
 
 class AttentionMetadata(NamedTuple):
     """Per-step batch layout, shared by all layers (a pytree of device arrays)."""
@@ -67,7 +69,7 @@ def xla_ragged_paged_attention(
     dchunk, dbpc = decode_blocks_per_chunk * bs, decode_blocks_per_chunk
     rd, rp = min(decode_rows, t), min(prefill_rows, t)
 
-    seq, pos, valid = _token_layout(seq_lens, query_start_loc, num_seqs, t)
+    seq, pos, valid = token_layout(seq_lens, query_start_loc, num_seqs, t)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     is_decode = valid & (q_len == 1)
     tables = jnp.pad(block_tables, ((0, 0), (0, (-max_blocks) % math.lcm(blocks_per_chunk, dbpc))))
@@ -165,17 +167,6 @@ def xla_ragged_paged_attention(
     out = acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(t, hq, d).astype(q.dtype)
-
-
-def _token_layout(seq_lens, query_start_loc, num_seqs, t):
-    """Per token: (sequence index, absolute position, is-real)."""
-    tok = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start_loc[1:], tok, side="right").astype(jnp.int32)
-    seq = jnp.minimum(seq, seq_lens.shape[0] - 1)
-    valid = tok < query_start_loc[num_seqs[0]]
-    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    pos = seq_lens[seq] - q_len + (tok - query_start_loc[seq])
-    return seq, pos, valid
 
 
 AttentionFn = Callable[..., jax.Array]
