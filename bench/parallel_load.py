@@ -6,7 +6,7 @@ placement (numpy sources: shard-by-shard device_put; Orbax: restore with target 
 Each source runs in a fresh subprocess, so nothing is shared between runs except the OS page cache
 (a first "cold-ish" run is reported separately from the best of the warm repeats).
 
-    jaxserve bench parallel_load [--model default] [--repeats 3] [--tp 1] [--out bench/RESULTS_parallel.md]
+    jaxserve bench parallel_load [--model default] [--repeats 3] [--tp 1] [--out load.json]
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def test_prefill_heavy_caching_cuts_ttft_and_preemptions(prefill_first):
 
 def test_decode_heavy_caching_cuts_ttft():
     # Preemptions are not asserted: with only a 32-token shared prefix the cache mostly lets more
-    # requests run at once, and preemptions stay level or rise (see bench/RESULTS_core.md).
+    # requests run at once, and preemptions stay level or rise (see bench/RESULTS.md).
     off, on = run("decode_heavy", [sim.SimConfig("off"), sim.SimConfig("hash")], n=120)
     assert on["ttft_mean_s"] < off["ttft_mean_s"] and on["hit_rate"] > 0.2
     assert off["preemptions"] > 0
