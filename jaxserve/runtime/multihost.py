@@ -16,7 +16,7 @@ The broadcast is `multihost_utils.broadcast_one_to_all`, a tiny collective over 
 replicated, so the leader reads them from its own devices.
 
 Start each process with `initialize()` (wraps `jax.distributed.initialize`) before anything else
-touches JAX. See docs/multihost.md.
+touches JAX. See tools/multihost.md.
 """
 
 from __future__ import annotations
