@@ -54,6 +54,54 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-precompile", dest="precompile", action="store_false",
                    help="compile step shapes on first use instead of at start-up")
     g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
+    g.add_argument("--config", default=None, metavar="YAML",
+                   help="read flag values from a YAML file (keys are flag names, e.g. max-num-seqs: 32); "
+                   "flags given on the command line win. Presets: configs/")
+
+
+def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Fill in values from `--config FILE` for every flag the command line did not set."""
+    import yaml
+
+    path = getattr(args, "config", None)
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Config file {path!r} does not exist.") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"Config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"Config file {path!r} must be a mapping of flag names to values.")
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
+    flags = {}
+    for action in parser._actions:
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                flags[opt[2:]] = action
+    for key, value in values.items():
+        name = str(key).replace("_", "-")
+        action = flags.get(name)
+        if action is None or name in ("config", "help"):
+            raise ValueError(f"Unknown key {key!r} in config file {path!r}: use flag names of "
+                             f"`jaxserve {args.command} --help`, e.g. max-num-seqs.")
+        if any(opt in given for opt in action.option_strings):
+            continue
+        try:
+            if action.nargs == 0:  # a switch (store_true / store_false): `true` means the flag is given
+                if not isinstance(value, bool):
+                    raise ValueError("expected true or false")
+                value = action.const if value else not action.const
+            elif isinstance(value, str) and action.type not in (None, str):
+                value = action.type(value)  # e.g. "1GiB" -> bytes
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"Invalid value {value!r} for {key!r} in config file {path!r}: {e}") from None
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"Invalid value {value!r} for {key!r} in config file {path!r}: "
+                             f"choose one of {', '.join(map(str, action.choices))}.")
+        setattr(args, action.dest, value)
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -164,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-stream", dest="stream", action="store_false", help="print the whole answer at the end")
     add_sampling_args(g)
     add_engine_args(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, command_parser=g)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
@@ -174,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     add_engine_args(sv)
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func=cmd_serve, command_parser=sv)
 
     b = sub.add_parser("bench", help="benchmarks: sim, offline, serve, roofline, ... (code in bench/)")
     b.add_argument("name", help="benchmark name, e.g. sim")
@@ -189,12 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     verbose = getattr(args, "verbose", False) or args.command == "serve"
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
+        if getattr(args, "config", None):
+            apply_config_file(args, args.command_parser, argv)
         return args.func(args)
     except KeyboardInterrupt:
         return 130

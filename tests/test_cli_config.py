@@ -1,0 +1,64 @@
+"""`--config FILE`: YAML presets fill in flags the command line did not set; mistakes name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxserve.cli import apply_config_file, build_parser, engine_config
+
+PRESETS = sorted(str(p) for p in (Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def parse(argv, tmp_path=None, text=None):
+    if text is not None:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text)
+        argv = [*argv, "--config", str(cfg)]
+    args = build_parser().parse_args(argv)
+    apply_config_file(args, args.command_parser, argv)
+    return args
+
+
+def test_values_fill_in_and_command_line_wins(tmp_path):
+    args = parse(["serve", "--max-num-seqs", "8"], tmp_path,
+                 "max-num-seqs: 32\nkv-cache-memory: 64MiB\nprefix_cache: hash\ndecode-first: true\nno-precompile: true\n")
+    cfg = engine_config(args)
+    assert cfg.max_num_seqs == 8 and cfg.kv_cache_memory == 64 << 20 and cfg.prefix_cache == "hash"
+    assert cfg.prefill_first is False and cfg.precompile is False
+
+
+def test_presets_exist():
+    assert len(PRESETS) >= 3
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_parse_into_valid_engine_configs(preset):
+    args = parse(["serve", "--config", preset])
+    engine_config(args)  # validates every field
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("max-num-sequences: 4\n", "Unknown key 'max-num-sequences'"),
+        ("prefix-cache: lru\n", "choose one of radix, hash, off"),
+        ("kv-cache-memory: lots\n", "Invalid memory size"),
+        ("max-num-seqs: [1, 2]\n", "max_num_seqs"),
+        ("- just a list\n", "mapping"),
+        ("a: [unclosed\n", "not valid YAML"),
+        ("no-precompile: maybe\n", "expected true or false"),
+    ],
+)
+def test_mistakes_name_the_key(tmp_path, text, needle):
+    with pytest.raises(ValueError, match=needle.replace("[", r"\[")):
+        engine_config(parse(["serve"], tmp_path, text))
+
+
+def test_missing_file_is_one_clear_error(capsys):
+    from jaxserve.cli import main
+
+    assert main(["generate", "--config", "/no/such.yaml", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["jaxserve: error: Config file '/no/such.yaml' does not exist."]
