@@ -9,6 +9,7 @@ the prompt's cached blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -337,8 +338,10 @@ class LLMEngine:
             for s in group.seqs:
                 self._seqs.pop(s.req.request_id, None)
         cached = max((s.req.num_cached_tokens for s in group.seqs), default=0)
+        # A snapshot of the metrics: the engine keeps updating its own copy while consumers (the
+        # server's event loop) may read this output a step later.
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             max(cached, 0), group.metrics)
+                             max(cached, 0), dataclasses.replace(group.metrics))
 
     # ---- introspection ----------------------------------------------------------------------------
     def get_stats(self) -> dict:
