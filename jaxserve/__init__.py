@@ -5,7 +5,13 @@
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# jaxserve uses transformers only for tokenizers and chat templates; without torch installed it
+# would print an advisory on every start. Users can still raise the verbosity themselves.
+_os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
