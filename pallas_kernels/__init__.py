@@ -2,7 +2,8 @@
 
 ``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16),
 ``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU kernel in
-its interpreter when ``interpret=True``, else the reference).
+its interpreter when ``interpret=True``, else the reference). ``write_kv`` dispatches the same
+way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
 With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreter on any host.
 """
 
@@ -74,8 +75,21 @@ def write_kv(
     *,
     backend: Backend = "auto",
     interpret: bool = False,
+    tokens_per_step: int = 8,
 ) -> tuple[jax.Array, jax.Array]:
-    """New K/V into their slots. One XLA scatter on every backend (in place when the pages are
-    donated); no Pallas kernel yet, since the scatter already moves only the new rows."""
-    resolve_backend(backend)
-    return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, interpret=interpret)
+    """New K/V into their slots (in place when the pages are donated).
+
+    ``tpu`` (and ``auto`` on CPU with ``interpret=True``): the Mosaic TPU kernel in ``kv_write``,
+    pages aliased in HBM and one DMA per new row, ``tokens_per_step`` rows per grid step.
+    ``gpu``/``reference``: one XLA scatter; on GPU that is already a single fused kernel that
+    moves only the new rows, so there is no Pallas kernel for it.
+    """
+    name = resolve_backend(backend, interpret)
+    if name == "tpu":
+        from pallas_kernels import kv_write
+
+        return kv_write.write_kv_tpu(
+            k_pages, v_pages, k, v, slot_mapping, tokens_per_step=tokens_per_step,
+            interpret=interpret,
+        )
+    return reference.write_kv(k_pages, v_pages, k, v, slot_mapping)

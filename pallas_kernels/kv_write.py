@@ -1,0 +1,120 @@
+"""KV-cache write for TPU (Pallas / Mosaic TPU): this step's new K/V rows into their page slots.
+
+Grid ``(cdiv(T, tokens_per_step),)``. ``slot_mapping`` is scalar-prefetched into SMEM, so each
+row's destination (``slot // block_size``, ``slot % block_size``) is known before the body runs.
+Each program gets ``tokens_per_step`` new K and V rows (``[Hkv, D]`` each) as VMEM blocks and
+copies them into the paged cache with one async DMA per (K|V, token): all started, then all
+waited, so the copies of one step overlap each other and the pipelining of the next step's rows.
+
+The pages never leave HBM (``memory_space=pl.ANY``) and are aliased input -> output, so only the
+``T`` new rows move and the update is in place when the caller donates the pages. Rows past ``T``
+in the last (partial) step are skipped. Padding tokens all point into the null block 0; their
+rows may land anywhere in it (same contract as ``reference.write_kv``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+def _kernel(
+    # scalar prefetch (SMEM)
+    slots_ref,  # i32[T]
+    # inputs
+    k_pages_in,  # [num_blocks, block_size, Hkv, D] (HBM, aliased to k_pages_out)
+    v_pages_in,  # [num_blocks, block_size, Hkv, D] (HBM, aliased to v_pages_out)
+    k_ref,  # [tokens_per_step, Hkv, D] (VMEM block)
+    v_ref,  # [tokens_per_step, Hkv, D] (VMEM block)
+    # outputs
+    k_pages_out,  # [num_blocks, block_size, Hkv, D] (HBM)
+    v_pages_out,  # [num_blocks, block_size, Hkv, D] (HBM)
+    # scratch
+    sems,  # DMA[2, tokens_per_step]  (k/v, row)
+    *,
+    tokens_per_step: int,
+    block_size: int,
+    num_tokens: int,
+):
+    del k_pages_in, v_pages_in  # same buffers as the outputs
+    step = pl.program_id(0)
+    copies = []
+    for j in range(tokens_per_step):
+        t = step * tokens_per_step + j
+        valid = t < num_tokens
+        # Clamp so the SMEM read stays in bounds for the skipped rows of the last step.
+        slot = slots_ref[jnp.minimum(t, num_tokens - 1)]
+        block = lax.div(slot, block_size)
+        offset = lax.rem(slot, block_size)
+        for kv, (src, dst) in enumerate(((k_ref, k_pages_out), (v_ref, v_pages_out))):
+            copies.append(
+                (valid, pltpu.make_async_copy(src.at[j], dst.at[block, offset], sems.at[kv, j]))
+            )
+    for valid, cp in copies:
+        pl.when(valid)(cp.start)
+    for valid, cp in copies:
+        pl.when(valid)(cp.wait)
+
+
+def write_kv_tpu(
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T]; slot = block_id * block_size + offset
+    *,
+    tokens_per_step: int = 8,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+    num_tokens = k.shape[0]
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"k {k.shape} / v {v.shape} do not match pages {k_pages.shape}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} != ({num_tokens},)")
+    if tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
+    if num_tokens == 0:
+        return k_pages, v_pages
+
+    kernel = functools.partial(
+        _kernel, tokens_per_step=tokens_per_step, block_size=block_size, num_tokens=num_tokens
+    )
+    row_spec = pl.BlockSpec((tokens_per_step, num_kv_heads, head_dim), lambda i, *_: (i, 0, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(pl.cdiv(num_tokens, tokens_per_step),),
+        in_specs=[any_spec, any_spec, row_spec, row_spec],
+        out_specs=[any_spec, any_spec],
+        scratch_shapes=[pltpu.SemaphoreType.DMA((2, tokens_per_step))],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=(
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ),
+        # Operand indices count the scalar-prefetch operand: 0 slots, 1 k_pages, 2 v_pages.
+        input_output_aliases={1: 0, 2: 1},
+        compiler_params=pltpu.CompilerParams(
+            # Steps write disjoint real slots (only padding rows share block 0).
+            dimension_semantics=("parallel",),
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="write_kv_tpu",
+    )(
+        slot_mapping.astype(jnp.int32),
+        k_pages,
+        v_pages,
+        k.astype(k_pages.dtype),
+        v.astype(v_pages.dtype),
+    )
