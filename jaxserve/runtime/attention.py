@@ -14,7 +14,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import token_layout
+# The KV write is one XLA scatter on every backend here (in place: the pages are donated).
+# pallas_kernels.write_kv has a Mosaic TPU kernel too; it is not wired in yet (under tensor
+# parallelism it would need the same shard_map wrapping as the attention kernel).
+from pallas_kernels.reference import token_layout, write_kv  # noqa: F401  (re-exported)
 
 
 class AttentionMetadata(NamedTuple):
@@ -25,14 +28,6 @@ class AttentionMetadata(NamedTuple):
     query_start_loc: jax.Array  # i32[S+1] cumulative new-token counts
     block_tables: jax.Array  # i32[S, max_blocks]
     num_seqs: jax.Array  # i32[1]
-
-
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Scatter this step's K/V rows into their slots. Pages are donated, so this is in place."""
-    nb, bs, hkv, d = k_pages.shape
-    k_pages = k_pages.reshape(nb * bs, hkv, d).at[slot_mapping].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.reshape(nb * bs, hkv, d).at[slot_mapping].set(v.astype(v_pages.dtype))
-    return k_pages.reshape(nb, bs, hkv, d), v_pages.reshape(nb, bs, hkv, d)
 
 
 def xla_ragged_paged_attention(
