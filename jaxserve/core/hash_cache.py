@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.prefix_cache import BlockKeys, PrefixCache
+from .block_pool import BlockPool
+from .prefix_cache import BlockKeys, PrefixCache
 
 
 class HashPrefixCache(PrefixCache):

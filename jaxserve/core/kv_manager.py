@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.core.block_pool import NULL_BLOCK, BlockPool
-from jaxserve.core.prefix_cache import BlockKeys, make_prefix_cache
-from jaxserve.core.request import Request
+from .block_pool import NULL_BLOCK, BlockPool
+from .prefix_cache import BlockKeys, make_prefix_cache
+from .request import Request
 
 
 def cdiv(a: int, b: int) -> int:

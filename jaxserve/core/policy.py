@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Iterator
 
-from jaxserve.core.request import Request
+from .request import Request
 
 if TYPE_CHECKING:
-    from jaxserve.core.kv_manager import KVManager
-    from jaxserve.core.scheduler import SchedulerConfig
+    from .kv_manager import KVManager
+    from .scheduler import SchedulerConfig
 
 
 class WaitingQueue:

@@ -13,7 +13,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from array import array
 
-from jaxserve.core.block_pool import BlockPool
+from .block_pool import BlockPool
 
 
 class BlockKeys:
@@ -153,8 +153,8 @@ class NoPrefixCache(PrefixCache):
 
 
 def make_prefix_cache(kind: str, pool: BlockPool, block_size: int, eviction: str) -> PrefixCache:
-    from jaxserve.core.hash_cache import HashPrefixCache
-    from jaxserve.core.radix_cache import RadixPrefixCache
+    from .hash_cache import HashPrefixCache
+    from .radix_cache import RadixPrefixCache
 
     caches = {"off": NoPrefixCache, "hash": HashPrefixCache, "radix": RadixPrefixCache}
     if kind not in caches:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.core.kv_manager import KVManager, cdiv
-from jaxserve.core.policy import WaitingQueue
-from jaxserve.core.request import Request, RequestStatus
+from .kv_manager import KVManager, cdiv
+from .policy import WaitingQueue
+from .request import Request, RequestStatus
 
 PREFIX_CACHES = ("radix", "hash", "off")
 EVICTIONS = ("lru", "trunk")
