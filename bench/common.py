@@ -258,3 +258,21 @@ def load_tokenizer(model: str | None):
     from jaxserve.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(resolve_model_path(model))
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_tail=lambda: "") -> float:
+    """Poll `url`/health until it answers 200; fail fast if the server process exits. Returns seconds waited."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jaxserve serve exited with code {proc.returncode}:\n{log_tail()}")
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"jaxserve serve not healthy after {timeout:.0f} s:\n{log_tail()}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)

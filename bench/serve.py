@@ -286,8 +286,6 @@ def free_port() -> int:
 @contextlib.contextmanager
 def launched_server(args):
     """`jaxserve serve` on a free 127.0.0.1 port; yields its base URL; stops it (SIGTERM, then kill)."""
-    import httpx
-
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning"]
@@ -301,20 +299,13 @@ def launched_server(args):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=common.REPO, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                with open(log_path) as f:
-                    tail = f.read()[-2000:]
-                raise RuntimeError(f"jaxserve serve exited with code {proc.returncode}:\n{tail}")
-            if time.perf_counter() - t0 > args.launch_timeout:
-                raise RuntimeError(f"jaxserve serve not healthy after {args.launch_timeout:.0f} s (log: {log_path})")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+
+        def tail() -> str:
+            log.flush()
+            with open(log_path) as f:
+                return f.read()[-2000:]
+
+        common.wait_healthy(proc, url, args.launch_timeout, tail)
         print(f"server healthy after {time.perf_counter() - t0:.1f} s", flush=True)
         yield url, {"command": shlex.join(cmd), "ready_s": time.perf_counter() - t0, "log": log_path}
     finally:

@@ -82,18 +82,12 @@ def run_serve(model: str | None, server_args: str, cache_dir: str, timeout: floa
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
                             start_new_session=True)
     try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"jaxserve serve exited ({proc.returncode}):\n{log.read().decode()[-2000:]}")
-            if time.time() - t0 > timeout:
-                raise RuntimeError(f"jaxserve serve not healthy after {timeout:.0f} s")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+
+        def tail() -> str:
+            log.seek(0)
+            return log.read().decode()[-2000:]
+
+        common.wait_healthy(proc, url, timeout - (time.time() - t0), tail)
         t_health = time.time()
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         body = {"model": name, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
