@@ -13,6 +13,7 @@ import os
 import platform
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -276,3 +277,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_tail=lamb
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM (the server drains), then kill if it does not exit in time."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -32,7 +32,6 @@ import math
 import os
 import random
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -309,13 +308,7 @@ def launched_server(args):
         print(f"server healthy after {time.perf_counter() - t0:.1f} s", flush=True)
         yield url, {"command": shlex.join(cmd), "ready_s": time.perf_counter() - t0, "log": log_path}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        common.stop_server(proc)
         log.close()
 
 

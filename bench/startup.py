@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -98,12 +97,7 @@ def run_serve(model: str | None, server_args: str, cache_dir: str, timeout: floa
                     break
         t_first = time.time()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        common.stop_server(proc)
         log.close()
     return {"total_s": t_first - t0, "healthy_s": t_health - t0, "first_token_after_healthy_s": t_first - t_health,
             "cache_files_after": _cache_files(cache_dir), "command": shlex.join(cmd)}
