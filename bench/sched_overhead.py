@@ -18,13 +18,14 @@ from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 
 
 def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radix",
-            eviction: str = "lru", policy: str = "fcfs", seed: int = 0) -> dict:
+            eviction: str = "lru", policy: str = "fcfs", admission: str = "optimistic",
+            seed: int = 0) -> dict:
     rng = random.Random(seed)
     bs = 16
     sched = Scheduler(SchedulerConfig(
         num_blocks=num_running * 64 + 1, block_size=bs, max_num_seqs=num_running,
         max_num_batched_tokens=max(2048, num_running), max_model_len=4096,
-        prefix_cache=prefix_cache, eviction=eviction, policy=policy))
+        prefix_cache=prefix_cache, eviction=eviction, policy=policy, admission=admission))
     system = [rng.randrange(32000) for _ in range(128)]
     n = 0
 
@@ -52,7 +53,7 @@ def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radi
                 new()
     times.sort()
     return {"running": num_running, "steps": steps, "prefix_cache": prefix_cache,
-            "eviction": eviction, "policy": policy,
+            "eviction": eviction, "policy": policy, "admission": admission,
             "mean_us": 1e6 * sum(times) / len(times), "p50_us": 1e6 * times[len(times) // 2],
             "p99_us": 1e6 * times[int(len(times) * 0.99)]}
 
@@ -64,15 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    rows = [measure(args.running, args.steps, pc, ev, pol)
-            for pc, ev, pol in [("off", "lru", "fcfs"), ("hash", "lru", "fcfs"), ("radix", "lru", "fcfs"),
-                                ("radix", "trunk", "lpm")]]
+    configs = [("off", "lru", "fcfs", "optimistic"), ("hash", "lru", "fcfs", "optimistic"),
+               ("radix", "lru", "fcfs", "optimistic"), ("radix", "trunk", "lpm", "optimistic"),
+               ("radix", "lru", "fcfs", "conservative")]
+    rows = [measure(args.running, args.steps, *c) for c in configs]
     print(f"schedule() + update_from_output() with {args.running} running requests decoding")
-    print("| cache | eviction | policy | mean (us) | p50 (us) | p99 (us) |")
-    print("|-------|----------|--------|-----------|----------|----------|")
+    print("| cache | eviction | policy | admission | mean (us) | p50 (us) | p99 (us) |")
+    print("|-------|----------|--------|-----------|-----------|----------|----------|")
     for r in rows:
-        print(f"| {r['prefix_cache']} | {r['eviction']} | {r['policy']} | {r['mean_us']:.0f} | "
-              f"{r['p50_us']:.0f} | {r['p99_us']:.0f} |")
+        print(f"| {r['prefix_cache']} | {r['eviction']} | {r['policy']} | {r['admission']} | "
+              f"{r['mean_us']:.0f} | {r['p50_us']:.0f} | {r['p99_us']:.0f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

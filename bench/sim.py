@@ -18,7 +18,7 @@ import numpy as np
 
 from bench.workloads import WORKLOADS, WorkItem
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import ADMISSIONS, Scheduler, SchedulerConfig
 
 
 @dataclass(slots=True)
@@ -66,14 +66,14 @@ def grid(kind: str) -> list[SimConfig]:
 def simulate(items: list[WorkItem], cfg: SimConfig, *, num_blocks: int = 512, block_size: int = 16,
              max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int = 4096,
              cost: CostModel | None = None, vocab_size: int = 32000, seed: int = 0,
-             check_invariants: bool = False) -> dict:
+             admission: str = "optimistic", check_invariants: bool = False) -> dict:
     cost = cost or CostModel()
     rng = random.Random(seed)
     sched = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         prefix_cache=cfg.prefix_cache, eviction=cfg.eviction, policy=cfg.policy,
-        prefill_first=cfg.prefill_first))
+        prefill_first=cfg.prefill_first, admission=admission))
     reqs = [Request(f"r{i}", list(it.prompt_token_ids), it.max_tokens, arrival_time=it.arrival_time)
             for i, it in enumerate(items)]
     arrive_step: dict[str, int] = {}
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--admission", choices=ADMISSIONS, default="optimistic",
+                   help="optimistic: vLLM's (the scheduler's default); conservative: SGLang's new_token_ratio")
     p.add_argument("--cost", default="4e-3,4e-5,2e-4",
                    help="a,b,c of step_s = a + b*prefill_tokens + c*decode_tokens")
     p.add_argument("--out", default=None, help="write all rows as JSON here")
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--cost {args.cost!r}: give three numbers a,b,c")
     print(f"cost model: {cost}; {args.num_blocks} blocks x {args.block_size} tokens, "
           f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
-          f"seed={args.seed}")
+          f"{args.admission} admission, seed={args.seed}")
     result = {"cost_model": {"a": cost.a, "b": cost.b, "c": cost.c, "formula": str(cost)},
               "args": vars(args), "workloads": {}}
     t0 = time.perf_counter()
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         items = list(WORKLOADS[name](num_requests=args.num_requests, seed=args.seed))
         rows = [simulate(items, c, num_blocks=args.num_blocks, block_size=args.block_size,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         cost=cost, seed=args.seed) for c in grid(args.grid)]
+                         cost=cost, seed=args.seed, admission=args.admission) for c in grid(args.grid)]
         print(f"\n## {name} ({len(items)} requests)\n")
         print(table(rows))
         result["workloads"][name] = rows

@@ -6,6 +6,18 @@ Order of work: running requests first (decode-first, the default) or waiting req
 always on. When a running request cannot get a block, the KV manager has already used free blocks
 and evicted unreferenced cached ones; the scheduler then preempts (recompute) the running request
 with the lowest priority / latest arrival, which goes back to the front of the waiting queue.
+
+Admission (`admission`):
+- `optimistic` (vLLM, the default): admit while the prompt's blocks fit above a small watermark.
+  Under load the running requests then grow into memory that new admissions took, and the newest
+  get preempted, often again and again: a preempted request is re-admitted as soon as its tokens
+  fit, and preempted a few steps later.
+- `conservative` (SGLang's new_token_ratio): free + evictable blocks must also cover what the
+  running requests and the new one are expected to grow: the rest of their prompt plus
+  ratio x the output tokens they may still generate. The ratio starts at `init_new_token_ratio`,
+  decays each step to a floor (requests often stop before max_tokens), and after a preemption is
+  re-estimated from the survivors' progress. The first request into an empty batch is admitted on
+  its prompt alone, so a request is never held back forever.
 """
 
 from __future__ import annotations
@@ -19,6 +31,12 @@ from .request import Request, RequestStatus
 PREFIX_CACHES = ("radix", "hash", "off")
 EVICTIONS = ("lru", "trunk")
 POLICIES = ("fcfs", "priority", "lpm")
+ADMISSIONS = ("optimistic", "conservative")
+# SGLang's defaults for new_token_ratio: the floor is init x 0.14, reached after 600 steps; after a
+# preemption (SGLang: retraction) the estimate assumes every survivor decodes 20 more tokens.
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
 
 
 @dataclass(slots=True)
@@ -36,6 +54,8 @@ class SchedulerConfig:
     lpm_max_queue: int = 128  # lpm falls back to fcfs above this many waiting requests
     # admission keeps this fraction of blocks free for running requests to grow (vLLM V0's watermark)
     watermark: float = 0.01
+    admission: str = "optimistic"  # optimistic | conservative (see the module docstring)
+    init_new_token_ratio: float = 0.7  # conservative: share of max_tokens expected still to come
     dedup_in_batch: bool = True  # defer a request whose uncached prefix another one is computing
     hash_seed: int = 0
 
@@ -55,6 +75,8 @@ class SchedulerConfig:
         need(self.lpm_max_wait_steps >= 0, "lpm_max_wait_steps", "must be >= 0")
         need(self.lpm_max_queue >= 0, "lpm_max_queue", "must be >= 0")
         need(0 <= self.watermark < 1, "watermark", "must be a fraction in [0, 1)")
+        need(self.admission in ADMISSIONS, "admission", f"choose one of {ADMISSIONS}")
+        need(0 <= self.init_new_token_ratio <= 1, "init_new_token_ratio", "must be a fraction in [0, 1]")
 
 
 @dataclass(slots=True)
@@ -107,6 +129,11 @@ class Scheduler:
         self._order: dict[str, int] = {}  # arrival order, for victims and fcfs ties
         self._next_order = 0
         self._watermark_blocks = int(config.watermark * (config.num_blocks - 1))
+        self.new_token_ratio = config.init_new_token_ratio  # conservative admission's estimate
+        self._min_new_token_ratio = config.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self._new_token_ratio_decay = (
+            config.init_new_token_ratio - self._min_new_token_ratio
+        ) / NEW_TOKEN_RATIO_DECAY_STEPS
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -182,6 +209,7 @@ class Scheduler:
         for s in out.scheduled:
             if s.request.first_scheduled_step < 0:
                 s.request.first_scheduled_step = self.step
+        self._update_new_token_ratio(out)
         self.num_scheduled_tokens += out.num_batched_tokens
         self.step += 1
         return out
@@ -212,6 +240,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
         if not len(self.waiting) or out.preempted:
             return  # after a preemption, admitting new work would only thrash (as vLLM)
+        bs, conservative = self.config.block_size, self.config.admission == "conservative"
+        reserve = self._watermark_blocks
+        if conservative:
+            reserve += self._expected_growth(self.running)
         admitted: list[Request] = []
         for req in self.waiting.ordered(self.running, self.step):
             if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -219,10 +251,14 @@ class Scheduler:
             hits = self.kv.match(req)  # fresh: an admission before may have evicted blocks
             if self.waiting.should_defer(req, len(hits)):
                 continue
-            num_new = min(req.num_tokens - len(hits) * self.config.block_size, budget[0])
-            if not self.kv.allocate(req, num_new, hits, reserve=self._watermark_blocks):
+            cached = len(hits) * bs
+            num_new = min(req.num_tokens - cached, budget[0])
+            grow = self._expected_growth([req], held=cdiv(cached + num_new, bs)) if conservative else 0
+            # the first request into an empty batch goes in on its prompt alone: none waits forever
+            own = grow if self.running else 0
+            if not self.kv.allocate(req, num_new, hits, reserve=reserve + own):
                 break  # head of line waits for memory; running requests are never preempted for it
-            cached = len(hits) * self.config.block_size
+            reserve += grow
             req.num_computed_tokens = cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
@@ -234,6 +270,34 @@ class Scheduler:
             budget[0] -= num_new
         self.waiting.remove_many(admitted)
         self.waiting.age(bool(admitted))
+
+    def _expected_growth(self, reqs: list[Request], held: int | None = None) -> int:
+        """Blocks the requests are expected to need beyond those they hold (or `held`, for one
+        being admitted): the rest of the prompt (chunked prefill) and new_token_ratio x the output
+        tokens each may still generate. A plain loop without calls: it runs over every running
+        request at each step that admits."""
+        ratio, bs, max_len = self.new_token_ratio, self.config.block_size, self.config.max_model_len
+        total = 0
+        for r in reqs:
+            n = len(r.token_ids)
+            rest = min(r.max_tokens - (n - len(r.prompt_token_ids)), max_len - n)
+            grow = -(-(n + int(ratio * rest)) // bs) - (len(r.block_ids) if held is None else held)
+            if grow > 0:
+                total += grow
+        return total
+
+    def _update_new_token_ratio(self, out: SchedulerOutput) -> None:
+        """SGLang's schedule: re-estimate after a preemption, reset when idle, else decay."""
+        if out.preempted and self.running:
+            decoded = sum(r.num_output_tokens for r in self.running)
+            max_new = sum(r.max_tokens for r in self.running)
+            ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1)
+            self.new_token_ratio = min(1.0, ratio)
+        elif not self.running:
+            self.new_token_ratio = self.config.init_new_token_ratio
+        else:
+            decayed = self.new_token_ratio - self._new_token_ratio_decay
+            self.new_token_ratio = max(self._min_new_token_ratio, decayed)
 
     def _victim_key(self, req: Request) -> tuple:
         prio = req.priority if self.config.policy == "priority" else 0

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import ADMISSIONS, RETRACT_DECODE_STEPS, Scheduler, SchedulerConfig
 
 from .util import run, step
 
@@ -37,6 +37,8 @@ def mixed_requests(n: int, seed: int = 0, vocab: int = 4, shared: int = 12) -> l
     (dict(eviction="lfu"), "eviction"),
     (dict(policy="sjf"), "policy"),
     (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(admission="greedy"), "admission"),
+    (dict(init_new_token_ratio=1.5), "init_new_token_ratio"),
 ])
 def test_config_errors_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -46,8 +48,10 @@ def test_config_errors_name_the_field(bad, match):
 @pytest.mark.parametrize("prefix_cache", ["off", "hash", "radix"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "lpm"])
 @pytest.mark.parametrize("prefill_first", [False, True])
-def test_budget_cap_and_all_blocks_free_at_the_end(prefix_cache, policy, prefill_first):
-    c = cfg(num_blocks=40, prefix_cache=prefix_cache, policy=policy, prefill_first=prefill_first)
+@pytest.mark.parametrize("admission", ADMISSIONS)
+def test_budget_cap_and_all_blocks_free_at_the_end(prefix_cache, policy, prefill_first, admission):
+    c = cfg(num_blocks=40, prefix_cache=prefix_cache, policy=policy, prefill_first=prefill_first,
+            admission=admission)
     sched = Scheduler(c)
     reqs = mixed_requests(30)
     outs = run(sched, reqs)
@@ -58,7 +62,8 @@ def test_budget_cap_and_all_blocks_free_at_the_end(prefix_cache, policy, prefill
         assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
     st = sched.stats()
     assert st["blocks_used"] == 0 and st["blocks_free"] + st["blocks_cached"] == c.num_blocks - 1
-    assert st["preemptions"] > 0  # 39 blocks for 30 requests: memory pressure happened
+    if admission == "optimistic":  # (conservative admission mostly makes them wait instead)
+        assert st["preemptions"] > 0  # 39 blocks for 30 requests: memory pressure happened
     assert not sched.has_unfinished_requests() and sched.num_running == sched.num_waiting == 0
 
 
@@ -122,6 +127,53 @@ def test_preemption_is_counted_and_requests_keep_their_place():
         assert r.num_output_tokens == 12
 
 
+@pytest.mark.parametrize("admission", ADMISSIONS)
+def test_conservative_admission_keeps_room_for_the_running_requests_growth(admission):
+    # 14 usable blocks of 4 tokens. a (4 + 40 tokens, 11 blocks at the end) runs; b (8 + 40 tokens)
+    # fits now on its prompt, but both cannot reach max_tokens together
+    sched = Scheduler(cfg(num_blocks=15, prefix_cache="off", admission=admission))
+    a = Request("a", [1] * 4, 40, arrival_time=0)
+    b = Request("b", [2] * 8, 40, arrival_time=1)
+    rng = random.Random(0)
+    sched.add_request(a)
+    step(sched, rng)
+    sched.add_request(b)
+    step(sched, rng)
+    if admission == "optimistic":  # b goes in, and is preempted once a has grown into its room
+        assert b.status == RequestStatus.RUNNING
+        run(sched)
+        assert b.num_preemptions >= 1
+    else:  # b waits for a, and nobody is preempted
+        assert b.status == RequestStatus.WAITING and sched.stats()["blocks_free"] >= 2 + 6
+        run(sched)
+        assert sched.num_preemptions == 0 and a.first_scheduled_step < b.first_scheduled_step
+    assert a.num_output_tokens == b.num_output_tokens == 40
+
+
+def test_new_token_ratio_rises_after_a_preemption_so_the_victim_is_not_preempted_again():
+    # init ratio 0: admission only counts prompts, like optimistic, until the first preemption;
+    # then the ratio is re-estimated from the survivors and admission leaves them room to finish
+    reqs = [Request(f"r{i}", [i] * 8, 24, arrival_time=i) for i in range(6)]
+    sched = Scheduler(cfg(num_blocks=20, prefix_cache="off", max_num_batched_tokens=64,
+                          admission="conservative", init_new_token_ratio=0.0))
+    rng = random.Random(0)
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_unfinished_requests():
+        out = step(sched, rng)
+        if out.preempted:
+            rs = sched.running
+            want = (sum(r.num_output_tokens for r in rs) + RETRACT_DECODE_STEPS * len(rs)) / (
+                sum(r.max_tokens for r in rs) + 1)
+            assert sched.new_token_ratio == pytest.approx(min(1.0, want))
+    assert sched.num_preemptions >= 1
+    assert max(r.num_preemptions for r in reqs) == 1
+    # optimistic admission on the same requests preempts one of them again and again
+    again = [Request(f"r{i}", [i] * 8, 24, arrival_time=i) for i in range(6)]
+    run(Scheduler(cfg(num_blocks=20, prefix_cache="off", max_num_batched_tokens=64)), again)
+    assert max(r.num_preemptions for r in again) > 1
+
+
 def test_preempted_request_does_not_stay_in_the_batch():
     # priority policy: the victim (worst priority) may already be in this step's batch
     sched = Scheduler(cfg(num_blocks=6, prefix_cache="off", policy="priority", max_num_batched_tokens=64))
@@ -155,8 +207,10 @@ def test_over_long_requests_are_rejected_and_do_not_block_the_queue():
     assert ok.num_output_tokens == 1
 
 
-def test_request_that_alone_outgrows_the_cache_is_finished_not_looped():
-    sched = Scheduler(cfg(num_blocks=4, max_model_len=256, prefix_cache="off"))  # 12 tokens
+@pytest.mark.parametrize("admission", ADMISSIONS)
+def test_request_that_alone_outgrows_the_cache_is_finished_not_looped(admission):
+    # conservative admission expects it to grow far beyond the cache: alone, it is admitted anyway
+    sched = Scheduler(cfg(num_blocks=4, max_model_len=256, prefix_cache="off", admission=admission))
     req = Request("grows", [1] * 8, 100)
     outs = run(sched, [req])
     assert req.status == RequestStatus.FINISHED_LENGTH and req.num_tokens == 13  # 12 with K/V + 1 sampled
