@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     order.add_argument("--prefill-first", dest="prefill_first", action="store_true", help="admit new prompts before decodes")
     order.add_argument("--decode-first", dest="prefill_first", action="store_false", help="running requests first (default)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                   help="default: xla on CPU, pallas on TPU/GPU")
+                   help="default: pallas on TPU/GPU; on CPU the native cpu kernel (built with g++), else xla")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="shard the model over N devices")
     g.add_argument("--no-precompile", dest="precompile", action="store_false",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 PREFIX_CACHES = ("radix", "hash", "off")
 EVICTIONS = ("lru", "trunk")
 SCHEDULES = ("fcfs", "priority", "lpm")
-ATTENTION_BACKENDS = ("xla", "pallas")
+ATTENTION_BACKENDS = ("xla", "pallas", "cpu")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -26,7 +26,7 @@ class EngineConfig:
     eviction: str = "lru"
     schedule: str = "fcfs"
     prefill_first: bool = False
-    attention_backend: str | None = None  # default: xla on CPU, pallas on TPU/GPU
+    attention_backend: str | None = None  # default: cpu (native kernel, else xla) on CPU, pallas on TPU/GPU
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on accelerators
     precompile: bool = True
     compilation_cache: bool = True

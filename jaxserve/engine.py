@@ -60,6 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         from jaxserve.model.loader import load_model
         from jaxserve.runtime import runner as rt
+        from jaxserve.runtime.attention import default_backend as default_attention_backend
 
         config = config or EngineConfig(**kwargs)
         self.config = config
@@ -80,7 +81,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                attention_backend=config.attention_backend or ("xla" if rt.jax.default_backend() == "cpu" else "pallas"),
+                attention_backend=config.attention_backend or default_attention_backend(),
                 dtype=dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
             ),

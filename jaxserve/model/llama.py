@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime.attention import AttentionFn, AttentionMetadata, write_kv
+from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
 
 
 def apply_rope(x, cos, sin):
@@ -42,10 +42,8 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_pages, v_pages = write_kv(kv[0], kv[1], k, v, md.slot_mapping)
-        o = self.attn_fn(
-            q, k_pages, v_pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
-            sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window,
+        o, k_pages, v_pages = self.attn_fn(
+            q, k, v, kv[0], kv[1], md, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
         )
         out = dense(c.hidden_size, "o_proj", False)(o.reshape(t, c.num_heads * c.head_dim))
         return out, (k_pages, v_pages)

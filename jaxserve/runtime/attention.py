@@ -1,22 +1,24 @@
 """Attention backends: write new K/V into the paged cache, then ragged paged attention.
 
-Every backend has the same signature as `pallas_kernels.reference.ragged_paged_attention`:
-q[T, Hq, D] against one layer's pages [num_blocks, block_size, Hkv, D], with a ragged batch
-described by seq_lens / query_start_loc / block_tables / num_seqs. The engine picks a backend
-by name (`--attention-backend`); `xla` is the portable default, `pallas` the kernel path.
+A *kernel* has the signature of `pallas_kernels.reference.ragged_paged_attention`: q[T, Hq, D]
+against one layer's pages [num_blocks, block_size, Hkv, D], with a ragged batch described by
+seq_lens / query_start_loc / block_tables / num_seqs. A *backend* (what the model calls, see
+`layer_attention`) pairs a kernel with a KV write. The engine picks one by name
+(`--attention-backend`): `pallas` is the kernel path on TPU/GPU, `cpu` a native kernel and write
+for XLA:CPU (cpu_attention.py), `xla` the portable fallback that runs anywhere.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-# The KV write is one XLA scatter on every backend here (in place: the pages are donated).
-# pallas_kernels.write_kv has a Mosaic TPU kernel too; it is not wired in yet (under tensor
-# parallelism it would need the same shard_map wrapping as the attention kernel).
+# The XLA KV write is one scatter (in place: the pages are donated). pallas_kernels.write_kv has a
+# Mosaic TPU kernel too; it is not wired in yet.
 from pallas_kernels.reference import token_layout, write_kv  # noqa: F401  (re-exported)
 
 
@@ -164,11 +166,28 @@ def xla_ragged_paged_attention(
     return out.reshape(t, hq, d).astype(q.dtype)
 
 
-AttentionFn = Callable[..., jax.Array]
-BACKENDS = ("xla", "pallas")
+KernelFn = Callable[..., jax.Array]
+# (q, k_new, v_new, k_pages, v_pages, md, *, sm_scale, sliding_window) -> (out, k_pages, v_pages)
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+BACKENDS = ("xla", "pallas", "cpu")
+log = logging.getLogger(__name__)
 
 
-def get_backend(name: str) -> AttentionFn:
+def default_backend() -> str:
+    """`pallas` on TPU/GPU; on CPU the native `cpu` kernel when it builds here, else `xla`."""
+    if jax.default_backend() != "cpu":
+        return "pallas"
+    from jaxserve.runtime import cpu_attention
+
+    why = cpu_attention.available()
+    if why is None:
+        return "cpu"
+    log.warning("Native CPU attention unavailable (%s); using the slower 'xla' backend.", why)
+    return "xla"
+
+
+def get_backend(name: str) -> KernelFn:
+    """The attention kernel of a backend."""
     if name == "xla":
         return xla_ragged_paged_attention
     if name == "pallas":
@@ -178,4 +197,33 @@ def get_backend(name: str) -> AttentionFn:
 
         # No Pallas lowering for CPU: run the kernel in interpret mode there (tests, numerics).
         return functools.partial(ragged_paged_attention, interpret=jax.default_backend() == "cpu")
+    if name == "cpu":
+        from jaxserve.runtime import cpu_attention
+
+        if jax.default_backend() != "cpu":
+            raise ValueError(
+                f"Attention backend 'cpu' runs on CPU only, not on {jax.default_backend()}: use pallas or xla."
+            )
+        why = cpu_attention.available()
+        if why is not None:
+            raise ValueError(
+                f"Attention backend 'cpu' cannot be built here ({why}): install g++ (or set $CXX), "
+                "or use --attention-backend xla."
+            )
+        return cpu_attention.cpu_ragged_paged_attention
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
+
+
+def layer_attention(name: str) -> AttentionFn:
+    """What one model layer calls: write this step's K/V into its pages, then attend over them."""
+    kernel = get_backend(name)
+    write = write_kv
+    if name == "cpu":
+        from jaxserve.runtime.cpu_attention import cpu_write_kv as write
+
+    def attend(q, k, v, k_pages, v_pages, md: AttentionMetadata, **kw):
+        k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)
+        out = kernel(q, k_pages, v_pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs, **kw)
+        return out, k_pages, v_pages
+
+    return attend

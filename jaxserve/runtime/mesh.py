@@ -249,22 +249,23 @@ def bytes_per_device(tree) -> dict:
 
 # ---- attention under shard_map ----------------------------------------------------------------
 def shard_attention(attn_fn, mesh: Mesh):
-    """Run an attention backend per model shard: each device attends over its own q and kv heads.
+    """Run a layer's attention (KV write + kernel) per model shard: each device writes and attends
+    over its own q and kv heads.
 
-    Same signature as the backends (q[T, Hq, D], pages[nb, bs, Hkv, D], metadata..., **kw); the
-    batch metadata is replicated. Needed for Pallas kernels, and keeps XLA from ever gathering
-    the cache across devices.
+    Same signature as `attention.layer_attention`'s function; the batch metadata is replicated.
+    Needed for Pallas kernels and the native CPU kernel, and keeps XLA from ever gathering the
+    cache across devices.
     """
     if tp_size(mesh) == 1:
         return attn_fn
     heads, pages, rep = P(None, MODEL, None), P(None, None, MODEL, None), P()
 
-    def sharded(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs, **kw):
+    def sharded(q, k, v, k_pages, v_pages, md, **kw):
         f = jax.shard_map(
             functools.partial(attn_fn, **kw), mesh=mesh,
-            in_specs=(heads, pages, pages, rep, rep, rep, rep), out_specs=heads, check_vma=False,
+            in_specs=(heads, heads, heads, pages, pages, rep), out_specs=(heads, pages, pages), check_vma=False,
         )
-        return f(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
+        return f(q, k, v, k_pages, v_pages, md)
 
     return sharded
 

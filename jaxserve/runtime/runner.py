@@ -24,7 +24,7 @@ import numpy as np
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime.attention import AttentionMetadata, get_backend
+from jaxserve.runtime.attention import AttentionMetadata, layer_attention
 from jaxserve.runtime.input_batch import StepInputs, next_pow2, token_buckets
 from jaxserve.runtime.sampler import SampleResult, SamplingMode, SamplingTensors, sample
 
@@ -70,7 +70,7 @@ class ModelRunner:
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
         self.model = LlamaForCausalLM(
-            model_cfg, meshlib.shard_attention(get_backend(cfg.attention_backend), self.mesh), self.dtype
+            model_cfg, meshlib.shard_attention(layer_attention(cfg.attention_backend), self.mesh), self.dtype
         )
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)

@@ -1,0 +1,94 @@
+"""The native CPU backend (`--attention-backend cpu`, jaxserve/runtime/csrc/paged_attention.cc):
+attention against the pure-jnp oracle on ragged batches with NaN-poisoned unused pages, the KV
+write against the XLA scatter, the engine against the `xla` backend, and the fallback when the
+kernel cannot be built."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runtime import attention, cpu_attention
+from pallas_kernels import reference
+from tests.kernels.batch import assert_close, make_batch
+
+WHY = cpu_attention.available()
+needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
+
+CASES = {
+    "decode": ([1, 1, 1, 1], [1, 9, 16, 17]),
+    "prefill": ([5, 16, 17], [5, 16, 17]),
+    "chunked": ([8, 3, 1, 12], [40, 3, 70, 12]),
+    # more than one 32-row work item per sequence, decodes and prefill chunks in one batch
+    "mixed-long": ([1] * 6 + [70, 40], [33, 64, 65, 2, 100, 7, 90, 41]),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "case,heads,head_dim,block_size,window,cap",
+    [
+        ("decode", (9, 3), 64, 16, None, None),  # SmolLM2's shape: the tiled fast path
+        ("decode", (4, 4), 128, 32, 6, None),
+        ("prefill", (8, 2), 64, 16, None, None),
+        ("prefill", (4, 4), 64, 16, None, 15.0),
+        ("chunked", (9, 3), 64, 16, 6, None),
+        ("chunked", (8, 2), 128, 16, None, None),
+        ("mixed-long", (9, 3), 64, 16, None, None),
+        ("mixed-long", (8, 2), 64, 32, 20, 15.0),
+        ("mixed-long", (9, 3), 64, 8, None, None),  # block_size 8: the generic path
+        ("chunked", (6, 2), 40, 16, 6, 15.0),  # head_dim 40: the generic path
+    ],
+)
+def test_cpu_kernel_matches_reference(case, heads, head_dim, block_size, window, cap):
+    q_lens, kv_lens = CASES[case]
+    b = make_batch(np.random.default_rng(len(case)), q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                   head_dim=head_dim, block_size=block_size, pad_tokens=5)
+    kw = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
+    want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*b.args)
+    got = jax.jit(functools.partial(cpu_attention.cpu_ragged_paged_attention, **kw))(*b.args)
+    assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_cpu_write_kv_matches_scatter_in_place():
+    rng = np.random.default_rng(0)
+    pages = rng.standard_normal((6, 16, 3, 64)).astype(np.float32)
+    k = rng.standard_normal((10, 3, 64)).astype(np.float32)
+    v = rng.standard_normal((10, 3, 64)).astype(np.float32)
+    slots = jnp.asarray([17, 18, 19, 40, 41, 0, 0, 95, 64, 65], jnp.int32)  # padding rows -> null slot 0
+    want = jax.jit(reference.write_kv)(jnp.asarray(pages), jnp.asarray(pages + 1), k, v, slots)
+    got = jax.jit(cpu_attention.cpu_write_kv, donate_argnums=(0, 1))(jnp.asarray(pages), jnp.asarray(pages + 1), k, v, slots)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # Rows not written keep their old contents.
+    np.testing.assert_array_equal(np.asarray(got[0])[3], pages[3])  # slots 48..63: none written
+
+
+@needs_kernel
+def test_engine_cpu_backend_matches_xla_greedy(tiny_model):
+    path = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n" * 3, "JAX", "x " * 40]
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kw = dict(precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=24)
+    want = [o.outputs[0].token_ids for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
+    llm = LLM(path, attention_backend="cpu", **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+    assert got == want
+
+
+def test_cpu_backend_falls_back_or_fails_clearly(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_state", {"error": "RuntimeError: no C++ compiler found"})
+    assert attention.default_backend() == "xla"
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler found.*--attention-backend xla"):
+        attention.get_backend("cpu")
+    # Called anyway (e.g. a stale config), the backend function computes through XLA.
+    b = make_batch(np.random.default_rng(1), [1, 3], [5, 3], block_size=8)
+    want = reference.ragged_paged_attention(*b.args, sm_scale=0.125)
+    got = jax.jit(functools.partial(cpu_attention.cpu_ragged_paged_attention, sm_scale=0.125))(*b.args)
+    assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
