@@ -90,11 +90,21 @@ def available() -> str | None:
         return _state["error"]
 
 
+def to_cpu_layout(k_pages, v_pages):
+    """Pages in the engine's [nb, bs, Hkv, D] layout -> this backend's (same shape; K blocks hold
+    [Hkv, D, bs], V blocks [Hkv, bs, D]: see csrc/paged_attention.cc). For tests and tools."""
+    nb, bs, hkv, d = k_pages.shape
+    k = jnp.transpose(k_pages, (0, 2, 3, 1)).reshape(nb, bs, hkv, d)
+    v = jnp.transpose(v_pages, (0, 2, 1, 3)).reshape(nb, bs, hkv, d)
+    return k, v
+
+
 def cpu_ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, **unused,
 ):
-    """Same signature and result as `xla_ragged_paged_attention`; float32 runs natively."""
+    """`xla_ragged_paged_attention` over pages written by `cpu_write_kv`; float32 runs natively
+    (other dtypes, or no compiler: both functions fall back to XLA and the engine's layout)."""
     if not (q.dtype == k_pages.dtype == v_pages.dtype == jnp.float32) or available() is not None:
         return xla_ragged_paged_attention(
             q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,

@@ -1,18 +1,23 @@
 // Ragged paged attention for XLA:CPU, as XLA FFI custom calls: the KV write and the attention.
 //
-// Same contract as pallas_kernels.reference.ragged_paged_attention (float32 only):
-//   q[T, Hq, D] against one layer's pages k/v[num_blocks, block_size, Hkv, D]; sequence s owns
-//   the new tokens query_start_loc[s] .. query_start_loc[s+1] and has seq_lens[s] tokens of
-//   context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
-//   are padding and come out zero.
+// Contract of pallas_kernels.reference.ragged_paged_attention (float32 only): q[T, Hq, D]; sequence
+// s owns the new tokens query_start_loc[s] .. query_start_loc[s+1] and has seq_lens[s] tokens of
+// context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
+// are padding and come out zero.
 //
-// Why a native kernel: XLA:CPU runs the page gather + tiny batched dots of decode attention at a
-// fraction of memory bandwidth. Here each (sequence, kv head, block of rows) reads its pages once,
-// straight from the cache, and scores all the rows' query heads of that kv group against them
-// (online softmax, float32 accumulation). Work items are spread over XLA's intra-op thread pool.
+// Page layout. The cache arrays keep the engine's nominal shape [num_blocks, block_size, Hkv, D],
+// but this backend owns their contents (it writes them and is the only reader) and lays each
+// block out for the CPU:
+//   K block: [Hkv][D][block_size]  (transposed: 16 consecutive slots of one dim are one vector)
+//   V block: [Hkv][block_size][D]
+// so a head's part of a block is one contiguous run, and scoring needs no transposes.
 //
-// The KV write copies each new token's K/V row into its slot of the (aliased, so in place)
-// pages: XLA:CPU's scatter does the same ~30x slower, element by element.
+// Attention: each work item is (sequence, block of rows, all kv heads); it reads the sequence's
+// pages once and scores the rows' query vectors Q at a time against 16-slot tiles (online softmax,
+// float32 accumulation). Items are spread over XLA's intra-op thread pool.
+//
+// The KV write copies each new token's K/V into its slot of the (aliased, so in place) pages;
+// XLA:CPU's scatter does the same element by element, far slower.
 //
 // Built on first use by jaxserve/runtime/cpu_attention.py (g++ -O3 -march=native).
 
@@ -45,6 +50,14 @@ struct Problem {
   int64_t max_blocks, num_blocks, block_size, hq, hkv, d;
   float scale, soft_cap;
   int64_t window;  // 0: none
+
+  // Element (slot c of block blk, head h, dim e) in this backend's layout.
+  const float* KAt(int64_t blk, int64_t h, int64_t c, int64_t e) const {
+    return k + ((blk * hkv + h) * d + e) * block_size + c;
+  }
+  const float* VAt(int64_t blk, int64_t h, int64_t c, int64_t e) const {
+    return v + ((blk * hkv + h) * block_size + c) * d + e;
+  }
 };
 
 struct Item {
@@ -52,117 +65,70 @@ struct Item {
   int64_t cost;
 };
 
-// One kv head of an item, any block size / head_dim: plain loops.
-void GenericHead(const Problem& p, const Item& it, int64_t head) {
-  const int64_t bs = p.block_size;
-  const int64_t d = p.d;
-  const int64_t g = p.hq / p.hkv;
+// The rows of an item, for one kv head: positions and where their q / out vectors live.
+struct Rows {
+  int64_t t0, first_pos, last_pos, n;  // n = rows * group query vectors
+};
+
+Rows RowsOf(const Problem& p, const Item& it) {
   const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
-  const int64_t seq_len = p.seq_lens[it.seq];
-  const int64_t rows = it.row1 - it.row0;
-  const int64_t n = rows * g;  // query vectors in this item
-  const int64_t row_stride = p.hkv * d;  // floats between consecutive slots of a page
-
-  std::vector<float> qs(n * d), acc(n * d, 0.0f), m(n, kNeg), l(n, 0.0f);
-  std::vector<float> kt(d * bs), sc(bs);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = p.query_start_loc[it.seq] + it.row0 + r;
-    for (int64_t j = 0; j < g; ++j) {
-      const float* src = p.q + (t * p.hq + head * g + j) * d;
-      float* dst = qs.data() + (r * g + j) * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = src[e] * p.scale;
-    }
-  }
-  const int64_t first_pos = seq_len - q_len + it.row0;
-  const int64_t last_pos = first_pos + rows - 1;
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  const bool transpose = n >= 8;  // many query vectors: score against a transposed page tile
-
-  for (int64_t page = lo / bs; page * bs <= last_pos; ++page) {
-    const int64_t blk = p.block_tables[it.seq * p.max_blocks + page];
-    if (blk < 0 || blk >= p.num_blocks) continue;  // corrupt table: skip rather than read wild
-    const float* kp = p.k + (blk * bs * p.hkv + head) * d;
-    const float* vp = p.v + (blk * bs * p.hkv + head) * d;
-    const int64_t start = page * bs;
-    if (transpose) {
-      for (int64_t j = 0; j < bs; ++j)
-        for (int64_t e = 0; e < d; ++e) kt[e * bs + j] = kp[j * row_stride + e];
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t ps = first_pos + r;
-      // Visible slots of this page for this row: [jlo, jhi].
-      const int64_t jhi = std::min<int64_t>(bs - 1, ps - start);
-      const int64_t jlo = p.window > 0 ? std::max<int64_t>(0, ps - p.window + 1 - start) : 0;
-      if (jhi < 0 || jlo > jhi) continue;
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t i = r * g + j;
-        const float* qi = qs.data() + i * d;
-        if (transpose) {
-          for (int64_t c = 0; c < bs; ++c) sc[c] = 0.0f;
-          for (int64_t e = 0; e < d; ++e) {
-            const float qe = qi[e];
-            const float* ke = kt.data() + e * bs;
-            for (int64_t c = 0; c < bs; ++c) sc[c] += qe * ke[c];
-          }
-        } else {
-          for (int64_t c = jlo; c <= jhi; ++c) {
-            const float* kc = kp + c * row_stride;
-            float s = 0.0f;
-            for (int64_t e = 0; e < d; ++e) s += qi[e] * kc[e];
-            sc[c] = s;
-          }
-        }
-        float mx = m[i];
-        for (int64_t c = jlo; c <= jhi; ++c) {
-          if (p.soft_cap > 0.0f) sc[c] = p.soft_cap * std::tanh(sc[c] / p.soft_cap);
-          mx = std::max(mx, sc[c]);
-        }
-        const float corr = std::exp(m[i] - mx);
-        float sum = 0.0f;
-        for (int64_t c = jlo; c <= jhi; ++c) {
-          sc[c] = std::exp(sc[c] - mx);
-          sum += sc[c];
-        }
-        m[i] = mx;
-        l[i] = l[i] * corr + sum;
-        float* ai = acc.data() + i * d;
-        for (int64_t e = 0; e < d; ++e) ai[e] *= corr;
-        for (int64_t c = jlo; c <= jhi; ++c) {
-          const float pc = sc[c];
-          const float* vc = vp + c * row_stride;
-          for (int64_t e = 0; e < d; ++e) ai[e] += pc * vc[e];
-        }
-      }
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = p.query_start_loc[it.seq] + it.row0 + r;
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t i = r * g + j;
-      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-      float* dst = p.out + (t * p.hq + head * g + j) * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = acc[i * d + e] * inv;
-    }
-  }
+  const int64_t first = p.seq_lens[it.seq] - q_len + it.row0, rows = it.row1 - it.row0;
+  return {p.query_start_loc[it.seq] + it.row0, first, first + rows - 1, rows * (p.hq / p.hkv)};
 }
 
+// Visible slots [lo, hi] of a block starting at `base` for a row at position `pos`.
+inline void Visible(const Problem& p, int64_t pos, int64_t base, int64_t width, int64_t* lo, int64_t* hi) {
+  *hi = std::min<int64_t>(width - 1, pos - base);
+  *lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - base) : 0;
+}
 
+// Any block size / head_dim: plain loops, one query vector at a time.
 void GenericItem(const Problem& p, const Item& it) {
-  for (int64_t head = 0; head < p.hkv; ++head) GenericHead(p, it, head);
+  const int64_t bs = p.block_size, d = p.d, g = p.hq / p.hkv;
+  const Rows rw = RowsOf(p, it);
+  std::vector<float> acc(d), sc(bs);
+  const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) / bs : 0;
+  for (int64_t i = 0; i < rw.n * p.hkv; ++i) {
+    const int64_t h = i / rw.n, r = (i % rw.n) / g, j = i % g, pos = rw.first_pos + r;
+    const float* qi = p.q + ((rw.t0 + r) * p.hq + h * g + j) * d;
+    float m = kNeg, l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = first_block; b * bs <= pos; ++b) {
+      const int64_t blk = p.block_tables[it.seq * p.max_blocks + b];
+      if (blk < 0 || blk >= p.num_blocks) continue;  // corrupt table: skip rather than read wild
+      int64_t lo, hi;
+      Visible(p, pos, b * bs, bs, &lo, &hi);
+      if (lo > hi) continue;
+      float mx = m;
+      for (int64_t c = lo; c <= hi; ++c) {
+        float s = 0.0f;
+        for (int64_t e = 0; e < d; ++e) s += qi[e] * *p.KAt(blk, h, c, e);
+        s *= p.scale;
+        if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
+        sc[c] = s;
+        mx = std::max(mx, s);
+      }
+      const float corr = std::exp(m - mx);
+      l *= corr;
+      for (int64_t e = 0; e < d; ++e) acc[e] *= corr;
+      for (int64_t c = lo; c <= hi; ++c) {
+        const float pc = std::exp(sc[c] - mx);
+        l += pc;
+        const float* vc = p.VAt(blk, h, c, 0);
+        for (int64_t e = 0; e < d; ++e) acc[e] += pc * vc[e];
+      }
+      m = mx;
+    }
+    float* dst = p.out + ((rw.t0 + r) * p.hq + h * g + j) * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = l > 0.0f ? acc[e] / l : 0.0f;
+  }
 }
 
-// The fast path: pages taken as tiles of 16 slots (block_size % 16 == 0), head_dim D % 16 == 0.
-// Query vectors go 4 at a time, so each K/V row loaded from the cache serves 4 of them and the
-// four accumulations are independent (no FMA latency chains).
+// The fast path: block_size % 16 == 0 and head_dim D a multiple of 16. Query vectors go Q at a
+// time against 16-slot tiles, so each K/V vector loaded from the cache serves Q of them and the
+// Q accumulations are independent (no FMA latency chains).
 using v16 = float __attribute__((vector_size(64), aligned(64)));
 constexpr int kW = 16;  // slots per tile = floats per v16
-constexpr int kQ = 4;   // query vectors per pass
-
-inline float HSum(v16 x) {
-  float s = 0.0f;
-  for (int c = 0; c < kW; ++c) s += x[c];
-  return s;
-}
 
 inline v16 LoadU(const float* src) {
   v16 x;
@@ -170,77 +136,53 @@ inline v16 LoadU(const float* src) {
   return x;
 }
 
-template <int D>
+template <int D, int Q>
 void TiledItem(const Problem& p, const Item& it) {
   constexpr int DV = D / kW;
-  const int64_t bs = p.block_size, g = p.hq / p.hkv, stride = p.hkv * D;
-  const int64_t q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
-  const int64_t rows = it.row1 - it.row0, per_head = rows * g;
-  const int64_t nqh = (per_head + kQ - 1) / kQ * kQ;  // vectors per kv head, padded to kQ
+  const int64_t bs = p.block_size, g = p.hq / p.hkv;
+  const Rows rw = RowsOf(p, it);
+  const int64_t nqh = (rw.n + Q - 1) / Q * Q;  // vectors per kv head, padded to a multiple of Q
   const int64_t nq = nqh * p.hkv;
-  const int64_t first_pos = p.seq_lens[it.seq] - q_len + it.row0, last_pos = first_pos + rows - 1;
-  const int64_t t0 = p.query_start_loc[it.seq] + it.row0;
 
   // Vector i = h * nqh + r * g + j: kv head h, row r, query head h * g + j.
-  std::vector<v16> qs(nq * DV, v16{}), acc(nq * DV, v16{}), kt(D);
-  std::vector<float> m(nq, kNeg), l(nq, 0.0f);
+  std::vector<v16> acc(nq * DV, v16{});
+  std::vector<float> qs(nq * D, 0.0f), m(nq, kNeg), l(nq, 0.0f);
   std::vector<int64_t> pos(nq, -1);  // -1: padding vector
   for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t i = h * nqh + r * g + j;
-        pos[i] = first_pos + r;
-        const float* src = p.q + ((t0 + r) * p.hq + h * g + j) * D;
-        for (int e = 0; e < DV; ++e) qs[i * DV + e] = LoadU(src + e * kW) * p.scale;
-      }
-  const bool transpose = per_head > kQ;  // enough query vectors to pay for transposing K tiles
+    for (int64_t i = 0; i < rw.n; ++i) {
+      const int64_t r = i / g, j = i % g, dst = h * nqh + i;
+      pos[dst] = rw.first_pos + r;
+      const float* src = p.q + ((rw.t0 + r) * p.hq + h * g + j) * D;
+      for (int e = 0; e < D; ++e) qs[dst * D + e] = src[e] * p.scale;
+    }
   v16 lane;
   for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
 
-  for (int64_t base = lo / kW * kW; base <= last_pos; base += kW) {
+  for (int64_t base = lo / kW * kW; base <= rw.last_pos; base += kW) {
     const int64_t blk = p.block_tables[it.seq * p.max_blocks + base / bs];
     if (blk < 0 || blk >= p.num_blocks) continue;
-    const int64_t slot = blk * bs + base % bs;
+    const int64_t off = base % bs;
     for (int64_t h = 0; h < p.hkv; ++h) {
-      const float* kp = p.k + slot * stride + h * D;
-      const float* vp = p.v + slot * stride + h * D;
-      if (transpose) {
-        float* ktf = reinterpret_cast<float*>(kt.data());
-        for (int c = 0; c < kW; ++c)
-          for (int e = 0; e < D; ++e) ktf[e * kW + c] = kp[c * stride + e];
-      }
-      for (int64_t i0 = h * nqh; i0 < (h + 1) * nqh; i0 += kQ) {
+      const float* kt = p.KAt(blk, h, off, 0);  // kt[e * bs + c]: 16 slots of dim e
+      const float* vt = p.VAt(blk, h, off, 0);  // vt[c * D + e]
+      for (int64_t i0 = h * nqh; i0 < (h + 1) * nqh; i0 += Q) {
         // Visible tile lanes of each vector: [jlo, jhi] (empty when jlo > jhi).
-        int64_t jlo[kQ], jhi[kQ], ulo = kW, uhi = -1;
-        for (int q = 0; q < kQ; ++q) {
-          const int64_t ps = pos[i0 + q];
-          jhi[q] = std::min<int64_t>(kW - 1, ps - base);
-          jlo[q] = p.window > 0 ? std::max<int64_t>(0, ps - p.window + 1 - base) : 0;
-          if (ps < 0) jlo[q] = kW;
+        int64_t jlo[Q], jhi[Q], ulo = kW, uhi = -1;
+        for (int q = 0; q < Q; ++q) {
+          Visible(p, pos[i0 + q], base, kW, &jlo[q], &jhi[q]);
+          if (pos[i0 + q] < 0) jlo[q] = kW;
           if (jlo[q] <= jhi[q]) ulo = std::min(ulo, jlo[q]), uhi = std::max(uhi, jhi[q]);
         }
         if (ulo > uhi) continue;
-        const v16* qv = qs.data() + i0 * DV;
-        v16 sc[kQ] = {};
-        if (transpose) {
-          const float* qf = reinterpret_cast<const float*>(qv);
-          for (int e = 0; e < D; ++e) {
-            const v16 k = kt[e];
-            for (int q = 0; q < kQ; ++q) sc[q] += qf[q * D + e] * k;
-          }
-        } else {
-          for (int64_t c = ulo; c <= uhi; ++c) {
-            v16 part[kQ] = {};
-            for (int e = 0; e < DV; ++e) {
-              const v16 k = LoadU(kp + c * stride + e * kW);
-              for (int q = 0; q < kQ; ++q) part[q] += qv[q * DV + e] * k;
-            }
-            for (int q = 0; q < kQ; ++q) sc[q][c] = HSum(part[q]);
-          }
+        const float* qf = qs.data() + i0 * D;
+        v16 sc[Q] = {};
+        for (int e = 0; e < D; ++e) {
+          const v16 kv = LoadU(kt + e * bs);
+          for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
         }
-        float pr[kQ][kW];
-        for (int q = 0; q < kQ; ++q) {
+        float pr[Q][kW];
+        for (int q = 0; q < Q; ++q) {
           const int64_t i = i0 + q;
           if (jlo[q] > jhi[q]) {
             for (int c = 0; c < kW; ++c) pr[q][c] = 0.0f;
@@ -253,43 +195,53 @@ void TiledItem(const Problem& p, const Item& it) {
           s = vis ? s : v16{} + kNeg;
           float mx = m[i];
           for (int c = 0; c < kW; ++c) mx = std::max(mx, s[c]);
-          float e[kW], sum = 0.0f;
-          for (int c = 0; c < kW; ++c) e[c] = std::exp(s[c] - mx);
-          for (int c = 0; c < kW; ++c) pr[q][c] = vis[c] ? e[c] : 0.0f, sum += pr[q][c];
+          float ex[kW], sum = 0.0f;
+          for (int c = 0; c < kW; ++c) ex[c] = std::exp(s[c] - mx);
+          for (int c = 0; c < kW; ++c) pr[q][c] = vis[c] ? ex[c] : 0.0f, sum += pr[q][c];
           const float corr = std::exp(m[i] - mx);
           m[i] = mx;
           l[i] = l[i] * corr + sum;
-          for (int d = 0; d < DV; ++d) acc[i * DV + d] *= corr;
+          for (int e = 0; e < DV; ++e) acc[i * DV + e] *= corr;
         }
+        // Only slots some vector sees are read: past the context a tile may hold anything.
         v16* av = acc.data() + i0 * DV;
-        for (int64_t c = ulo; c <= uhi; ++c) {
-          for (int d = 0; d < DV; ++d) {
-            const v16 v = LoadU(vp + c * stride + d * kW);
-            for (int q = 0; q < kQ; ++q) av[q * DV + d] += pr[q][c] * v;
+        for (int e = 0; e < DV; ++e) {
+          v16 a[Q];
+          for (int q = 0; q < Q; ++q) a[q] = av[q * DV + e];
+          for (int64_t c = ulo; c <= uhi; ++c) {
+            const v16 vv = LoadU(vt + c * D + e * kW);
+            for (int q = 0; q < Q; ++q) a[q] += pr[q][c] * vv;
           }
+          for (int q = 0; q < Q; ++q) av[q * DV + e] = a[q];
         }
       }
     }
   }
   for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < g; ++j) {
-        const int64_t i = h * nqh + r * g + j;
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        float* dst = p.out + ((t0 + r) * p.hq + h * g + j) * D;
-        for (int d = 0; d < DV; ++d) {
-          const v16 o = acc[i * DV + d] * inv;
-          std::memcpy(dst + d * kW, &o, sizeof(o));
-        }
+    for (int64_t i = 0; i < rw.n; ++i) {
+      const int64_t r = i / g, j = i % g, src = h * nqh + i;
+      const float inv = l[src] > 0.0f ? 1.0f / l[src] : 0.0f;
+      float* dst = p.out + ((rw.t0 + r) * p.hq + h * g + j) * D;
+      for (int e = 0; e < DV; ++e) {
+        const v16 o = acc[src * DV + e] * inv;
+        std::memcpy(dst + e * kW, &o, sizeof(o));
       }
+    }
 }
 
 using ItemFn = void (*)(const Problem&, const Item&);
 
+// Decode items (a few query vectors per kv head) take Q = 4, prefill items Q = 8.
+template <int D>
+void TiledAny(const Problem& p, const Item& it) {
+  if ((it.row1 - it.row0) * (p.hq / p.hkv) <= 4) return TiledItem<D, 4>(p, it);
+  return TiledItem<D, 8>(p, it);
+}
+
 ItemFn PickItemFn(int64_t bs, int64_t d) {
-  if (bs % kW == 0 && d == 64) return TiledItem<64>;
-  if (bs % kW == 0 && d == 128) return TiledItem<128>;
-  if (bs % kW == 0 && d == 256) return TiledItem<256>;
+  if (bs % kW == 0 && d == 64) return TiledAny<64>;
+  if (bs % kW == 0 && d == 128) return TiledAny<128>;
+  if (bs % kW == 0 && d == 256) return TiledAny<256>;
   return GenericItem;
 }
 
@@ -363,7 +315,7 @@ ffi::Error WriteKv(ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
   const auto kd = k.dimensions();
   if (pd.size() != 4 || kd.size() != 3 || kd[1] != pd[2] || kd[2] != pd[3])
     return ffi::Error::InvalidArgument("kv write: expected pages[nb,bs,Hkv,D] and k/v[T,Hkv,D]");
-  const int64_t row = pd[2] * pd[3], num_slots = pd[0] * pd[1];
+  const int64_t bs = pd[1], hkv = pd[2], d = pd[3], num_slots = pd[0] * bs;
   // The outputs alias the pages (input_output_aliases): XLA hands us the cache itself.
   float* ko = k_out->typed_data();
   float* vo = v_out->typed_data();
@@ -371,8 +323,13 @@ ffi::Error WriteKv(ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
   for (int64_t t = 0; t < kd[0]; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0 || slot >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
-    std::memcpy(ko + slot * row, k.typed_data() + t * row, row * sizeof(float));
-    std::memcpy(vo + slot * row, v.typed_data() + t * row, row * sizeof(float));
+    const int64_t blk = slot / bs, c = slot % bs;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const float* kr = k.typed_data() + (t * hkv + h) * d;
+      float* kdst = ko + (blk * hkv + h) * d * bs + c;  // K block [Hkv][D][bs]
+      for (int64_t e = 0; e < d; ++e) kdst[e * bs] = kr[e];
+      std::memcpy(vo + ((blk * hkv + h) * bs + c) * d, v.typed_data() + (t * hkv + h) * d, d * sizeof(float));
+    }
   }
   return ffi::Error::Success();
 }
