@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jaxserve.config import ATTENTION_BACKENDS, DTYPES, EVICTIONS, PREFIX_CACHES, SCHEDULES, EngineConfig, parse_bytes
+from jaxserve.config import ADMISSIONS, ATTENTION_BACKENDS, DTYPES, EVICTIONS, PREFIX_CACHES, SCHEDULES, EngineConfig, parse_bytes
 
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
 
@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     order = g.add_mutually_exclusive_group()
     order.add_argument("--prefill-first", dest="prefill_first", action="store_true", help="admit new prompts before decodes")
     order.add_argument("--decode-first", dest="prefill_first", action="store_false", help="running requests first (default)")
+    g.add_argument("--admission", choices=ADMISSIONS, default="optimistic",
+                   help="optimistic (vLLM, default): admit while the prompt fits; conservative (SGLang): also "
+                        "reserve blocks for running requests' expected output, fewer preemptions")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="default: pallas on TPU/GPU; on CPU the native cpu kernel (built with g++), else xla")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")

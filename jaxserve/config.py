@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 PREFIX_CACHES = ("radix", "hash", "off")
 EVICTIONS = ("lru", "trunk")
 SCHEDULES = ("fcfs", "priority", "lpm")
+ADMISSIONS = ("optimistic", "conservative")
 ATTENTION_BACKENDS = ("xla", "pallas", "cpu")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -26,6 +27,7 @@ class EngineConfig:
     eviction: str = "lru"
     schedule: str = "fcfs"
     prefill_first: bool = False
+    admission: str = "optimistic"  # conservative: reserve for running requests' growth (SGLang)
     attention_backend: str | None = None  # default: cpu (native kernel, else xla) on CPU, pallas on TPU/GPU
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on accelerators
     precompile: bool = True
@@ -53,6 +55,7 @@ class EngineConfig:
             ("prefix_cache", PREFIX_CACHES),
             ("eviction", EVICTIONS),
             ("schedule", SCHEDULES),
+            ("admission", ADMISSIONS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}.")

@@ -98,6 +98,7 @@ class LLMEngine:
                 eviction=config.eviction,
                 policy=config.schedule,
                 prefill_first=config.prefill_first,
+                admission=config.admission,
             )
         )
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
