@@ -1,6 +1,7 @@
 """Turn a scheduler plan into padded numpy arrays for one step (host side, no jax).
 
-T (tokens) and S (sequences) are padded to power-of-two buckets so each bucket compiles once.
+T (tokens) and S (sequences) are padded to buckets (powers of two and their 1.5x midpoints) so each
+bucket compiles once.
 Padding tokens write to the reserved null block 0 and padding sequences have no tokens.
 """
 
@@ -18,9 +19,13 @@ def next_pow2(n: int) -> int:
 
 
 def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
+    """Step sizes that compile: powers of two from `smallest`, plus the midpoints 24, 48, 96, ...
+    (padding a step costs at most a third, not half), capped by `max_tokens` (always included)."""
     out, t = [], smallest
     while t < max_tokens:
         out.append(t)
+        if t >= 16 and t * 3 // 2 < max_tokens:
+            out.append(t * 3 // 2)
         t *= 2
     return out + [max(max_tokens, smallest)]
 

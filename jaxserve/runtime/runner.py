@@ -109,7 +109,7 @@ class ModelRunner:
     # ---- shapes -------------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         t = next(b for b in self.t_buckets if b >= num_tokens)
-        s = min(max(next_pow2(num_seqs), min(t, self.s_max)), self.s_max)
+        s = min(max(next(b for b in self.t_buckets if b >= num_seqs), min(t, self.s_max)), self.s_max)
         return t, s
 
     def all_buckets(self) -> list[tuple[int, int]]:
