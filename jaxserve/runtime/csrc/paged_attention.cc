@@ -127,8 +127,21 @@ void GenericItem(const Problem& p, const Item& it) {
 // The fast path: block_size % 16 == 0 and head_dim D a multiple of 16. Query vectors go Q at a
 // time against 16-slot tiles, so each K/V vector loaded from the cache serves Q of them and the
 // Q accumulations are independent (no FMA latency chains).
-using v16 = float __attribute__((vector_size(64), aligned(64)));
+using v16 = float __attribute__((vector_size(64)));  // naturally 64-byte aligned
 constexpr int kW = 16;  // slots per tile = floats per v16
+
+// Lane reductions as shuffle trees (4 steps for 16 lanes).
+template <typename F>
+inline float Reduce(v16 x, F op) {
+  using i16 = int32_t __attribute__((vector_size(64)));
+  x = op(x, __builtin_shuffle(x, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = op(x, __builtin_shuffle(x, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  x = op(x, __builtin_shuffle(x, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  x = op(x, __builtin_shuffle(x, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return x[0];
+}
+inline float HSum(v16 x) { return Reduce(x, [](v16 a, v16 b) { return a + b; }); }
+inline float HMax(v16 x) { return Reduce(x, [](v16 a, v16 b) { return a > b ? a : b; }); }
 
 inline v16 LoadU(const float* src) {
   v16 x;
@@ -193,11 +206,12 @@ void TiledItem(const Problem& p, const Item& it) {
             for (int c = 0; c < kW; ++c) s[c] = p.soft_cap * std::tanh(s[c] / p.soft_cap);
           const auto vis = (lane >= static_cast<float>(jlo[q])) & (lane <= static_cast<float>(jhi[q]));
           s = vis ? s : v16{} + kNeg;
-          float mx = m[i];
-          for (int c = 0; c < kW; ++c) mx = std::max(mx, s[c]);
-          float ex[kW], sum = 0.0f;
+          const float mx = std::max(m[i], HMax(s));
+          v16 ex;
           for (int c = 0; c < kW; ++c) ex[c] = std::exp(s[c] - mx);
-          for (int c = 0; c < kW; ++c) pr[q][c] = vis[c] ? ex[c] : 0.0f, sum += pr[q][c];
+          ex = vis ? ex : v16{};
+          std::memcpy(pr[q], &ex, sizeof(ex));
+          const float sum = HSum(ex);
           const float corr = std::exp(m[i] - mx);
           m[i] = mx;
           l[i] = l[i] * corr + sum;
