@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-roofline", dest="roofline", action="store_false",
                    help="skip measuring the roofline (then no fraction-of-limit figures)")
     r.add_argument("--roofline-json", default=None, help="reuse a `bench roofline --out` file instead of measuring")
+    r.add_argument("--step-profile", action="store_true",
+                   help="after each timed run, run the workload again (prefix cache reset) with every step "
+                        "synced and print time per step bucket (where the time goes)")
     p.add_argument("--out", default=None, help="write JSON here")
     add_engine_args(p)
     return p
@@ -122,6 +125,36 @@ def run_workload(llm, items, *, warmup_items=None) -> dict:
         "ttft_s": common.summarize(ttft),
         "mean_context": statistics.fmean(len(p) + m / 2 for p, m, _ in items),
     }
+
+
+def step_profile(llm, items) -> list[dict]:
+    """One more run of items with each step synced: steps, ms/step and real tokens per (T, S) bucket.
+
+    The prefix cache is reset first so the run schedules like the timed one. Syncing each step
+    costs little here (the engine waits for every step's tokens anyway)."""
+    import jax
+
+    runner = llm.engine.runner
+    execute, stats = runner.execute, {}
+
+    def timed(inputs, t, s, tensors, mode):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(execute(inputs, t, s, tensors, mode))
+        st = stats.setdefault((t, s), [0, 0.0, 0])
+        st[0] += 1
+        st[1] += time.perf_counter() - t0
+        st[2] += int(inputs.query_start_loc[int(inputs.num_seqs[0])])
+        return out
+
+    llm.reset_prefix_cache()
+    runner.execute = timed
+    try:
+        llm.generate([p for p, _, _ in items], [_params(m) for _, m, _ in items], use_tqdm=False)
+    finally:
+        del runner.execute  # back to the class's method
+    return [{"tokens": t, "seqs": s, "steps": n, "ms_per_step": 1e3 * sec / n, "total_s": sec,
+             "real_tokens": real, "real_tokens_per_step": real / n}
+            for (t, s), (n, sec, real) in sorted(stats.items(), key=lambda kv: -kv[1][1])]
 
 
 def single_decode(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
@@ -225,6 +258,8 @@ def main(argv=None) -> int:
             res["roofline"] = {**frac, **rl.work_fraction(res["wall_s"], res["prompt_tokens"],
                                                           res["output_tokens"], cfg, batch,
                                                           int(res["mean_context"]), measured)}
+        if args.step_profile:
+            res["step_profile"] = step_profile(llm, items)
         results[name] = res
         print(f"[{name}] {res['output_tok_s']:.1f} output tok/s ({res['wall_s']:.1f} s)", flush=True)
         del llm
@@ -271,6 +306,12 @@ def _print(results: dict, single, hf, args) -> None:
                        f"max_num_batched_tokens={args.max_num_batched_tokens})"))
     print("  % roofline: output tok/s / min(compute, bandwidth) ceiling at that batch and mean context;"
           " % compute: ideal FLOP time / wall time (prompt + output tokens)")
+    for name, r in results.items():
+        if "step_profile" in r:
+            rows = [(f"({b['tokens']}, {b['seqs']})", b["steps"], b["ms_per_step"], b["total_s"],
+                     b["real_tokens_per_step"]) for b in r["step_profile"]]
+            print(common.table(rows, ("bucket (tokens, seqs)", "steps", "ms/step", "total s", "real tokens/step"),
+                               f"[{name}] time per step bucket (a second run, each step synced)"))
     if single:
         rl = single.get("roofline", {})
         print(common.kv_table([

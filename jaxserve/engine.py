@@ -345,6 +345,11 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              max(cached, 0), dataclasses.replace(group.metrics))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prefixes no running request uses (as vLLM's reset_prefix_cache), e.g.
+        between benchmark runs; returns how many blocks went back to the free list."""
+        return self.scheduler.kv.reset_cache()
+
     # ---- introspection ----------------------------------------------------------------------------
     def get_stats(self) -> dict:
         stats = dict(self.scheduler.stats())

@@ -27,6 +27,10 @@ class LLM:
             self.engine.precompile(_compile_progress() if use_tqdm else None)
         self._next_id = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prefixes no request holds; returns the number of blocks freed."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -59,6 +59,19 @@ def test_request_reports_its_cached_tokens(tiny_model):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("kind", ["hash", "radix"])
+def test_reset_prefix_cache_forgets_unused_prefixes(tiny_model, kind):
+    llm = LLM(tiny_model("llama"), prefix_cache=kind, **ENGINE_KW)
+    prompt = list(range(3, 3 + 40))
+    llm.generate([prompt], P, use_tqdm=False)
+    assert llm.reset_prefix_cache() == 2  # 47 tokens have K/V (the last sampled one never ran): 2 full blocks
+    llm.engine.scheduler.kv.check_invariants()
+    assert llm.engine.scheduler.kv.cache.num_cached == 0
+    again = llm.generate([prompt], P, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert_all_blocks_free(llm)
+
+
 def test_cache_salt_isolates(tiny_model):
     llm = LLM(tiny_model("llama"), prefix_cache="hash", **ENGINE_KW)
     prompt = list(range(3, 3 + 40))

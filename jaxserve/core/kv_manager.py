@@ -115,6 +115,10 @@ class KVManager:
             self.pool.push(b)
         return len(evicted)
 
+    def reset_cache(self) -> int:
+        """Drop every unreferenced cached block (blocks in use stay cached); returns how many."""
+        return self.evict(self.cache.num_evictable)
+
     def commit(self, req: Request) -> None:
         """Cache the request's newly full blocks whose K/V is written (after a step)."""
         if not self.caching:

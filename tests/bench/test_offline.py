@@ -10,15 +10,21 @@ def test_offline_mixed_counts_every_token(tiny_model, tmp_path, capsys):
     from bench import offline
 
     out = tmp_path / "off.json"
-    assert offline.main(["--model", tiny_model("llama"), "--no-roofline", "--out", str(out), *SMALL]) == 0
+    assert offline.main(["--model", tiny_model("llama"), "--no-roofline", "--step-profile", "--out", str(out),
+                         *SMALL]) == 0
     doc = json.loads(out.read_text())
     r = doc["results"]["workloads"]["mixed"]
     assert r["requests"] == 4 and r["output_tokens"] == r["wanted_output_tokens"]  # ignore_eos: fixed lengths
+    # the profile run schedules like the timed one: same steps, every prompt and output token once
+    prof = r["step_profile"]
+    assert sum(b["steps"] for b in prof) == r["steps"]
+    assert sum(b["real_tokens"] for b in prof) == r["computed_tokens"]
     assert r["output_tok_s"] > 0 and r["compile_s"] > 0 and r["compiles_during_run"] == 0
     single = doc["results"]["single_request"]
     assert single["new_tokens"] == 8 and single["decode_tok_s"] > 0
     assert doc["command"].startswith("jaxserve bench offline") and doc["machine"]["cpu_count"] >= 1
-    assert "jaxserve offline" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "jaxserve offline" in printed and "time per step bucket" in printed
 
 
 def test_offline_simulator_workload_with_roofline(tiny_model, tmp_path):
