@@ -81,7 +81,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                attention_backend=config.attention_backend or default_attention_backend(),
+                attention_backend=config.attention_backend or default_attention_backend(dtype),
                 dtype=dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
             ),

@@ -173,10 +173,12 @@ BACKENDS = ("xla", "pallas", "cpu")
 log = logging.getLogger(__name__)
 
 
-def default_backend() -> str:
-    """`pallas` on TPU/GPU; on CPU the native `cpu` kernel when it builds here, else `xla`."""
+def default_backend(dtype: str = "float32") -> str:
+    """`pallas` on TPU/GPU; on CPU the native `cpu` kernel (float32) when it builds here, else `xla`."""
     if jax.default_backend() != "cpu":
         return "pallas"
+    if dtype != "float32":
+        return "xla"  # the native kernel is float32-only
     from jaxserve.runtime import cpu_attention
 
     why = cpu_attention.available()

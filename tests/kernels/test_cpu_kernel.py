@@ -85,6 +85,11 @@ def test_engine_cpu_backend_matches_xla_greedy(tiny_model):
     assert got == want
 
 
+def test_default_backend_on_cpu():
+    assert attention.default_backend("bfloat16") == "xla"  # the native kernel is float32-only
+    assert attention.default_backend("float32") == ("cpu" if WHY is None else "xla")
+
+
 def test_cpu_backend_falls_back_or_fails_clearly(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_state", {"error": "RuntimeError: no C++ compiler found"})
     assert attention.default_backend() == "xla"
