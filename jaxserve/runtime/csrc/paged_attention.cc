@@ -153,6 +153,29 @@ inline v16 LoadU(const float* src) {
   return x;
 }
 
+// One online-softmax step of a query vector over a 16-slot tile whose visible lanes are
+// [jlo, jhi]: scores -> probabilities in pr (zero outside), running max m and sum l updated, the
+// accumulator acc[DV] rescaled.
+template <int DV>
+inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, float* m, float* l, v16* acc,
+                          float* pr) {
+  v16 lane;
+  for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
+  if (p.soft_cap > 0.0f)
+    for (int c = 0; c < kW; ++c) x[c] = p.soft_cap * std::tanh(x[c] / p.soft_cap);
+  const auto vis = (lane >= static_cast<float>(jlo)) & (lane <= static_cast<float>(jhi));
+  x = vis ? x : v16{} + kNeg;
+  const float mx = std::max(*m, HMax(x));
+  v16 ex;
+  for (int c = 0; c < kW; ++c) ex[c] = std::exp(x[c] - mx);
+  ex = vis ? ex : v16{};
+  std::memcpy(pr, &ex, sizeof(ex));
+  const float corr = std::exp(*m - mx);
+  *m = mx;
+  *l = *l * corr + HSum(ex);
+  for (int e = 0; e < DV; ++e) acc[e] *= corr;
+}
+
 template <int D, int Q>
 void TiledItem(const Problem& p, const Item& it) {
   constexpr int DV = D / kW;
@@ -172,8 +195,6 @@ void TiledItem(const Problem& p, const Item& it) {
       const float* src = p.q + ((rw.t0 + r) * p.hq + h * g + j) * D;
       for (int e = 0; e < D; ++e) qs[dst * D + e] = src[e] * p.scale;
     }
-  v16 lane;
-  for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
 
   for (int64_t base = lo / kW * kW; base <= rw.last_pos; base += kW) {
@@ -205,21 +226,7 @@ void TiledItem(const Problem& p, const Item& it) {
             for (int c = 0; c < kW; ++c) pr[q][c] = 0.0f;
             continue;
           }
-          v16 s = sc[q];
-          if (p.soft_cap > 0.0f)
-            for (int c = 0; c < kW; ++c) s[c] = p.soft_cap * std::tanh(s[c] / p.soft_cap);
-          const auto vis = (lane >= static_cast<float>(jlo[q])) & (lane <= static_cast<float>(jhi[q]));
-          s = vis ? s : v16{} + kNeg;
-          const float mx = std::max(m[i], HMax(s));
-          v16 ex;
-          for (int c = 0; c < kW; ++c) ex[c] = std::exp(s[c] - mx);
-          ex = vis ? ex : v16{};
-          std::memcpy(pr[q], &ex, sizeof(ex));
-          const float sum = HSum(ex);
-          const float corr = std::exp(m[i] - mx);
-          m[i] = mx;
-          l[i] = l[i] * corr + sum;
-          for (int e = 0; e < DV; ++e) acc[i * DV + e] *= corr;
+          OnlineSoftmax<DV>(p, sc[q], jlo[q], jhi[q], &m[i], &l[i], &acc[i * DV], pr[q]);
         }
         // Only slots some vector sees are read: past the context a tile may hold anything.
         v16* av = acc.data() + i0 * DV;
@@ -279,8 +286,6 @@ void DecodeGroup(const Problem& p, const Item& it) {
           float* dst = qs.data() + ((s * hkv + h) * Q + j) * D;
           for (int e = 0; e < D; ++e) dst[e] = src[e] * p.scale;
         }
-  v16 lane;
-  for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
 
   for (int64_t base = first_tile; base <= last_tile; base += kW) {
     int64_t blk[S], jlo[S], jhi[S], ulo = kW, uhi = -1;
@@ -318,20 +323,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
             std::memset(pr[s][q], 0, sizeof(pr[s][q]));
             continue;
           }
-          v16 x = sc[s][q];
-          if (p.soft_cap > 0.0f)
-            for (int c = 0; c < kW; ++c) x[c] = p.soft_cap * std::tanh(x[c] / p.soft_cap);
-          const auto vis = (lane >= static_cast<float>(jlo[s])) & (lane <= static_cast<float>(jhi[s]));
-          x = vis ? x : v16{} + kNeg;
-          const float mx = std::max(m[i], HMax(x));
-          v16 ex;
-          for (int c = 0; c < kW; ++c) ex[c] = std::exp(x[c] - mx);
-          ex = vis ? ex : v16{};
-          std::memcpy(pr[s][q], &ex, sizeof(ex));
-          const float corr = std::exp(m[i] - mx);
-          m[i] = mx;
-          l[i] = l[i] * corr + HSum(ex);
-          for (int e = 0; e < DV; ++e) acc[i * DV + e] *= corr;
+          OnlineSoftmax<DV>(p, sc[s][q], jlo[s], jhi[s], &m[i], &l[i], &acc[i * DV], pr[s][q]);
         }
       for (int e = 0; e < DV; ++e) {
         v16 a[S][Q];
