@@ -125,6 +125,11 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             )
         return JSONResponse({"prompt": serving.tok.decode(req.tokens)})
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's POST /reset_prefix_cache: forget cached prefixes no running request holds."""
+        freed = await aengine.call(lambda engine: engine.reset_prefix_cache())
+        return JSONResponse({"freed_blocks": freed})
+
     async def on_api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
 
@@ -161,6 +166,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     middleware = (
         [Middleware(_APIKey, key=cfg.api_key, public_paths=cfg.public_paths)] if cfg.api_key else []

@@ -244,6 +244,16 @@ def test_chat_n2_and_stop(server, client):
     )
 
 
+def test_reset_prefix_cache(server, client, http):
+    prompt = "The same long prompt, sent twice to warm the prefix cache. " * 4
+    client.completions.create(model=server.model, prompt=prompt, max_tokens=2)
+    assert server.on_engine(lambda e: e.scheduler.kv.cache.num_evictable) > 0
+    r = http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json()["freed_blocks"] > 0
+    assert server.on_engine(lambda e: e.scheduler.kv.cache.num_evictable) == 0
+    server.on_engine(lambda e: e.scheduler.kv.check_invariants())
+
+
 def test_tokenize_detokenize(server, http):
     r = http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert r["tokens"] == server.engine.tokenizer.encode("Hello world") and r["count"] == len(
