@@ -30,6 +30,7 @@ class EngineConfig:
     admission: str = "optimistic"  # conservative: reserve for running requests' growth (SGLang)
     attention_backend: str | None = None  # default: cpu (native kernel, else xla) on CPU, pallas on TPU/GPU
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on accelerators
+    kv_cache_dtype: str | None = None  # default: dtype (bfloat16 halves KV memory and its reads)
     precompile: bool = True
     compilation_cache: bool = True
     seed: int = 0  # seeds the per-request seeds of requests that bring none
@@ -63,8 +64,9 @@ class EngineConfig:
             raise ValueError(
                 f"Invalid attention_backend={self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}."
             )
-        if self.dtype not in (None, *DTYPES):
-            raise ValueError(f"Invalid dtype={self.dtype!r}: choose one of {', '.join(DTYPES)}.")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in (None, *DTYPES):
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: choose one of {', '.join(DTYPES)}.")
 
     @classmethod
     def field_names(cls) -> list[str]:

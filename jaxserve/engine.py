@@ -67,11 +67,12 @@ class LLMEngine:
         if config.compilation_cache:
             rt.enable_compilation_cache()
         dtype = config.dtype or rt.default_dtype()
+        kv_dtype = config.kv_cache_dtype or dtype
         self.loaded = load_model(config.model)
         self.model_config = mc = self.loaded.config
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.num_blocks = config.num_blocks or self._blocks_from_budget(dtype)
+        self.num_blocks = config.num_blocks or self._blocks_from_budget(kv_dtype)
         self.runner = rt.ModelRunner(
             mc,
             self.loaded.params,
@@ -81,8 +82,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                attention_backend=config.attention_backend or default_attention_backend(dtype),
+                attention_backend=config.attention_backend or default_attention_backend(dtype, kv_dtype),
                 dtype=dtype,
+                kv_cache_dtype=kv_dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
             ),
         )
@@ -110,7 +112,7 @@ class LLMEngine:
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2f",
             self.num_blocks - 1, config.block_size, cap_tokens,
-            self.num_blocks * rt.kv_bytes_per_block(mc, config.block_size, dtype) / 2**20, dtype,
+            self.num_blocks * rt.kv_bytes_per_block(mc, config.block_size, kv_dtype) / 2**20, kv_dtype,
             self.max_model_len, cap_tokens / self.max_model_len,
         )
         self.kv_capacity_tokens = cap_tokens

@@ -173,12 +173,13 @@ BACKENDS = ("xla", "pallas", "cpu")
 log = logging.getLogger(__name__)
 
 
-def default_backend(dtype: str = "float32") -> str:
-    """`pallas` on TPU/GPU; on CPU the native `cpu` kernel (float32) when it builds here, else `xla`."""
+def default_backend(dtype: str = "float32", kv_dtype: str | None = None) -> str:
+    """`pallas` on TPU/GPU; on CPU the native `cpu` kernel (float32 compute, float32 or bfloat16
+    KV) when it builds here, else `xla`."""
     if jax.default_backend() != "cpu":
         return "pallas"
-    if dtype != "float32":
-        return "xla"  # the native kernel is float32-only
+    if dtype != "float32" or (kv_dtype or dtype) not in ("float32", "bfloat16"):
+        return "xla"  # what the native kernel does not cover
     from jaxserve.runtime import cpu_attention
 
     why = cpu_attention.available()

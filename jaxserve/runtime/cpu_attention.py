@@ -90,6 +90,12 @@ def available() -> str | None:
         return _state["error"]
 
 
+def native(compute_dtype, k_pages_dtype, v_pages_dtype) -> bool:
+    """Whether the native kernels run these dtypes: float32 q/k/v, float32 or bfloat16 pages."""
+    return (compute_dtype == jnp.float32 and k_pages_dtype == v_pages_dtype
+            and k_pages_dtype in (jnp.float32, jnp.bfloat16) and available() is None)
+
+
 def to_cpu_layout(k_pages, v_pages):
     """Pages in the engine's [nb, bs, Hkv, D] layout -> this backend's (same shape; K blocks hold
     [Hkv, D, bs], V blocks [Hkv, bs, D]: see csrc/paged_attention.cc). For tests and tools."""
@@ -103,9 +109,10 @@ def cpu_ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, **unused,
 ):
-    """`xla_ragged_paged_attention` over pages written by `cpu_write_kv`; float32 runs natively
-    (other dtypes, or no compiler: both functions fall back to XLA and the engine's layout)."""
-    if not (q.dtype == k_pages.dtype == v_pages.dtype == jnp.float32) or available() is not None:
+    """`xla_ragged_paged_attention` over pages written by `cpu_write_kv`. Runs natively for float32
+    q with float32 or bfloat16 pages (otherwise, or without a compiler, both functions fall back
+    to XLA and the engine's layout)."""
+    if not native(q.dtype, k_pages.dtype, v_pages.dtype):
         return xla_ragged_paged_attention(
             q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -119,8 +126,9 @@ def cpu_ragged_paged_attention(
 
 
 def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Same as `write_kv` (the XLA scatter), in place through aliased outputs; float32 natively."""
-    if not (k_pages.dtype == v_pages.dtype == k.dtype == v.dtype == jnp.float32) or available() is not None:
+    """Same as `write_kv` (the XLA scatter, rounding to the pages' dtype), in place through
+    aliased outputs."""
+    if not native(k.dtype, k_pages.dtype, v_pages.dtype) or v.dtype != k.dtype:
         return write_kv(k_pages, v_pages, k, v, slot_mapping)
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     return jax.ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},

@@ -51,6 +51,7 @@ class RunnerConfig:
     attention_backend: str = "xla"
     dtype: str = "float32"
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str | None = None  # default: dtype
 
 
 def dtype_size(dtype: str) -> int:
@@ -77,7 +78,8 @@ class ModelRunner:
         self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
         self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
         shape = (cfg.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.kv_sharding)
+        self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype or cfg.dtype)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
         self.kv_caches = [(zeros(), zeros()) for _ in range(model_cfg.num_layers)]
         self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.t_buckets = token_buckets(cfg.max_num_batched_tokens)

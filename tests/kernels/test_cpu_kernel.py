@@ -58,10 +58,26 @@ def test_cpu_kernel_matches_reference(case, heads, head_dim, block_size, window,
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 40)])
-def test_cpu_write_kv_matches_scatter_in_place(block_size, head_dim):
+@pytest.mark.parametrize("case,block_size", [("mixed-long", 16), ("chunked", 32), ("mixed-long", 8)])
+def test_cpu_kernel_bfloat16_pages(case, block_size):
+    """bfloat16 KV storage (--kv-cache-dtype bfloat16): widened exactly on load, float32 math."""
+    q_lens, kv_lens = CASES[case]
+    b = make_batch(np.random.default_rng(7), q_lens, kv_lens, num_q_heads=9, num_kv_heads=3, block_size=block_size,
+                   pad_tokens=5)
+    q, k, v, *md = b.args
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    want = reference.ragged_paged_attention(q, k, v, *md, sm_scale=0.125)  # the oracle widens the pages too
+    got = jax.jit(functools.partial(cpu_attention.cpu_ragged_paged_attention, sm_scale=0.125))(
+        q, *cpu_attention.to_cpu_layout(k, v), *md)
+    assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,head_dim,dtype", [(16, 64, "float32"), (8, 40, "float32"),
+                                                     (16, 64, "bfloat16")])
+def test_cpu_write_kv_matches_scatter_in_place(block_size, head_dim, dtype):
     rng = np.random.default_rng(0)
-    k_pages = rng.standard_normal((6, block_size, 3, head_dim)).astype(np.float32)
+    k_pages = jnp.asarray(rng.standard_normal((6, block_size, 3, head_dim)), dtype)
     v_pages = k_pages + 1
     k = rng.standard_normal((10, 3, head_dim)).astype(np.float32)
     v = rng.standard_normal((10, 3, head_dim)).astype(np.float32)
@@ -70,23 +86,30 @@ def test_cpu_write_kv_matches_scatter_in_place(block_size, head_dim):
     before = cpu_attention.to_cpu_layout(k_pages, v_pages)
     got = jax.jit(cpu_attention.cpu_write_kv, donate_argnums=(0, 1))(*before, k, v, slots)
     for g, w in zip(got, want):  # written slots changed, every other slot kept (in place)
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert g.dtype == w.dtype == jnp.dtype(dtype)
+        # bit-identical: bfloat16 rounds to nearest even, like XLA's convert
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
 
 
 @needs_kernel
-def test_engine_cpu_backend_matches_xla_greedy(tiny_model):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_engine_cpu_backend_matches_xla_greedy(tiny_model, kv_dtype):
     path = tiny_model("llama", layers=2, heads=4, kv_heads=2)
     prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n" * 3, "JAX", "x " * 40]
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    kw = dict(precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=24)
+    kw = dict(precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=24,
+              kv_cache_dtype=kv_dtype)
     want = [o.outputs[0].token_ids for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
     llm = LLM(path, attention_backend="cpu", **kw)
+    assert llm.engine.runner.kv_caches[0][0].dtype == jnp.dtype(kv_dtype)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     assert got == want
 
 
 def test_default_backend_on_cpu():
-    assert attention.default_backend("bfloat16") == "xla"  # the native kernel is float32-only
+    assert attention.default_backend("bfloat16") == "xla"  # the native kernel computes in float32 only
+    assert attention.default_backend("float32", "float16") == "xla"
+    assert attention.default_backend("float32", "bfloat16") == ("cpu" if WHY is None else "xla")
     assert attention.default_backend("float32") == ("cpu" if WHY is None else "xla")
 
 

@@ -1,6 +1,7 @@
 // Ragged paged attention for XLA:CPU, as XLA FFI custom calls: the KV write and the attention.
 //
-// Contract of pallas_kernels.reference.ragged_paged_attention (float32 only): q[T, Hq, D]; sequence
+// Contract of pallas_kernels.reference.ragged_paged_attention (float32 q and math; float32 or
+// bfloat16 pages, widened on load): q[T, Hq, D]; sequence
 // s owns the new tokens query_start_loc[s] .. query_start_loc[s+1] and has seq_lens[s] tokens of
 // context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
 // are padding and come out zero.
@@ -42,8 +43,8 @@ constexpr int kRowsPerItem = 32;  // prefill rows per work item (decode items ha
 
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // float or Bf16, per the pages' dtype
+  const void* v;
   float* out;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -53,13 +54,34 @@ struct Problem {
   int64_t window;  // 0: none
 
   // Element (slot c of block blk, head h, dim e) in this backend's layout.
-  const float* KAt(int64_t blk, int64_t h, int64_t c, int64_t e) const {
-    return k + ((blk * hkv + h) * d + e) * block_size + c;
+  template <typename T>
+  const T* KAt(int64_t blk, int64_t h, int64_t c, int64_t e) const {
+    return static_cast<const T*>(k) + ((blk * hkv + h) * d + e) * block_size + c;
   }
-  const float* VAt(int64_t blk, int64_t h, int64_t c, int64_t e) const {
-    return v + ((blk * hkv + h) * block_size + c) * d + e;
+  template <typename T>
+  const T* VAt(int64_t blk, int64_t h, int64_t c, int64_t e) const {
+    return static_cast<const T*>(v) + ((blk * hkv + h) * block_size + c) * d + e;
   }
 };
+
+// bfloat16 storage: the top half of a float32. Reading widens exactly; writing rounds to nearest
+// even (as XLA's convert does).
+struct Bf16 {
+  uint16_t bits;
+};
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(Bf16 x) {
+  const uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline void FromFloat(float x, float* dst) { *dst = x; }
+inline void FromFloat(float x, Bf16* dst) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  dst->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 constexpr int kGroup = 4;  // decode sequences per group item (interleaved memory streams)
 
@@ -87,6 +109,7 @@ inline void Visible(const Problem& p, int64_t pos, int64_t base, int64_t width, 
 }
 
 // Any block size / head_dim: plain loops, one query vector at a time.
+template <typename T>
 void GenericItem(const Problem& p, const Item& it) {
   const int64_t bs = p.block_size, d = p.d, g = p.hq / p.hkv;
   const Rows rw = RowsOf(p, it);
@@ -106,7 +129,7 @@ void GenericItem(const Problem& p, const Item& it) {
       float mx = m;
       for (int64_t c = lo; c <= hi; ++c) {
         float s = 0.0f;
-        for (int64_t e = 0; e < d; ++e) s += qi[e] * *p.KAt(blk, h, c, e);
+        for (int64_t e = 0; e < d; ++e) s += qi[e] * ToFloat(*p.KAt<T>(blk, h, c, e));
         s *= p.scale;
         if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
         sc[c] = s;
@@ -118,8 +141,8 @@ void GenericItem(const Problem& p, const Item& it) {
       for (int64_t c = lo; c <= hi; ++c) {
         const float pc = std::exp(sc[c] - mx);
         l += pc;
-        const float* vc = p.VAt(blk, h, c, 0);
-        for (int64_t e = 0; e < d; ++e) acc[e] += pc * vc[e];
+        const T* vc = p.VAt<T>(blk, h, c, 0);
+        for (int64_t e = 0; e < d; ++e) acc[e] += pc * ToFloat(vc[e]);
       }
       m = mx;
     }
@@ -152,6 +175,16 @@ inline v16 LoadU(const float* src) {
   std::memcpy(&x, src, sizeof(x));
   return x;
 }
+inline v16 LoadU(const Bf16* src) {
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  using u32x16 = uint32_t __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, src, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 x;
+  std::memcpy(&x, &w, sizeof(x));
+  return x;
+}
 
 // One online-softmax step of a query vector over a 16-slot tile whose visible lanes are
 // [jlo, jhi]: scores -> probabilities in pr (zero outside), running max m and sum l updated, the
@@ -176,7 +209,7 @@ inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, flo
   for (int e = 0; e < DV; ++e) acc[e] *= corr;
 }
 
-template <int D, int Q>
+template <int D, int Q, typename T>
 void TiledItem(const Problem& p, const Item& it) {
   constexpr int DV = D / kW;
   const int64_t bs = p.block_size, g = p.hq / p.hkv;
@@ -202,8 +235,8 @@ void TiledItem(const Problem& p, const Item& it) {
     if (blk < 0 || blk >= p.num_blocks) continue;
     const int64_t off = base % bs;
     for (int64_t h = 0; h < p.hkv; ++h) {
-      const float* kt = p.KAt(blk, h, off, 0);  // kt[e * bs + c]: 16 slots of dim e
-      const float* vt = p.VAt(blk, h, off, 0);  // vt[c * D + e]
+      const T* kt = p.KAt<T>(blk, h, off, 0);  // kt[e * bs + c]: 16 slots of dim e
+      const T* vt = p.VAt<T>(blk, h, off, 0);  // vt[c * D + e]
       for (int64_t i0 = h * nqh; i0 < (h + 1) * nqh; i0 += Q) {
         // Visible tile lanes of each vector: [jlo, jhi] (empty when jlo > jhi).
         int64_t jlo[Q], jhi[Q], ulo = kW, uhi = -1;
@@ -260,7 +293,7 @@ using ItemFn = void (*)(const Problem&, const Item&);
 // reads a scattered block as one stream, and a core then waits on memory latency (12 KB random
 // runs: ~7 GB/s per core here); interleaving four sequences' loads keeps four streams in flight
 // (~16 GB/s). Sequences past their context read a zero tile instead (no branches in the loops).
-template <int D>
+template <int D, typename T>
 void DecodeGroup(const Problem& p, const Item& it) {
   constexpr int DV = D / kW, S = kGroup, Q = 4;
   const int64_t bs = p.block_size, g = p.hq / p.hkv, hkv = p.hkv;
@@ -277,7 +310,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
   const int64_t nv = S * hkv * Q;
   std::vector<float> qs(nv * D, 0.0f), m(nv, kNeg), l(nv, 0.0f);
   std::vector<v16> acc(nv * DV, v16{});
-  std::vector<float> zero(D * bs, 0.0f);
+  std::vector<T> zero(D * bs, T{});
   for (int s = 0; s < S; ++s)
     if (pos[s] >= 0)
       for (int64_t h = 0; h < hkv; ++h)
@@ -302,11 +335,11 @@ void DecodeGroup(const Problem& p, const Item& it) {
     if (ulo > uhi) continue;
     const int64_t off = base % bs;
     for (int64_t h = 0; h < hkv; ++h) {
-      const float* kt[S];
-      const float* vt[S];
+      const T* kt[S];
+      const T* vt[S];
       for (int s = 0; s < S; ++s) {
-        kt[s] = blk[s] < 0 ? zero.data() : p.KAt(blk[s], h, off, 0);
-        vt[s] = blk[s] < 0 ? zero.data() : p.VAt(blk[s], h, off, 0);
+        kt[s] = blk[s] < 0 ? zero.data() : p.KAt<T>(blk[s], h, off, 0);
+        vt[s] = blk[s] < 0 ? zero.data() : p.VAt<T>(blk[s], h, off, 0);
       }
       v16 sc[S][Q] = {};
       for (int e = 0; e < D; ++e)
@@ -355,18 +388,19 @@ void DecodeGroup(const Problem& p, const Item& it) {
 
 // Decode groups go to DecodeGroup; decode items (a few query vectors per kv head) take Q = 4,
 // prefill items Q = 8.
-template <int D>
+template <int D, typename T>
 void TiledAny(const Problem& p, const Item& it) {
-  if (it.group[0] >= 0) return DecodeGroup<D>(p, it);
-  if ((it.row1 - it.row0) * (p.hq / p.hkv) <= 4) return TiledItem<D, 4>(p, it);
-  return TiledItem<D, 8>(p, it);
+  if (it.group[0] >= 0) return DecodeGroup<D, T>(p, it);
+  if ((it.row1 - it.row0) * (p.hq / p.hkv) <= 4) return TiledItem<D, 4, T>(p, it);
+  return TiledItem<D, 8, T>(p, it);
 }
 
+template <typename T>
 ItemFn PickItemFn(int64_t bs, int64_t d) {
-  if (bs % kW == 0 && d == 64) return TiledAny<64>;
-  if (bs % kW == 0 && d == 128) return TiledAny<128>;
-  if (bs % kW == 0 && d == 256) return TiledAny<256>;
-  return GenericItem;
+  if (bs % kW == 0 && d == 64) return TiledAny<64, T>;
+  if (bs % kW == 0 && d == 128) return TiledAny<128, T>;
+  if (bs % kW == 0 && d == 256) return TiledAny<256, T>;
+  return GenericItem<T>;
 }
 
 // Shared by the caller and the pool tasks; owned jointly so a late-starting task is safe.
@@ -384,8 +418,8 @@ struct Work {
   }
 };
 
-ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seq_lens,
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                     ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> block_tables,
                      ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
                      float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
@@ -393,10 +427,13 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const auto kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("paged attention: expected q[T,Hq,D], pages[nb,bs,Hkv,D]");
+  const bool bf16 = k.element_type() == ffi::DataType::BF16;
+  if (k.element_type() != v.element_type() || (!bf16 && k.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("paged attention: pages must be float32 or bfloat16, both alike");
   const int64_t t = qd[0];
   auto work = std::make_shared<Work>();
   Problem& p = work->p;
-  p = Problem{q.typed_data(), k.typed_data(), v.typed_data(), out->typed_data(),
+  p = Problem{q.typed_data(), k.untyped_data(), v.untyped_data(), out->typed_data(),
               seq_lens.typed_data(), query_start_loc.typed_data(), block_tables.typed_data(),
               block_tables.dimensions()[1], kd[0], kd[1], qd[1], kd[2], qd[2],
               sm_scale, soft_cap, sliding_window};
@@ -408,8 +445,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t valid = ns > 0 ? std::clamp<int64_t>(qsl[ns], 0, t) : 0;
   if (valid < t) std::memset(p.out + valid * p.hq * p.d, 0, (t - valid) * p.hq * p.d * sizeof(float));
 
-  work->fn = PickItemFn(p.block_size, p.d);
-  const bool grouped = work->fn != GenericItem && p.hq / p.hkv <= 4;
+  work->fn = bf16 ? PickItemFn<Bf16>(p.block_size, p.d) : PickItemFn<float>(p.block_size, p.d);
+  const bool grouped = work->fn != GenericItem<Bf16> && work->fn != GenericItem<float> && p.hq / p.hkv <= 4;
   std::vector<int32_t> decodes;  // single-row sequences, grouped below when the fast path runs
   for (int32_t s = 0; s < ns; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -449,29 +486,42 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error WriteKv(ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
-                   ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping,
-                   ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out) {
+template <typename T>
+void WriteRows(const float* k, const float* v, const int32_t* slots, int64_t t_count, int64_t bs,
+               int64_t hkv, int64_t d, T* ko, T* vo) {
+  for (int64_t t = 0; t < t_count; ++t) {
+    const int64_t blk = slots[t] / bs, c = slots[t] % bs;
+    for (int64_t h = 0; h < hkv; ++h) {
+      const float* kr = k + (t * hkv + h) * d;
+      const float* vr = v + (t * hkv + h) * d;
+      T* kdst = ko + (blk * hkv + h) * d * bs + c;  // K block [Hkv][D][bs]
+      T* vdst = vo + ((blk * hkv + h) * bs + c) * d;  // V block [Hkv][bs][D]
+      for (int64_t e = 0; e < d; ++e) FromFloat(kr[e], kdst + e * bs), FromFloat(vr[e], vdst + e);
+    }
+  }
+}
+
+ffi::Error WriteKv(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping,
+                   ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   const auto pd = k_pages.dimensions();
   const auto kd = k.dimensions();
   if (pd.size() != 4 || kd.size() != 3 || kd[1] != pd[2] || kd[2] != pd[3])
     return ffi::Error::InvalidArgument("kv write: expected pages[nb,bs,Hkv,D] and k/v[T,Hkv,D]");
+  const auto type = k_pages.element_type();
+  if (type != v_pages.element_type() || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("kv write: pages must be float32 or bfloat16, both alike");
   const int64_t bs = pd[1], hkv = pd[2], d = pd[3], num_slots = pd[0] * bs;
-  // The outputs alias the pages (input_output_aliases): XLA hands us the cache itself.
-  float* ko = k_out->typed_data();
-  float* vo = v_out->typed_data();
   const int32_t* slots = slot_mapping.typed_data();
-  for (int64_t t = 0; t < kd[0]; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0 || slot >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
-    const int64_t blk = slot / bs, c = slot % bs;
-    for (int64_t h = 0; h < hkv; ++h) {
-      const float* kr = k.typed_data() + (t * hkv + h) * d;
-      float* kdst = ko + (blk * hkv + h) * d * bs + c;  // K block [Hkv][D][bs]
-      for (int64_t e = 0; e < d; ++e) kdst[e * bs] = kr[e];
-      std::memcpy(vo + ((blk * hkv + h) * bs + c) * d, v.typed_data() + (t * hkv + h) * d, d * sizeof(float));
-    }
-  }
+  for (int64_t t = 0; t < kd[0]; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
+  // The outputs alias the pages (input_output_aliases): XLA hands us the cache itself.
+  if (type == ffi::DataType::BF16)
+    WriteRows(k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
+              static_cast<Bf16*>(k_out->untyped_data()), static_cast<Bf16*>(v_out->untyped_data()));
+  else
+    WriteRows(k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
+              static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -481,8 +531,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Attention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::AnyBuffer>()  // k_pages (float32 or bfloat16)
+                                  .Arg<ffi::AnyBuffer>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
@@ -494,10 +544,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Attention,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pages
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
+                                  .Arg<ffi::AnyBuffer>()  // k_pages (float32 or bfloat16)
+                                  .Arg<ffi::AnyBuffer>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_pages (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // v_pages (aliased)
+                                  .Ret<ffi::AnyBuffer>()  // k_pages (aliased)
+                                  .Ret<ffi::AnyBuffer>());  // v_pages (aliased)
