@@ -1,10 +1,16 @@
 """On-device sampling for the rows that sample this step.
 
-Per-row parameters arrive as arrays; what costs extra work (sorting for top-k/top-p/min-p,
-token counts for penalties, logit bias, top-N logprobs) is switched on by a static
-`SamplingMode`, so a plain greedy or plain random batch never pays for it. Each row draws from
-its own key, fold_in(seed, output index), so a seeded request samples the same tokens whatever
-else is in the batch.
+Per-row parameters arrive as arrays; what costs extra work (top-k/top-p/min-p, token counts for
+penalties, logit bias, top-N logprobs) is switched on by a static `SamplingMode`, so a plain
+greedy or plain random batch never pays for it. Each row draws two uniforms from its own key,
+fold_in(seed, output index), so a seeded request samples the same tokens whatever else is in the
+batch.
+
+Sampling is an exact inverse-CDF draw in two levels (a block of 256 tokens by block mass, then a
+token inside it), not Gumbel noise over the whole vocabulary: on CPU that noise cost 67 ms per
+step at 64 rows. Truncation looks at the top 256 logits of each row first and applies top-k/top-p/
+min-p there; only when a row's kept set could reach past them (a flat distribution) does the
+batch take the exact full-vocabulary path (a sort, which costs ~0.6 s at 64 rows on CPU).
 """
 
 from __future__ import annotations
@@ -87,6 +93,57 @@ def truncation_mask(scaled, t: SamplingTensors):
     return scaled >= threshold
 
 
+BLOCK = 256  # tokens per first-level block of the inverse-CDF draw
+CANDIDATES = 256  # top logits per row that truncation looks at first
+
+
+def _first_above(cum, target):
+    """Index of the first entry of each row of the non-decreasing `cum` that exceeds `target`."""
+    return jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), cum.shape[-1] - 1).astype(jnp.int32)
+
+
+def draw(weights, u):
+    """A token per row with probability weights / sum(weights) (weights >= 0, some > 0), from two
+    uniforms u[S, 2]: pick a block of BLOCK tokens by its mass, then a token inside it."""
+    s, v = weights.shape
+    nb = -(-v // BLOCK)
+    blocks = jnp.pad(weights, ((0, 0), (0, nb * BLOCK - v))).reshape(s, nb, BLOCK)
+    cum_blocks = jnp.cumsum(blocks.sum(-1), axis=-1)
+    b = _first_above(cum_blocks, u[:, 0] * cum_blocks[:, -1])
+    inner = jnp.take_along_axis(blocks, b[:, None, None], axis=1)[:, 0]
+    cum_inner = jnp.cumsum(inner, axis=-1)
+    return b * BLOCK + _first_above(cum_inner, u[:, 1] * cum_inner[:, -1])
+
+
+def _truncated_draw(scaled, t: SamplingTensors, u):
+    """Sample under top-k/top-p/min-p: on each row's top CANDIDATES logits when that is exact for
+    every row (the kept set ends inside them), else with truncation_mask over the vocabulary."""
+    vocab = scaled.shape[-1]
+    c = min(CANDIDATES, vocab)
+    # The barrier keeps XLA:CPU's TopK (11 ms at 64 rows): without it, next to the fallback's sort,
+    # top_k is rewritten into a full sort that runs on every step (0.6 s).
+    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(scaled, c))  # descending
+    probs = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    k = jnp.where(t.top_k > 0, t.top_k, vocab)[:, None]
+    keep = (jnp.arange(c)[None, :] < k) & (cum_before < t.top_p[:, None]) & (probs >= t.min_p[:, None] * probs[:, :1])
+    keep = keep.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)  # ties at it are kept
+    truncating = (t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0)  # other rows draw from everything
+    exact = (c == vocab) | jnp.all(~truncating | (threshold[:, 0] > vals[:, -1]))
+    weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+
+    def on_candidates():
+        w = jnp.where(vals >= threshold, jnp.exp(vals - vals[:, :1]), 0.0)
+        kept = jnp.take_along_axis(ids, draw(w, u)[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(truncating, kept, draw(weights, u))
+
+    def on_vocabulary():
+        return draw(jnp.where(truncation_mask(scaled, t), weights, 0.0), u)
+
+    return jax.lax.cond(exact, on_candidates, on_vocabulary)
+
+
 def sample(logits, t: SamplingTensors, mode: SamplingMode) -> SampleResult:
     """logits: f32[S, V] raw model output for the sampling rows."""
     s = logits.shape[0]
@@ -101,15 +158,15 @@ def sample(logits, t: SamplingTensors, mode: SamplingMode) -> SampleResult:
     else:
         temp = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
         scaled = logits / temp
+
+        def uniforms(seed, step):
+            return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (2,), jnp.float32)
+
+        u = jax.vmap(uniforms)(t.seeds, t.steps)
         if mode.truncation:
-            scaled = jnp.where(truncation_mask(scaled, t), scaled, -jnp.inf)
-
-        def gumbel(seed, step):
-            key = jax.random.fold_in(jax.random.key(seed), step)
-            return jax.random.gumbel(key, (logits.shape[-1],), jnp.float32)
-
-        noise = jax.vmap(gumbel)(t.seeds, t.steps)
-        sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+            sampled = _truncated_draw(scaled, t, u)
+        else:
+            sampled = draw(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u)
         tokens = jnp.where(t.temperature > 0, sampled, greedy_tokens)
     if mode.num_logprobs < 0:
         zeros = jnp.zeros((s,), jnp.float32)
