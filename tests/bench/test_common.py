@@ -51,3 +51,15 @@ def test_machine_info_and_report(tmp_path):
     on_disk = json.loads((tmp_path / "r.json").read_text())
     assert on_disk["command"] == "jaxserve bench x --a 'b c'" == doc["command"]
     assert on_disk["machine"]["cpu_count"] >= 1 and on_disk["results"]["v"] == 1.5
+
+
+def test_sampler_bench_runs(tmp_path, capsys):
+    import json
+
+    from bench import sampler
+
+    out = tmp_path / "s.json"
+    assert sampler.main(["--rows", "4", "--vocab", "1000", "--repeats", "1", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["results"]["cases"]
+    assert [c["case"] for c in cases][:2] == ["greedy", "temperature 0.7"] and all(c["ms"] > 0 for c in cases)
+    assert "Sampler, 4 rows" in capsys.readouterr().out
