@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.default_model import cache_dir
 from jaxserve.runtime.attention import write_kv, xla_ragged_paged_attention
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
@@ -31,10 +32,6 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"
 
 _lock = threading.Lock()
 _state: dict = {}  # "error": str | None once a build was tried
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve")) / "kernels"
 
 
 def _cpu_fingerprint() -> str:
@@ -62,7 +59,7 @@ def _build() -> Path:
     for part in (SOURCE.read_bytes(), " ".join([cxx, *FLAGS]).encode(), jax.__version__.encode(),
                  _cpu_fingerprint().encode()):
         key.update(part)
-    out = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,13 +15,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.default_model import cache_dir
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata, layer_attention
@@ -32,9 +32,7 @@ log = logging.getLogger("jaxserve")
 
 
 def enable_compilation_cache(path: str | None = None) -> str:
-    path = path or os.environ.get("JAXSERVE_COMPILATION_CACHE") or str(
-        Path(os.environ.get("JAXSERVE_CACHE_DIR", Path.home() / ".cache" / "jaxserve")) / "xla"
-    )
+    path = path or os.environ.get("JAXSERVE_COMPILATION_CACHE") or str(cache_dir() / "xla")
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
