@@ -78,19 +78,22 @@ def apply_bias(logits, t: SamplingTensors):
     return logits.at[rows, jnp.maximum(t.bias_ids, 0)].add(jnp.where(t.bias_ids >= 0, t.bias_values, 0.0))
 
 
-def truncation_mask(scaled, t: SamplingTensors):
-    """Keep-mask for top-k, top-p and min-p, computed on the temperature-scaled logits."""
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
+def keep_threshold(sorted_desc, probs, t: SamplingTensors, vocab: int):
+    """The smallest logit top-k / top-p / min-p keep, per row [S, 1], from the row's leading
+    logits in descending order and their probabilities (over the whole vocabulary). The top
+    token is always kept; callers keep every logit >= the threshold (ties included)."""
     cum_before = jnp.cumsum(probs, axis=-1) - probs
-    rank = jnp.arange(vocab)[None, :]
+    rank = jnp.arange(sorted_desc.shape[-1])[None, :]
     k = jnp.where(t.top_k > 0, t.top_k, vocab)[:, None]
     keep = (rank < k) & (cum_before < t.top_p[:, None]) & (probs >= t.min_p[:, None] * probs[:, :1])
     keep = keep.at[:, 0].set(True)
-    # Smallest kept logit per row is the threshold; ties at the threshold are kept.
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return scaled >= threshold
+    return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+
+
+def truncation_mask(scaled, t: SamplingTensors):
+    """Keep-mask for top-k, top-p and min-p over the whole vocabulary (a full sort)."""
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    return scaled >= keep_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), t, scaled.shape[-1])
 
 
 BLOCK = 256  # tokens per first-level block of the inverse-CDF draw
@@ -124,11 +127,7 @@ def _truncated_draw(scaled, t: SamplingTensors, u):
     # top_k is rewritten into a full sort that runs on every step (0.6 s).
     vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(scaled, c))  # descending
     probs = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
-    cum_before = jnp.cumsum(probs, axis=-1) - probs
-    k = jnp.where(t.top_k > 0, t.top_k, vocab)[:, None]
-    keep = (jnp.arange(c)[None, :] < k) & (cum_before < t.top_p[:, None]) & (probs >= t.min_p[:, None] * probs[:, :1])
-    keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1, keepdims=True)  # ties at it are kept
+    threshold = keep_threshold(vals, probs, t, vocab)
     truncating = (t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0)  # other rows draw from everything
     exact = (c == vocab) | jnp.all(~truncating | (threshold[:, 0] > vals[:, -1]))
     weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
