@@ -395,12 +395,13 @@ void TiledAny(const Problem& p, const Item& it) {
   return TiledItem<D, 8, T>(p, it);
 }
 
+// Whether the tiled fast path (and decode grouping) covers this block size and head_dim.
+inline bool Tiled(int64_t bs, int64_t d) { return bs % kW == 0 && (d == 64 || d == 128 || d == 256); }
+
 template <typename T>
 ItemFn PickItemFn(int64_t bs, int64_t d) {
-  if (bs % kW == 0 && d == 64) return TiledAny<64, T>;
-  if (bs % kW == 0 && d == 128) return TiledAny<128, T>;
-  if (bs % kW == 0 && d == 256) return TiledAny<256, T>;
-  return GenericItem<T>;
+  if (!Tiled(bs, d)) return GenericItem<T>;
+  return d == 64 ? TiledAny<64, T> : d == 128 ? TiledAny<128, T> : TiledAny<256, T>;
 }
 
 // Shared by the caller and the pool tasks; owned jointly so a late-starting task is safe.
@@ -446,7 +447,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   if (valid < t) std::memset(p.out + valid * p.hq * p.d, 0, (t - valid) * p.hq * p.d * sizeof(float));
 
   work->fn = bf16 ? PickItemFn<Bf16>(p.block_size, p.d) : PickItemFn<float>(p.block_size, p.d);
-  const bool grouped = work->fn != GenericItem<Bf16> && work->fn != GenericItem<float> && p.hq / p.hkv <= 4;
+  const bool grouped = Tiled(p.block_size, p.d) && p.hq / p.hkv <= 4;
   std::vector<int32_t> decodes;  // single-row sequences, grouped below when the fast path runs
   for (int32_t s = 0; s < ns; ++s) {
     const int64_t q_len = qsl[s + 1] - qsl[s];
