@@ -316,9 +316,9 @@ using ItemFn = void (*)(const Problem&, const Item&);
 // reads a scattered block as one stream, and a core then waits on memory latency (12 KB random
 // runs: ~7 GB/s per core here); interleaving four sequences' loads keeps four streams in flight
 // (~16 GB/s). Sequences past their context read a zero tile instead (no branches in the loops).
-template <int D, typename T>
+template <int D, int Q, typename T>
 void DecodeGroup(const Problem& p, const Item& it) {
-  constexpr int DV = D / kW, S = kGroup, Q = 4;
+  constexpr int DV = D / kW, S = kGroup;  // Q: query vectors per kv head (>= g = hq / hkv)
   const int64_t bs = p.block_size, g = p.hq / p.hkv, hkv = p.hkv;
   int64_t seq[S], pos[S], t0[S], lo[S];
   int64_t first_tile = INT64_MAX, last_tile = -1;
@@ -413,7 +413,11 @@ void DecodeGroup(const Problem& p, const Item& it) {
 // prefill items Q = 8.
 template <int D, typename T>
 void TiledAny(const Problem& p, const Item& it) {
-  if (it.group[0] >= 0) return DecodeGroup<D, T>(p, it);
+  if (it.group[0] >= 0) {
+    const int64_t g = p.hq / p.hkv;  // <= 4 (grouping is off otherwise)
+    return g == 1 ? DecodeGroup<D, 1, T>(p, it) : g == 2 ? DecodeGroup<D, 2, T>(p, it)
+           : g == 3 ? DecodeGroup<D, 3, T>(p, it) : DecodeGroup<D, 4, T>(p, it);
+  }
   if ((it.row1 - it.row0) * (p.hq / p.hkv) <= 4) return TiledItem<D, 4, T>(p, it);
   return TiledItem<D, 8, T>(p, it);
 }
