@@ -54,6 +54,9 @@ def grid(kind: str) -> list[SimConfig]:
     out = []
     for pf in (False, True):
         out.append(SimConfig("off", "lru", "fcfs", pf))
+        if kind == "pair":
+            out.append(SimConfig("radix", "lru", "fcfs", pf))
+            continue
         for cache in ("hash", "radix"):
             for ev in ("lru", "trunk"):
                 for pol in ("fcfs", "lpm") if kind == "full" else ("fcfs",):
@@ -145,6 +148,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(rows: list[dict]) -> str:
+    """One line per (max_num_seqs, config): means over the seeds, and on how many seeds the config
+    has fewer preemptions / a lower mean TTFT than cache-off at the same max_num_seqs, seed and
+    prefill-first setting."""
+    off = {(r["max_num_seqs"], r["seed"], r["prefill_first"]): r for r in rows if r["prefix_cache"] == "off"}
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["max_num_seqs"], r["config"]), []).append(r)
+    out = [("| max_num_seqs | config | preempt per seed | preempt mean | fewer than off | TTFT mean (s) "
+            "| lower than off |"), "|---|---|---|---|---|---|---|"]
+    for (m, name), rs in groups.items():
+        n = len(rs)
+        base = [off.get((m, r["seed"], r["prefill_first"])) for r in rs]
+        if rs[0]["prefix_cache"] == "off" or None in base:
+            fewer = lower = "-"
+        else:
+            fewer = f"{sum(r['preemptions'] < b['preemptions'] for r, b in zip(rs, base))}/{n}"
+            lower = f"{sum(r['ttft_mean_s'] < b['ttft_mean_s'] for r, b in zip(rs, base))}/{n}"
+        out.append(f"| {m} | {name} | {' '.join(str(r['preemptions']) for r in rs)} "
+                   f"| {np.mean([r['preemptions'] for r in rs]):.1f} | {fewer} "
+                   f"| {np.mean([r['ttft_mean_s'] for r in rs]):.3f} | {lower} |")
+    return "\n".join(out)
+
+
+def int_list(text: str) -> list[int]:
+    vals = [int(x) for x in text.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more integers, comma-separated")
+    return vals
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve bench sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,18 +186,27 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, from {', '.join(WORKLOADS)}")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grid", choices=["default", "full"], default="default",
-                   help="full adds lpm to every cache/eviction pair")
+    p.add_argument("--seeds", type=int_list, default=None,
+                   help="comma-separated seeds to sweep (workload and sampling); default: --seed")
+    p.add_argument("--grid", choices=["default", "full", "pair"], default="default",
+                   help="full adds lpm to every cache/eviction pair; pair: only off and radix lru fcfs")
     p.add_argument("--num-blocks", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int_list, default=[64],
+                   help="batch cap; a comma-separated list (e.g. 40,64) runs the grid once per value")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--admission", choices=ADMISSIONS, default="optimistic",
                    help="optimistic: vLLM's (the scheduler's default); conservative: SGLang's new_token_ratio")
     p.add_argument("--cost", default="4e-3,4e-5,2e-4",
                    help="a,b,c of step_s = a + b*prefill_tokens + c*decode_tokens")
-    p.add_argument("--out", default=None, help="write all rows as JSON here")
+    p.add_argument("--summary-only", action="store_true",
+                   help="with several seeds or max_num_seqs values, print only the sweep summary")
+    p.add_argument("--out", default=None,
+                   help="write all rows as JSON here: workloads.NAME is one list of rows, each tagged "
+                        "with its max_num_seqs and seed")
     args = p.parse_args(argv)
+    seeds = args.seeds or [args.seed]
+    caps = args.max_num_seqs
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for n in names:
         if n not in WORKLOADS:
@@ -173,19 +216,32 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError):
         p.error(f"--cost {args.cost!r}: give three numbers a,b,c")
     print(f"cost model: {cost}; {args.num_blocks} blocks x {args.block_size} tokens, "
-          f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
-          f"{args.admission} admission, seed={args.seed}")
+          f"max_num_seqs={','.join(map(str, caps))}, max_num_batched_tokens={args.max_num_batched_tokens}, "
+          f"{args.admission} admission, seed={','.join(map(str, seeds))}")
     result = {"cost_model": {"a": cost.a, "b": cost.b, "c": cost.c, "formula": str(cost)},
               "args": vars(args), "workloads": {}}
     t0 = time.perf_counter()
+    sweep = len(seeds) * len(caps) > 1
     for name in names:
-        items = list(WORKLOADS[name](num_requests=args.num_requests, seed=args.seed))
-        rows = [simulate(items, c, num_blocks=args.num_blocks, block_size=args.block_size,
-                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         cost=cost, seed=args.seed, admission=args.admission) for c in grid(args.grid)]
-        print(f"\n## {name} ({len(items)} requests)\n")
-        print(table(rows))
-        result["workloads"][name] = rows
+        result["workloads"][name] = all_rows = []
+        for seed in seeds:
+            items = list(WORKLOADS[name](num_requests=args.num_requests, seed=seed))
+            for m in caps:
+                rows = [simulate(items, c, num_blocks=args.num_blocks, block_size=args.block_size,
+                                 max_num_seqs=m, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 cost=cost, seed=seed, admission=args.admission) for c in grid(args.grid)]
+                for r in rows:
+                    r.update(max_num_seqs=m, seed=seed)
+                all_rows += rows
+                if not (sweep and args.summary_only):
+                    tag = f", seed={seed}" if len(seeds) > 1 else ""
+                    print(f"\n## {name} ({len(items)} requests), max_num_seqs={m}{tag}\n")
+                    print(table(rows))
+        if sweep:
+            all_rows.sort(key=lambda r: r["max_num_seqs"])  # stable: seeds stay in order
+            print(f"\n## {name} sweep: seeds {','.join(map(str, seeds))}, "
+                  f"max_num_seqs {','.join(map(str, caps))}\n")
+            print(sweep_table(all_rows))
     print(f"\n(simulated in {time.perf_counter() - t0:.1f} s wall)")
     if args.out:
         with open(args.out, "w") as f:
