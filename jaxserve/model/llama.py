@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
+from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, packable
 
 
 def apply_rope(x, cos, sin):
@@ -25,15 +26,40 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+class Linear(nn.Module):
+    """nn.Dense's parameters ("kernel" [K, N], optional "bias"). With `packed` (the native CPU
+    matmul, runtime/cpu_kernels.py), kernels whose N is a multiple of 64 are held as panels
+    [N / 64, K, 64] (`pack_kernel`, done by the runner at load time) and run by `cpu_matmul`."""
+
+    features: int
+    use_bias: bool
+    dtype: Any
+    packed: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        shape = (x.shape[-1], self.features)
+        if self.packed and packable(shape):
+            w = self.param("kernel", nn.initializers.lecun_normal(), (self.features // PANEL, shape[0], PANEL), self.dtype)
+            y = cpu_matmul(x, w)
+        else:
+            y = jnp.dot(x, self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     attn_fn: AttentionFn
     dtype: Any
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata):
         c = self.cfg
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda n, name, bias: Linear(n, bias, self.dtype, self.packed, name=name)  # noqa: E731
         t = x.shape[0]
         q = dense(c.num_heads * c.head_dim, "q_proj", c.attention_bias)(x).reshape(t, c.num_heads, c.head_dim)
         k = dense(c.num_kv_heads * c.head_dim, "k_proj", c.attention_bias)(x).reshape(t, c.num_kv_heads, c.head_dim)
@@ -64,10 +90,11 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     cfg: ModelConfig
     dtype: Any
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda n, name: Linear(n, False, self.dtype, self.packed, name=name)  # noqa: E731
         i = self.cfg.intermediate_size
         return dense(self.cfg.hidden_size, "down_proj")(
             nn.silu(dense(i, "gate_proj")(x)) * dense(i, "up_proj")(x)
@@ -78,15 +105,16 @@ class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attn_fn: AttentionFn
     dtype: Any
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, md):
         c = self.cfg
-        h, kv = Attention(c, self.attn_fn, self.dtype, name="self_attn")(
+        h, kv = Attention(c, self.attn_fn, self.dtype, self.packed, name="self_attn")(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md
         )
         x = x + h
-        x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
+        x = x + MLP(c, self.dtype, self.packed, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
         return x, kv
 
 
@@ -94,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
     cfg: ModelConfig
     attn_fn: AttentionFn
     dtype: Any = jnp.float32
+    packed: bool = False  # linear kernels as panels for the native CPU matmul (see Linear)
 
     @nn.compact
     def __call__(
@@ -112,11 +141,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)
         new_caches = []
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.attn_fn, self.dtype, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md)
+            x, kv = DecoderLayer(c, self.attn_fn, self.dtype, self.packed, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md)
             new_caches.append(kv)
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
         if c.tie_word_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="lm_head")(x)
+            logits = Linear(c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x)
         return logits.astype(jnp.float32), new_caches

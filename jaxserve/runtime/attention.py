@@ -5,7 +5,7 @@ against one layer's pages [num_blocks, block_size, Hkv, D], with a ragged batch 
 seq_lens / query_start_loc / block_tables / num_seqs. A *backend* (what the model calls, see
 `layer_attention`) pairs a kernel with a KV write. The engine picks one by name
 (`--attention-backend`): `pallas` is the kernel path on TPU/GPU, `cpu` a native kernel and write
-for XLA:CPU (cpu_attention.py), `xla` the portable fallback that runs anywhere.
+for XLA:CPU (cpu_kernels.py), `xla` the portable fallback that runs anywhere.
 """
 
 from __future__ import annotations
@@ -180,9 +180,9 @@ def default_backend(dtype: str = "float32", kv_dtype: str | None = None) -> str:
         return "pallas"
     if dtype != "float32" or (kv_dtype or dtype) not in ("float32", "bfloat16"):
         return "xla"  # what the native kernel does not cover
-    from jaxserve.runtime import cpu_attention
+    from jaxserve.runtime import cpu_kernels
 
-    why = cpu_attention.available()
+    why = cpu_kernels.available()
     if why is None:
         return "cpu"
     log.warning("Native CPU attention unavailable (%s); using the slower 'xla' backend.", why)
@@ -201,19 +201,19 @@ def get_backend(name: str) -> KernelFn:
         # No Pallas lowering for CPU: run the kernel in interpret mode there (tests, numerics).
         return functools.partial(ragged_paged_attention, interpret=jax.default_backend() == "cpu")
     if name == "cpu":
-        from jaxserve.runtime import cpu_attention
+        from jaxserve.runtime import cpu_kernels
 
         if jax.default_backend() != "cpu":
             raise ValueError(
                 f"Attention backend 'cpu' runs on CPU only, not on {jax.default_backend()}: use pallas or xla."
             )
-        why = cpu_attention.available()
+        why = cpu_kernels.available()
         if why is not None:
             raise ValueError(
                 f"Attention backend 'cpu' cannot be built here ({why}): install g++ (or set $CXX), "
                 "or use --attention-backend xla."
             )
-        return cpu_attention.cpu_ragged_paged_attention
+        return cpu_kernels.cpu_ragged_paged_attention
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 
 
@@ -222,7 +222,7 @@ def layer_attention(name: str) -> AttentionFn:
     kernel = get_backend(name)
     write = write_kv
     if name == "cpu":
-        from jaxserve.runtime.cpu_attention import cpu_write_kv as write
+        from jaxserve.runtime.cpu_kernels import cpu_write_kv as write
 
     def attend(q, k, v, k_pages, v_pages, md: AttentionMetadata, **kw):
         k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)

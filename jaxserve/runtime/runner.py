@@ -23,6 +23,7 @@ import numpy as np
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.runtime import cpu_kernels
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata, layer_attention
 from jaxserve.runtime.input_batch import StepInputs, next_pow2, token_buckets
@@ -52,6 +53,18 @@ class RunnerConfig:
     kv_cache_dtype: str | None = None  # default: dtype
 
 
+def pack_linear_kernels(params: dict) -> dict:
+    """Every linear layer's [K, N] kernel that `Linear(packed=True)` holds as panels, packed."""
+
+    def pack(path, leaf):
+        name = getattr(path[-1], "key", None)
+        if name == "kernel" and cpu_kernels.packable(leaf.shape):
+            return jax.jit(cpu_kernels.pack_kernel)(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(pack, params)
+
+
 def dtype_size(dtype: str) -> int:
     return np.dtype(jnp.dtype(dtype)).itemsize
 
@@ -68,11 +81,17 @@ class ModelRunner:
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
+        # The `cpu` backend also runs the linear layers natively, on weights packed once here.
+        self.packed = cfg.attention_backend == "cpu" and tp == 1 and cpu_kernels.native_matmul(self.dtype)
         self.model = LlamaForCausalLM(
-            model_cfg, meshlib.shard_attention(layer_attention(cfg.attention_backend), self.mesh), self.dtype
+            model_cfg, meshlib.shard_attention(layer_attention(cfg.attention_backend), self.mesh), self.dtype,
+            self.packed,
         )
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
+        if self.packed:
+            self.params = pack_linear_kernels(self.params)
+            self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
         self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
         shape = (cfg.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)

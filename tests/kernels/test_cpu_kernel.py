@@ -1,7 +1,8 @@
-"""The native CPU backend (`--attention-backend cpu`, jaxserve/runtime/csrc/paged_attention.cc):
+"""The native CPU backend (`--attention-backend cpu`, jaxserve/runtime/csrc/): paged
 attention against the pure-jnp oracle on ragged batches with NaN-poisoned unused pages, the KV
-write against the XLA scatter, the engine against the `xla` backend, and the fallback when the
-kernel cannot be built."""
+write against the XLA scatter, the packed matmul of the linear layers against float64 (and its
+rows against themselves in other batches), the engine against the `xla` backend, and the fallback
+when the kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runtime import attention, cpu_attention
+from jaxserve.runtime import attention, cpu_kernels
 from pallas_kernels import reference
 from tests.kernels.batch import assert_close, make_batch
 
-WHY = cpu_attention.available()
+WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
 
 CASES = {
@@ -52,8 +53,8 @@ def test_cpu_kernel_matches_reference(case, heads, head_dim, block_size, window,
     kw = dict(sm_scale=head_dim**-0.5, sliding_window=window, soft_cap=cap)
     want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*b.args)
     q, k, v, *md = b.args
-    got = jax.jit(functools.partial(cpu_attention.cpu_ragged_paged_attention, **kw))(
-        q, *cpu_attention.to_cpu_layout(k, v), *md)
+    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, **kw))(
+        q, *cpu_kernels.to_cpu_layout(k, v), *md)
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
 
 
@@ -67,8 +68,8 @@ def test_cpu_kernel_bfloat16_pages(case, block_size):
     q, k, v, *md = b.args
     k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     want = reference.ragged_paged_attention(q, k, v, *md, sm_scale=0.125)  # the oracle widens the pages too
-    got = jax.jit(functools.partial(cpu_attention.cpu_ragged_paged_attention, sm_scale=0.125))(
-        q, *cpu_attention.to_cpu_layout(k, v), *md)
+    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=0.125))(
+        q, *cpu_kernels.to_cpu_layout(k, v), *md)
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
 
 
@@ -82,9 +83,9 @@ def test_cpu_write_kv_matches_scatter_in_place(block_size, head_dim, dtype):
     k = rng.standard_normal((10, 3, head_dim)).astype(np.float32)
     v = rng.standard_normal((10, 3, head_dim)).astype(np.float32)
     slots = jnp.asarray([17, 18, 19, 40, 41, 0, 0, 47, 33, 34], jnp.int32)  # padding rows -> null slot 0
-    want = cpu_attention.to_cpu_layout(*jax.jit(reference.write_kv)(k_pages, v_pages, k, v, slots))
-    before = cpu_attention.to_cpu_layout(k_pages, v_pages)
-    got = jax.jit(cpu_attention.cpu_write_kv, donate_argnums=(0, 1))(*before, k, v, slots)
+    want = cpu_kernels.to_cpu_layout(*jax.jit(reference.write_kv)(k_pages, v_pages, k, v, slots))
+    before = cpu_kernels.to_cpu_layout(k_pages, v_pages)
+    got = jax.jit(cpu_kernels.cpu_write_kv, donate_argnums=(0, 1))(*before, k, v, slots)
     for g, w in zip(got, want):  # written slots changed, every other slot kept (in place)
         assert g.dtype == w.dtype == jnp.dtype(dtype)
         # bit-identical: bfloat16 rounds to nearest even, like XLA's convert
@@ -114,12 +115,54 @@ def test_default_backend_on_cpu():
 
 
 def test_cpu_backend_falls_back_or_fails_clearly(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "_state", {"error": "RuntimeError: no C++ compiler found"})
+    monkeypatch.setattr(cpu_kernels, "_state", {"error": "RuntimeError: no C++ compiler found"})
     assert attention.default_backend() == "xla"
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found.*--attention-backend xla"):
         attention.get_backend("cpu")
     # Called anyway (e.g. a stale config), the backend function computes through XLA.
     b = make_batch(np.random.default_rng(1), [1, 3], [5, 3], block_size=8)
     want = reference.ragged_paged_attention(*b.args, sm_scale=0.125)
-    got = jax.jit(functools.partial(cpu_attention.cpu_ragged_paged_attention, sm_scale=0.125))(*b.args)
+    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=0.125))(*b.args)
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("k,n", [(64, 64), (576, 192), (40, 128)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 48, 49, 113])
+def test_cpu_matmul_matches_float64(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    wp = cpu_kernels.pack_kernel(jnp.asarray(w))
+    assert wp.shape == (n // 64, k, 64)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_kernel(wp)), w)
+    got = np.asarray(jax.jit(cpu_kernels.cpu_matmul)(jnp.asarray(x), wp))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_cpu_matmul_row_does_not_depend_on_the_batch():
+    """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((100, 576)), jnp.float32)
+    wp = cpu_kernels.pack_kernel(jnp.asarray(rng.standard_normal((576, 192)), jnp.float32))
+    mm = jax.jit(cpu_kernels.cpu_matmul)
+    full = np.asarray(mm(x, wp))
+    for lo, hi in [(0, 1), (3, 10), (50, 100), (97, 98)]:
+        np.testing.assert_array_equal(np.asarray(mm(x[lo:hi], wp)), full[lo:hi])
+
+
+def test_runner_packs_linear_kernels_only_for_the_cpu_backend(tiny_model):
+    path = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    kw = dict(precompile=False, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_blocks=16)
+    attn = lambda llm: llm.engine.runner.params["layers_0"]["self_attn"]  # noqa: E731
+    ref = LLM(path, attention_backend="xla", **kw)
+    assert attn(ref)["q_proj"]["kernel"].shape == (64, 64) and not ref.engine.runner.packed
+    if WHY is not None:
+        return
+    llm = LLM(path, attention_backend="cpu", **kw)
+    assert llm.engine.runner.packed
+    assert attn(llm)["q_proj"]["kernel"].shape == (1, 64, 64)  # N = 64: one panel
+    assert attn(llm)["k_proj"]["kernel"].shape == (64, 32)  # N = 32: not a multiple of 64, XLA's dot
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_kernel(attn(llm)["q_proj"]["kernel"])),
+                                  np.asarray(attn(ref)["q_proj"]["kernel"]))

@@ -24,14 +24,12 @@
 
 #include <algorithm>
 #include <climits>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -431,21 +429,6 @@ ItemFn PickItemFn(int64_t bs, int64_t d) {
   return d == 64 ? TiledAny<64, T> : d == 128 ? TiledAny<128, T> : TiledAny<256, T>;
 }
 
-// Shared by the caller and the pool tasks; owned jointly so a late-starting task is safe.
-struct Work {
-  Problem p;
-  ItemFn fn;
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Drain() {
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
-      fn(p, items[i]);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                      ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> block_tables,
@@ -459,8 +442,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   if (k.element_type() != v.element_type() || (!bf16 && k.element_type() != ffi::DataType::F32))
     return ffi::Error::InvalidArgument("paged attention: pages must be float32 or bfloat16, both alike");
   const int64_t t = qd[0];
-  auto work = std::make_shared<Work>();
-  Problem& p = work->p;
+  Problem p;
+  std::vector<Item> items;
   p = Problem{q.typed_data(), k.untyped_data(), v.untyped_data(), out->typed_data(),
               seq_lens.typed_data(), query_start_loc.typed_data(), block_tables.typed_data(),
               block_tables.dimensions()[1], kd[0], kd[1], qd[1], kd[2], qd[2],
@@ -473,7 +456,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   const int64_t valid = ns > 0 ? std::clamp<int64_t>(qsl[ns], 0, t) : 0;
   if (valid < t) std::memset(p.out + valid * p.hq * p.d, 0, (t - valid) * p.hq * p.d * sizeof(float));
 
-  work->fn = bf16 ? PickItemFn<Bf16>(p.block_size, p.d) : PickItemFn<float>(p.block_size, p.d);
+  const ItemFn fn = bf16 ? PickItemFn<Bf16>(p.block_size, p.d) : PickItemFn<float>(p.block_size, p.d);
   const bool grouped = Tiled(p.block_size, p.d) && p.hq / p.hkv <= 4;
   std::vector<int32_t> decodes;  // single-row sequences, grouped below when the fast path runs
   for (int32_t s = 0; s < ns; ++s) {
@@ -489,7 +472,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     for (int32_t r0 = 0; r0 < q_len; r0 += kRowsPerItem) {
       const int32_t r1 = std::min<int64_t>(q_len, r0 + kRowsPerItem);
       const int64_t cost = (r1 - r0) * (p.seq_lens[s] - q_len + r1) + 64;
-      work->items.push_back({s, r0, r1, cost});
+      items.push_back({s, r0, r1, cost});
     }
   }
   // Similar context lengths share a group, so few tiles run with idle lanes.
@@ -501,35 +484,57 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
       item.group[j] = decodes[i + j];
       item.cost += p.seq_lens[decodes[i + j]] + 64;
     }
-    work->items.push_back(item);
+    items.push_back(item);
   }
-  std::sort(work->items.begin(), work->items.end(),
+  std::sort(items.begin(), items.end(),
             [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  const int64_t total = work->items.size();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  jaxserve::ParallelFor(pool, items.size(), [&](int64_t i) { fn(p, items[i]); });
   return ffi::Error::Success();
 }
 
+// Tokens t0..t1-1 go to consecutive slots c0.. of block blk: for each (head, dim) the run's K
+// values fill consecutive slots (one cache line for a 16-token run), V rows are contiguous.
 template <typename T>
-void WriteRows(const float* k, const float* v, const int32_t* slots, int64_t t_count, int64_t bs,
-               int64_t hkv, int64_t d, T* ko, T* vo) {
-  for (int64_t t = 0; t < t_count; ++t) {
-    const int64_t blk = slots[t] / bs, c = slots[t] % bs;
-    for (int64_t h = 0; h < hkv; ++h) {
-      const float* kr = k + (t * hkv + h) * d;
+void WriteRun(const float* k, const float* v, int64_t t0, int64_t t1, int64_t blk, int64_t c0, int64_t bs,
+              int64_t hkv, int64_t d, T* ko, T* vo) {
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t e = 0; e < d; ++e) {
+      T* kdst = ko + ((blk * hkv + h) * d + e) * bs + c0;  // K block [Hkv][D][bs]
+      for (int64_t t = t0; t < t1; ++t) FromFloat(k[(t * hkv + h) * d + e], kdst + (t - t0));
+    }
+    for (int64_t t = t0; t < t1; ++t) {
       const float* vr = v + (t * hkv + h) * d;
-      T* kdst = ko + (blk * hkv + h) * d * bs + c;  // K block [Hkv][D][bs]
-      T* vdst = vo + ((blk * hkv + h) * bs + c) * d;  // V block [Hkv][bs][D]
-      for (int64_t e = 0; e < d; ++e) FromFloat(kr[e], kdst + e * bs), FromFloat(vr[e], vdst + e);
+      T* vdst = vo + ((blk * hkv + h) * bs + c0 + (t - t0)) * d;  // V block [Hkv][bs][D]
+      for (int64_t e = 0; e < d; ++e) FromFloat(vr[e], vdst + e);
     }
   }
 }
 
-ffi::Error WriteKv(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k,
+// Splits the tokens into runs of consecutive slots within one block and writes the runs in
+// parallel. Runs into the same block as the run before (padding tokens all write the null block)
+// stay in one work item, so no two threads write one block.
+template <typename T>
+void WriteRows(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots, int64_t t_count,
+               int64_t bs, int64_t hkv, int64_t d, T* ko, T* vo) {
+  std::vector<int64_t> run_start, item_start;  // item i covers runs item_start[i] .. item_start[i+1]-1
+  for (int64_t t = 0; t < t_count; ++t) {
+    const bool extends = t > 0 && slots[t] == slots[t - 1] + 1 && slots[t] % bs != 0;
+    if (extends) continue;
+    if (run_start.empty() || slots[t] / bs != slots[run_start.back()] / bs) item_start.push_back(run_start.size());
+    run_start.push_back(t);
+  }
+  run_start.push_back(t_count);
+  item_start.push_back(run_start.size() - 1);
+  jaxserve::ParallelFor(pool, item_start.size() - 1, [&](int64_t i) {
+    for (int64_t r = item_start[i]; r < item_start[i + 1]; ++r) {
+      const int64_t t0 = run_start[r], t1 = run_start[r + 1];
+      WriteRun(k, v, t0, t1, slots[t0] / bs, slots[t0] % bs, bs, hkv, d, ko, vo);
+    }
+  });
+}
+
+ffi::Error WriteKv(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k,
                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping,
                    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   const auto pd = k_pages.dimensions();
@@ -545,10 +550,10 @@ ffi::Error WriteKv(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<f
     if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
   // The outputs alias the pages (input_output_aliases): XLA hands us the cache itself.
   if (type == ffi::DataType::BF16)
-    WriteRows(k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
+    WriteRows(pool, k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
               static_cast<Bf16*>(k_out->untyped_data()), static_cast<Bf16*>(v_out->untyped_data()));
   else
-    WriteRows(k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
+    WriteRows(pool, k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
               static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
   return ffi::Error::Success();
 }
@@ -572,6 +577,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Attention,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // k_pages (float32 or bfloat16)
                                   .Arg<ffi::AnyBuffer>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k[T, Hkv, D]

@@ -1,10 +1,11 @@
-"""The `cpu` attention backend: native KV write and ragged paged attention as XLA FFI custom calls.
+"""Native CPU kernels as XLA FFI custom calls: the `cpu` attention backend (KV write and ragged
+paged attention) and the float32 matmul of the model's linear layers.
 
-The C++ source (`csrc/paged_attention.cc`) is compiled on first use with the system C++ compiler
-(`$CXX`, else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's
-CPU (-march=native), and cached under `$JAXSERVE_CACHE_DIR/kernels` keyed by the source, the
-flags, jaxlib's version and the CPU. Where no compiler works, `available()` says why and the
-engine uses the `xla` backend instead.
+The C++ sources (`csrc/*.cc`) are compiled on first use with the system C++ compiler (`$CXX`,
+else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's CPU
+(-march=native), into one library cached under `$JAXSERVE_CACHE_DIR/kernels`, keyed by the
+sources, the flags, jaxlib's version and the CPU. Where no compiler works, `available()` says why
+and the engine uses XLA's own ops (the `xla` attention backend, XLA's dot) instead.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import numpy as np
 from jaxserve.model.default_model import cache_dir
 from jaxserve.runtime.attention import write_kv, xla_ragged_paged_attention
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cc"
-TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv"}
+CSRC = Path(__file__).with_name("csrc")
+TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
+           "jaxserve_matmul": "JaxserveMatmul"}
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -55,17 +57,19 @@ def _build() -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++ or set $CXX)")
+    sources = sorted(CSRC.glob("*.cc"))
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join([cxx, *FLAGS]).encode(), jax.__version__.encode(),
+    files = sorted(CSRC.glob("*.cc")) + sorted(CSRC.glob("*.h"))
+    for part in (*(f.read_bytes() for f in files), " ".join([cxx, *FLAGS]).encode(), jax.__version__.encode(),
                  _cpu_fingerprint().encode()):
         key.update(part)
-    out = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / "kernels" / f"jaxserve_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_so)]
+        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, sources), "-o", str(tmp_so)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-2000:]}")
@@ -130,3 +134,42 @@ def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     return jax.ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},
                             vmap_method="sequential")(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
+
+
+PANEL = 64  # columns per packed weight panel (csrc/matmul.cc)
+
+
+def packable(kernel_shape) -> bool:
+    """Whether a linear layer's [K, N] kernel is packed for `cpu_matmul`."""
+    return len(kernel_shape) == 2 and kernel_shape[1] % PANEL == 0
+
+
+def pack_kernel(w):
+    """[K, N] -> [N / 64, K, 64]: 64-column panels, each contiguous (what `cpu_matmul` reads)."""
+    k, n = w.shape
+    return jnp.transpose(w.reshape(k, n // PANEL, PANEL), (1, 0, 2))
+
+
+def unpack_kernel(wp):
+    """Inverse of `pack_kernel`."""
+    panels, k, _ = wp.shape
+    return jnp.transpose(wp, (1, 0, 2)).reshape(k, panels * PANEL)
+
+
+def native_matmul(dtype) -> bool:
+    """Whether the model's linear layers can run `cpu_matmul` (float32 on a CPU with the library)."""
+    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and available() is None
+
+
+def cpu_matmul(x, wp):
+    """`x @ W` for float32 x[..., K] and W packed by `pack_kernel`. Each output row is summed in
+    k order with FMAs whatever the batch is, so a row's result does not depend on the other rows.
+    Falls back to XLA's dot where the library is missing."""
+    n = wp.shape[0] * PANEL
+    if not (x.dtype == wp.dtype == jnp.float32 and available() is None):
+        return x @ unpack_kernel(wp).astype(x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call("jaxserve_matmul", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
+                         vmap_method="sequential")(x2, wp)
+    return y.reshape(*lead, n)
