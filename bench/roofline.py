@@ -2,7 +2,8 @@
 
 Measures (with JAX, float32 by default):
   * matmul GFLOP/s for decode-sized dots (B x d @ d x intermediate, one per batch size asked) and
-    for a large square dot;
+    for a large square dot: the faster of XLA's dot and, where it builds (float32 on CPU), the
+    native packed-panel kernel the engine's `cpu` backend uses (both are recorded);
   * memory bandwidth: read (a sum over a large array) and copy (read + write) GB/s.
 From a ModelConfig it computes FLOPs per token (every matmul incl. the lm head, plus attention over
 `--context` cached tokens) and bytes per decode step (all weights once, plus each sequence's KV
@@ -80,15 +81,23 @@ def _time(fn, *args, repeats: int, min_time: float) -> float:
     return statistics.median(times)
 
 
-def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int = 5, min_time: float = 0.3) -> float:
+def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int = 5, min_time: float = 0.3) -> dict:
+    """{"xla": GFLOP/s of XLA's dot, "native": of the `cpu` backend's packed kernel or None}."""
     import jax
     import jax.numpy as jnp
+
+    from jaxserve.runtime import cpu_kernels
 
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
     b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    gflop = 2.0 * m * k * n / 1e9
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    return 2.0 * m * k * n / _time(f, a, b, repeats=repeats, min_time=min_time) / 1e9
+    out = {"xla": gflop / _time(f, a, b, repeats=repeats, min_time=min_time), "native": None}
+    if cpu_kernels.native_matmul(dtype) and cpu_kernels.packable(b.shape):
+        g = jax.jit(cpu_kernels.cpu_matmul)
+        out["native"] = gflop / _time(g, a, cpu_kernels.pack_kernel(b), repeats=repeats, min_time=min_time)
+    return out
 
 
 def memory_gbps(nbytes: int = 256 << 20, repeats: int = 5, min_time: float = 0.3) -> dict:
@@ -119,13 +128,14 @@ def measure(cfg=None, batches=(1, 64), dtype: str = "float32", quick: bool = Fal
     d = cfg.hidden_size if cfg is not None else 576
     inter = cfg.intermediate_size if cfg is not None else 1536
     rep, mt = (3, 0.1) if quick else (5, 0.4)
-    out = {"dtype": dtype, "matmul_gflops": {}, "matmul_shapes": {}}
-    for b in sorted({int(b) for b in batches}):
-        out["matmul_gflops"][str(b)] = matmul_gflops(b, d, inter, dtype, rep, mt)
-        out["matmul_shapes"][str(b)] = f"{b}x{d} @ {d}x{inter}"
+    out = {"dtype": dtype, "matmul_gflops": {}, "matmul_gflops_by_impl": {}, "matmul_shapes": {}}
     big = 1024 if quick else 2048
-    out["matmul_gflops"]["large"] = matmul_gflops(big, big, big, dtype, rep, mt)
-    out["matmul_shapes"]["large"] = f"{big}x{big} @ {big}x{big}"
+    shapes = {str(b): (int(b), d, inter) for b in sorted({int(b) for b in batches})} | {"large": (big, big, big)}
+    for key, (m, k, n) in shapes.items():
+        by_impl = matmul_gflops(m, k, n, dtype, rep, mt)
+        out["matmul_gflops_by_impl"][key] = by_impl
+        out["matmul_gflops"][key] = max(v for v in by_impl.values() if v is not None)
+        out["matmul_shapes"][key] = f"{m}x{k} @ {k}x{n}"
     out["memory_gbps"] = memory_gbps((64 << 20) if quick else (256 << 20), rep, mt)
     return out
 
@@ -194,8 +204,10 @@ def main(argv=None) -> int:
     measured = measure(cfg, batches, args.dtype, args.quick)
     costs = model_costs(cfg, args.context, dbytes)
 
-    rows = [(measured["matmul_shapes"][k], v) for k, v in measured["matmul_gflops"].items()]
-    print(common.table(rows, ("matmul (" + args.dtype + ")", "GFLOP/s"), "Measured on this machine"))
+    rows = [(measured["matmul_shapes"][k], v, measured["matmul_gflops_by_impl"][k]["xla"],
+             measured["matmul_gflops_by_impl"][k]["native"]) for k, v in measured["matmul_gflops"].items()]
+    print(common.table(rows, ("matmul (" + args.dtype + ")", "GFLOP/s (best)", "XLA dot", "native packed"),
+                       "Measured on this machine"))
     mem = measured["memory_gbps"]
     print(common.kv_table([("read GB/s (sum)", mem["read"]), ("copy GB/s (read+write)", mem["copy"])]))
     print(common.kv_table([

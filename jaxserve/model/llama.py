@@ -50,6 +50,31 @@ class Linear(nn.Module):
         return y
 
 
+class Embed(nn.Module):
+    """nn.Embed's parameter ("embedding" [V, H]). With `packed` (a tied table whose V is a multiple
+    of 64) the table is held once, as the LM head's panels of its transpose [V / 64, H, 64], so
+    `attend` runs `cpu_matmul`; token rows are gathered from the panels."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+    packed: bool = False
+
+    def setup(self):
+        v, h = self.num_embeddings, self.features
+        shape = (v // PANEL, h, PANEL) if self.packed else (v, h)
+        self.embedding = self.param("embedding", nn.initializers.normal(1.0), shape, self.dtype)
+
+    def __call__(self, ids):
+        if self.packed:
+            return self.embedding[ids // PANEL, :, ids % PANEL]
+        return jnp.take(self.embedding, ids, axis=0)
+
+    def attend(self, x):
+        x = x.astype(self.dtype)
+        return cpu_matmul(x, self.embedding) if self.packed else jnp.dot(x, self.embedding.T)
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     attn_fn: AttentionFn
@@ -135,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
         inv_freq,  # f32[D/2]
     ):
         c = self.cfg
-        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="embed_tokens")
+        tied_packed = self.packed and c.tie_word_embeddings and packable((c.hidden_size, c.vocab_size))
+        embed = Embed(c.vocab_size, c.hidden_size, self.dtype, tied_packed, name="embed_tokens")
         x = embed(input_ids)
         freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         cos, sin = jnp.cos(freqs), jnp.sin(freqs)

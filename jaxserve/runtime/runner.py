@@ -53,13 +53,16 @@ class RunnerConfig:
     kv_cache_dtype: str | None = None  # default: dtype
 
 
-def pack_linear_kernels(params: dict) -> dict:
-    """Every linear layer's [K, N] kernel that `Linear(packed=True)` holds as panels, packed."""
+def pack_linear_kernels(params: dict, tied_embeddings: bool) -> dict:
+    """What `LlamaForCausalLM(packed=True)` holds as panels, packed: every linear layer's [K, N]
+    kernel with N % 64 == 0, and a tied embedding table [V, H] as its transpose (the LM head)."""
 
     def pack(path, leaf):
-        name = getattr(path[-1], "key", None)
-        if name == "kernel" and cpu_kernels.packable(leaf.shape):
+        names = [getattr(k, "key", None) for k in path]
+        if names[-1] == "kernel" and cpu_kernels.packable(leaf.shape):
             return jax.jit(cpu_kernels.pack_kernel)(leaf)
+        if tied_embeddings and names[-2:] == ["embed_tokens", "embedding"] and cpu_kernels.packable(leaf.T.shape):
+            return jax.jit(lambda e: cpu_kernels.pack_kernel(e.T))(leaf)
         return leaf
 
     return jax.tree_util.tree_map_with_path(pack, params)
@@ -90,7 +93,7 @@ class ModelRunner:
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
         if self.packed:
-            self.params = pack_linear_kernels(self.params)
+            self.params = pack_linear_kernels(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
         self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)

@@ -166,3 +166,20 @@ def test_runner_packs_linear_kernels_only_for_the_cpu_backend(tiny_model):
     assert attn(llm)["k_proj"]["kernel"].shape == (64, 32)  # N = 32: not a multiple of 64, XLA's dot
     np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_kernel(attn(llm)["q_proj"]["kernel"])),
                                   np.asarray(attn(ref)["q_proj"]["kernel"]))
+
+
+@needs_kernel
+def test_packed_tied_embedding_gathers_rows_and_attends():
+    """A tied table held once as LM-head panels: token rows and logits as from the plain table."""
+    from jaxserve.model.llama import Embed
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((192, 40)).astype(np.float32)
+    ids = jnp.asarray([0, 5, 63, 64, 191, 5], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+    plain = Embed(192, 40, jnp.float32, packed=False)
+    packed = Embed(192, 40, jnp.float32, packed=True)
+    pv = {"params": {"embedding": cpu_kernels.pack_kernel(jnp.asarray(table).T)}}
+    np.testing.assert_array_equal(np.asarray(packed.apply(pv, ids)), table[np.asarray(ids)])
+    want = plain.apply({"params": {"embedding": jnp.asarray(table)}}, x, method="attend")
+    np.testing.assert_allclose(np.asarray(packed.apply(pv, x, method="attend")), np.asarray(want), rtol=1e-5, atol=1e-5)
