@@ -19,11 +19,20 @@ from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
 from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, packable
 
 
+def rope_tables(positions, inv_freq):
+    """cos and signed sin at full head width for `apply_rope`: [T, D] each (computed once per step)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    c, s = jnp.cos(freqs), jnp.sin(freqs)
+    return jnp.concatenate([c, c], axis=-1), jnp.concatenate([-s, s], axis=-1)
+
+
 def apply_rope(x, cos, sin):
-    """HF's rotate-half convention. x: [T, H, D]; cos/sin: [T, D/2]."""
+    """HF's rotate-half convention, [x1 c - x2 s, x2 c + x1 s], as x * cos + [x2, x1] * sin over the
+    full width (XLA:CPU runs this form ~4x faster than concatenating the two halves' results).
+    x: [T, H, D]; cos/sin: [T, D] from `rope_tables`."""
     x1, x2 = jnp.split(x, 2, axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    out = x * cos[:, None, :] + jnp.concatenate([x2, x1], axis=-1) * sin[:, None, :]
+    return out.astype(x.dtype)
 
 
 class Linear(nn.Module):
@@ -163,8 +172,7 @@ class LlamaForCausalLM(nn.Module):
         tied_packed = self.packed and c.tie_word_embeddings and packable((c.hidden_size, c.vocab_size))
         embed = Embed(c.vocab_size, c.hidden_size, self.dtype, tied_packed, name="embed_tokens")
         x = embed(input_ids)
-        freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+        cos, sin = rope_tables(positions, inv_freq)
         new_caches = []
         for i in range(c.num_layers):
             x, kv = DecoderLayer(c, self.attn_fn, self.dtype, self.packed, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md)

@@ -1,5 +1,5 @@
 """Native CPU kernels as XLA FFI custom calls: the `cpu` attention backend (KV write and ragged
-paged attention) and the float32 matmul of the model's linear layers.
+paged attention), the float32 matmul of the model's linear layers, and greedy sampling's argmax.
 
 The C++ sources (`csrc/*.cc`) are compiled on first use with the system C++ compiler (`$CXX`,
 else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's CPU
@@ -29,7 +29,7 @@ from jaxserve.runtime.attention import write_kv, xla_ragged_paged_attention
 
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
-           "jaxserve_matmul": "JaxserveMatmul"}
+           "jaxserve_matmul": "JaxserveMatmul", "jaxserve_argmax": "JaxserveArgmax"}
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -173,3 +173,12 @@ def cpu_matmul(x, wp):
     y = jax.ffi.ffi_call("jaxserve_matmul", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                          vmap_method="sequential")(x2, wp)
     return y.reshape(*lead, n)
+
+
+def argmax_rows(x):
+    """Index of each row's largest value (the first among ties) of float32 x[S, V] as int32[S]:
+    natively on CPU where the library is built, else XLA's TopK(1) (faster than its argmax)."""
+    if x.dtype == jnp.float32 and x.ndim == 2 and jax.default_backend() == "cpu" and available() is None:
+        out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+        return jax.ffi.ffi_call("jaxserve_argmax", out, vmap_method="sequential")(x)
+    return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)

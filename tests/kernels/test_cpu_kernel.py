@@ -183,3 +183,13 @@ def test_packed_tied_embedding_gathers_rows_and_attends():
     np.testing.assert_array_equal(np.asarray(packed.apply(pv, ids)), table[np.asarray(ids)])
     want = plain.apply({"params": {"embedding": jnp.asarray(table)}}, x, method="attend")
     np.testing.assert_allclose(np.asarray(packed.apply(pv, x, method="attend")), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 15), (5, 16), (64, 49152), (7, 1000)])
+def test_argmax_rows_matches_argmax_first_among_ties(rows, vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, (rows, vocab)).astype(np.float32)  # few distinct values: many ties
+    x[0, -1] = 10.0  # a maximum in the scalar tail
+    got = np.asarray(jax.jit(cpu_kernels.argmax_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
