@@ -7,6 +7,7 @@ when the kernels cannot be built."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ CASES = {
     "chunked": ([8, 3, 1, 12], [40, 3, 70, 12]),
     # more than one 32-row work item per sequence, decodes and prefill chunks in one batch
     "mixed-long": ([1] * 6 + [70, 40], [33, 64, 65, 2, 100, 7, 90, 41]),
+    # many decode groups (16 per pool thread), contexts 1..80, and a prefill chunk
+    "many-decodes": ([1] * (16 * (os.cpu_count() or 1) + 5) + [20],
+                     [1 + (7 * i) % 80 for i in range(16 * (os.cpu_count() or 1) + 5)] + [50]),
 }
 
 
@@ -41,6 +45,9 @@ CASES = {
         ("chunked", (9, 3), 64, 16, 6, None),
         ("chunked", (8, 2), 128, 16, None, None),
         ("mixed-long", (9, 3), 64, 16, None, None),
+        ("many-decodes", (9, 3), 64, 16, None, None),
+        ("many-decodes", (8, 2), 128, 16, 30, None),
+        ("decode", (4, 4), 256, 16, None, None),
         ("mixed-long", (8, 2), 64, 32, 20, 15.0),
         ("mixed-long", (9, 3), 64, 8, None, None),  # block_size 8: the generic path
         ("chunked", (6, 2), 40, 16, 6, 15.0),  # head_dim 40: the generic path
