@@ -18,11 +18,12 @@ import time
 from bench import common
 
 CASES = {
-    # name: (new tokens per sequence, context per sequence incl. the new tokens)
-    "decode 64 rows, context 150-450": ([1] * 64, "decode", 64),
-    "decode 32 rows, context 150-450": ([1] * 32, "decode", 32),
-    "prefill 2 x 256 rows after a 256-token prefix": ([256, 256], [512, 512], None),
-    "prefill 448 rows (2 x 224, fresh) + 64 decodes": ([224, 224] + [1] * 64, "mixed", None),
+    # name: (new tokens per sequence, context per sequence incl. the new tokens: a list, or
+    # "decode" = random 150-450, "mixed" = the first two are fresh prompts, the rest decode)
+    "decode 64 rows, context 150-450": ([1] * 64, "decode"),
+    "decode 32 rows, context 150-450": ([1] * 32, "decode"),
+    "prefill 2 x 256 rows after a 256-token prefix": ([256, 256], [512, 512]),
+    "prefill 448 rows (2 x 224, fresh) + 64 decodes": ([224, 224] + [1] * 64, "mixed"),
 }
 
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         fn = get_backend(backend)
         attend = jax.jit(lambda q, k, v, *m, fn=fn: fn(q, k, v, *m, sm_scale=d ** -0.5))
         for kv_dtype in args.kv_dtypes.split(","):
-            for name, (q_lens, ctx, _) in CASES.items():
+            for name, (q_lens, ctx) in CASES.items():
                 rng = np.random.default_rng(0)
                 if ctx == "decode":
                     kv_lens = [int(x) for x in rng.integers(150, 451, len(q_lens))]
