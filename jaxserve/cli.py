@@ -51,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="optimistic (vLLM, default): admit while the prompt fits; conservative (SGLang): also "
                         "reserve blocks for running requests' expected output, fewer preemptions")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                   help="default: pallas on TPU/GPU; on CPU the native cpu kernel (built with g++), else xla")
+                   help="default: pallas on TPU/GPU; on CPU the native cpu kernels (attention, and for float32 "
+                        "the matmul; built with g++), else xla")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")
     g.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
                    help="KV cache storage (default: --dtype); bfloat16 halves KV memory, attention still in float32")
