@@ -19,6 +19,11 @@ from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
 from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, packable
 
 
+def real_tokens(md: AttentionMetadata):
+    """The step's real tokens: rows past this are bucket padding (traced scalar)."""
+    return md.query_start_loc[md.num_seqs[0]]
+
+
 def rope_tables(positions, inv_freq):
     """cos and signed sin at full head width for `apply_rope`: [T, D] each (computed once per step)."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -46,12 +51,13 @@ class Linear(nn.Module):
     packed: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, num_rows=None):
+        """num_rows: the real (non-padding) rows of x, which are all the packed path computes."""
         x = x.astype(self.dtype)
         shape = (x.shape[-1], self.features)
         if self.packed and packable(shape):
             w = self.param("kernel", nn.initializers.lecun_normal(), (self.features // PANEL, shape[0], PANEL), self.dtype)
-            y = cpu_matmul(x, w)
+            y = cpu_matmul(x, w, num_rows)
         else:
             y = jnp.dot(x, self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype))
         if self.use_bias:
@@ -79,9 +85,9 @@ class Embed(nn.Module):
             return self.embedding[ids // PANEL, :, ids % PANEL]
         return jnp.take(self.embedding, ids, axis=0)
 
-    def attend(self, x):
+    def attend(self, x, num_rows=None):
         x = x.astype(self.dtype)
-        return cpu_matmul(x, self.embedding) if self.packed else jnp.dot(x, self.embedding.T)
+        return cpu_matmul(x, self.embedding, num_rows) if self.packed else jnp.dot(x, self.embedding.T)
 
 
 class Attention(nn.Module):
@@ -94,10 +100,10 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata):
         c = self.cfg
         dense = lambda n, name, bias: Linear(n, bias, self.dtype, self.packed, name=name)  # noqa: E731
-        t = x.shape[0]
-        q = dense(c.num_heads * c.head_dim, "q_proj", c.attention_bias)(x).reshape(t, c.num_heads, c.head_dim)
-        k = dense(c.num_kv_heads * c.head_dim, "k_proj", c.attention_bias)(x).reshape(t, c.num_kv_heads, c.head_dim)
-        v = dense(c.num_kv_heads * c.head_dim, "v_proj", c.attention_bias)(x).reshape(t, c.num_kv_heads, c.head_dim)
+        t, rows = x.shape[0], real_tokens(md)
+        q = dense(c.num_heads * c.head_dim, "q_proj", c.attention_bias)(x, rows).reshape(t, c.num_heads, c.head_dim)
+        k = dense(c.num_kv_heads * c.head_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
+        v = dense(c.num_kv_heads * c.head_dim, "v_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -105,7 +111,7 @@ class Attention(nn.Module):
         o, k_pages, v_pages = self.attn_fn(
             q, k, v, kv[0], kv[1], md, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
         )
-        out = dense(c.hidden_size, "o_proj", False)(o.reshape(t, c.num_heads * c.head_dim))
+        out = dense(c.hidden_size, "o_proj", False)(o.reshape(t, c.num_heads * c.head_dim), rows)
         return out, (k_pages, v_pages)
 
 
@@ -127,11 +133,11 @@ class MLP(nn.Module):
     packed: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, num_rows=None):
         dense = lambda n, name: Linear(n, False, self.dtype, self.packed, name=name)  # noqa: E731
         i = self.cfg.intermediate_size
         return dense(self.cfg.hidden_size, "down_proj")(
-            nn.silu(dense(i, "gate_proj")(x)) * dense(i, "up_proj")(x)
+            nn.silu(dense(i, "gate_proj")(x, num_rows)) * dense(i, "up_proj")(x, num_rows), num_rows
         )
 
 
@@ -148,7 +154,9 @@ class DecoderLayer(nn.Module):
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md
         )
         x = x + h
-        x = x + MLP(c, self.dtype, self.packed, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x))
+        x = x + MLP(c, self.dtype, self.packed, name="mlp")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x), real_tokens(md)
+        )
         return x, kv
 
 
@@ -179,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
             new_caches.append(kv)
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
         if c.tie_word_embeddings:
-            logits = embed.attend(x)
+            logits = embed.attend(x, md.num_seqs[0])
         else:
-            logits = Linear(c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x)
+            logits = Linear(c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x, md.num_seqs[0])
         return logits.astype(jnp.float32), new_caches

@@ -173,18 +173,17 @@ def native_matmul(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and available() is None
 
 
-def cpu_matmul(x, wp):
-    """`x @ W` for float32 x[..., K] and W packed by `pack_kernel`. Each output row is summed in
-    k order with FMAs whatever the batch is, so a row's result does not depend on the other rows.
-    Falls back to XLA's dot where the library is missing."""
+def cpu_matmul(x, wp, num_rows=None):
+    """`x @ W` for float32 x[M, K] and W packed by `pack_kernel`. Each output row is summed in k
+    order with FMAs whatever the batch is, so a row's result does not depend on the other rows.
+    With `num_rows` (a traced int: the step's real tokens) only the first num_rows rows are
+    computed and the rest come out zero. Falls back to XLA's dot where the library is missing."""
     n = wp.shape[0] * PANEL
-    if not (x.dtype == wp.dtype == jnp.float32 and available() is None):
+    if not (x.dtype == wp.dtype == jnp.float32 and x.ndim == 2 and available() is None):
         return x @ unpack_kernel(wp).astype(x.dtype)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    y = jax.ffi.ffi_call("jaxserve_matmul", jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
-                         vmap_method="sequential")(x2, wp)
-    return y.reshape(*lead, n)
+    rows = jnp.full((1,), x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, rows)
 
 
 def argmax_rows(x):

@@ -200,3 +200,17 @@ def test_argmax_rows_matches_argmax_first_among_ties(rows, vocab):
     x[0, -1] = 10.0  # a maximum in the scalar tail
     got = np.asarray(jax.jit(cpu_kernels.argmax_rows)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+@needs_kernel
+def test_cpu_matmul_computes_only_the_real_rows():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)
+    wp = cpu_kernels.pack_kernel(jnp.asarray(rng.standard_normal((64, 128)), jnp.float32))
+    mm = jax.jit(cpu_kernels.cpu_matmul)
+    full = np.asarray(mm(x, wp))
+    for rows in (0, 1, 7, 24, 99):
+        got = np.asarray(mm(x, wp, rows))
+        n = min(rows, 24)
+        np.testing.assert_array_equal(got[:n], full[:n])
+        assert not got[n:].any()

@@ -67,15 +67,19 @@ void Rows(const float* x, const float* w, float* y, int64_t rows, int64_t k_len,
   }
 }
 
+// Only the first rows[0] rows of x are computed (the step's real tokens); the padding rows of y
+// are zero.
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("matmul: expected x[M, K] and packed w[N / 64, K, 64]");
-  const int64_t m = xd[0], k_len = xd[1], panels = wd[0], n = panels * kPanel;
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] != kPanel || rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("matmul: expected x[M, K], packed w[N / 64, K, 64] and rows[1]");
+  const int64_t k_len = xd[1], panels = wd[0], n = panels * kPanel;
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
+  std::memset(yp + m * n, 0, (xd[0] - m) * n * sizeof(float));
   const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
   // Work item = (row chunk, panel), panels fastest: threads share x's rows and split w.
   jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
@@ -93,4 +97,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w[N / 64, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y[M, N]
