@@ -94,7 +94,7 @@ def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int =
     gflop = 2.0 * m * k * n / 1e9
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     out = {"xla": gflop / _time(f, a, b, repeats=repeats, min_time=min_time), "native": None}
-    if cpu_kernels.native_matmul(dtype) and cpu_kernels.packable(b.shape):
+    if cpu_kernels.native_float32(dtype) and cpu_kernels.packable(b.shape):
         g = jax.jit(cpu_kernels.cpu_matmul)
         out["native"] = gflop / _time(g, a, cpu_kernels.pack_kernel(b), repeats=repeats, min_time=min_time)
     return out

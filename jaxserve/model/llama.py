@@ -20,8 +20,8 @@ from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, packable
 
 
 def real_tokens(md: AttentionMetadata):
-    """The step's real tokens: rows past this are bucket padding (traced scalar)."""
-    return md.query_start_loc[md.num_seqs[0]]
+    """i32[1]: the step's real tokens; rows past them are bucket padding."""
+    return md.query_start_loc[md.num_seqs]
 
 
 def rope_tables(positions, inv_freq):
@@ -52,7 +52,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x, num_rows=None):
-        """num_rows: the real (non-padding) rows of x, which are all the packed path computes."""
+        """num_rows (i32[1]): the real (non-padding) rows of x, all that the packed path computes."""
         x = x.astype(self.dtype)
         shape = (x.shape[-1], self.features)
         if self.packed and packable(shape):
@@ -97,10 +97,10 @@ class Attention(nn.Module):
     packed: bool = False
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows):
         c = self.cfg
         dense = lambda n, name, bias: Linear(n, bias, self.dtype, self.packed, name=name)  # noqa: E731
-        t, rows = x.shape[0], real_tokens(md)
+        t = x.shape[0]
         q = dense(c.num_heads * c.head_dim, "q_proj", c.attention_bias)(x, rows).reshape(t, c.num_heads, c.head_dim)
         k = dense(c.num_kv_heads * c.head_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
         v = dense(c.num_kv_heads * c.head_dim, "v_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
@@ -148,14 +148,14 @@ class DecoderLayer(nn.Module):
     packed: bool = False
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv, md):
+    def __call__(self, x, cos, sin, kv, md, rows):
         c = self.cfg
         h, kv = Attention(c, self.attn_fn, self.dtype, self.packed, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md, rows
         )
         x = x + h
         x = x + MLP(c, self.dtype, self.packed, name="mlp")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x), real_tokens(md)
+            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x), rows
         )
         return x, kv
 
@@ -181,13 +181,16 @@ class LlamaForCausalLM(nn.Module):
         embed = Embed(c.vocab_size, c.hidden_size, self.dtype, tied_packed, name="embed_tokens")
         x = embed(input_ids)
         cos, sin = rope_tables(positions, inv_freq)
+        rows = real_tokens(md)  # once per step, for every packed matmul
         new_caches = []
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.attn_fn, self.dtype, self.packed, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md)
+            x, kv = DecoderLayer(c, self.attn_fn, self.dtype, self.packed, name=f"layers_{i}")(
+                x, cos, sin, kv_caches[i], md, rows
+            )
             new_caches.append(kv)
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
         if c.tie_word_embeddings:
-            logits = embed.attend(x, md.num_seqs[0])
+            logits = embed.attend(x, md.num_seqs)
         else:
-            logits = Linear(c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x, md.num_seqs[0])
+            logits = Linear(c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x, md.num_seqs)
         return logits.astype(jnp.float32), new_caches

@@ -59,8 +59,7 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler found (install g++ or set $CXX)")
     sources = sorted(CSRC.glob("*.cc"))
     key = hashlib.sha256()
-    files = sorted(CSRC.glob("*.cc")) + sorted(CSRC.glob("*.h"))
-    for part in (*(f.read_bytes() for f in files), " ".join([cxx, *FLAGS]).encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in sources + sorted(CSRC.glob("*.h"))), " ".join([cxx, *FLAGS]).encode(), jax.__version__.encode(),
                  _cpu_fingerprint().encode()):
         key.update(part)
     out = cache_dir() / "kernels" / f"jaxserve_cpu-{key.hexdigest()[:16]}.so"
@@ -168,20 +167,21 @@ def unpack_kernel(wp):
     return jnp.transpose(wp, (1, 0, 2)).reshape(k, panels * PANEL)
 
 
-def native_matmul(dtype) -> bool:
-    """Whether the model's linear layers can run `cpu_matmul` (float32 on a CPU with the library)."""
+def native_float32(dtype) -> bool:
+    """Whether float32 work in this dtype runs natively here: on a CPU backend with the library
+    built (the linear layers' `cpu_matmul`, `argmax_rows`)."""
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and available() is None
 
 
 def cpu_matmul(x, wp, num_rows=None):
     """`x @ W` for float32 x[M, K] and W packed by `pack_kernel`. Each output row is summed in k
     order with FMAs whatever the batch is, so a row's result does not depend on the other rows.
-    With `num_rows` (a traced int: the step's real tokens) only the first num_rows rows are
+    With `num_rows` (an int or i32[1]: the step's real tokens) only the first num_rows rows are
     computed and the rest come out zero. Falls back to XLA's dot where the library is missing."""
     n = wp.shape[0] * PANEL
     if not (x.dtype == wp.dtype == jnp.float32 and x.ndim == 2 and available() is None):
         return x @ unpack_kernel(wp).astype(x.dtype)
-    rows = jnp.full((1,), x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    rows = jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, rows)
 
@@ -189,7 +189,7 @@ def cpu_matmul(x, wp, num_rows=None):
 def argmax_rows(x):
     """Index of each row's largest value (the first among ties) of float32 x[S, V] as int32[S]:
     natively on CPU where the library is built, else XLA's TopK(1) (faster than its argmax)."""
-    if x.dtype == jnp.float32 and x.ndim == 2 and jax.default_backend() == "cpu" and available() is None:
+    if x.ndim == 2 and native_float32(x.dtype):
         out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
         return jax.ffi.ffi_call("jaxserve_argmax", out, vmap_method="sequential")(x)
     return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)

@@ -60,9 +60,9 @@ def pack_linear_kernels(params: dict, tied_embeddings: bool) -> dict:
     def pack(path, leaf):
         names = [getattr(k, "key", None) for k in path]
         if names[-1] == "kernel" and cpu_kernels.packable(leaf.shape):
-            return jax.jit(cpu_kernels.pack_kernel)(leaf)
+            return cpu_kernels.pack_kernel(leaf)
         if tied_embeddings and names[-2:] == ["embed_tokens", "embedding"] and cpu_kernels.packable(leaf.T.shape):
-            return jax.jit(lambda e: cpu_kernels.pack_kernel(e.T))(leaf)
+            return cpu_kernels.pack_kernel(leaf.T)
         return leaf
 
     return jax.tree_util.tree_map_with_path(pack, params)
@@ -85,7 +85,7 @@ class ModelRunner:
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
         # The `cpu` backend also runs the linear layers natively, on weights packed once here.
-        self.packed = cfg.attention_backend == "cpu" and tp == 1 and cpu_kernels.native_matmul(self.dtype)
+        self.packed = cfg.attention_backend == "cpu" and tp == 1 and cpu_kernels.native_float32(self.dtype)
         self.model = LlamaForCausalLM(
             model_cfg, meshlib.shard_attention(layer_attention(cfg.attention_backend), self.mesh), self.dtype,
             self.packed,

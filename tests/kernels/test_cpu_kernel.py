@@ -147,12 +147,17 @@ def test_cpu_matmul_matches_float64(m, k, n):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
 
 
+def _packed_problem(seed: int, m: int, k: int, n: int):
+    """Random float32 x[m, k] and a packed random W[k, n]."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    return x, cpu_kernels.pack_kernel(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+
+
 @needs_kernel
 def test_cpu_matmul_row_does_not_depend_on_the_batch():
     """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset."""
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((100, 576)), jnp.float32)
-    wp = cpu_kernels.pack_kernel(jnp.asarray(rng.standard_normal((576, 192)), jnp.float32))
+    x, wp = _packed_problem(0, 100, 576, 192)
     mm = jax.jit(cpu_kernels.cpu_matmul)
     full = np.asarray(mm(x, wp))
     for lo, hi in [(0, 1), (3, 10), (50, 100), (97, 98)]:
@@ -204,9 +209,7 @@ def test_argmax_rows_matches_argmax_first_among_ties(rows, vocab):
 
 @needs_kernel
 def test_cpu_matmul_computes_only_the_real_rows():
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)
-    wp = cpu_kernels.pack_kernel(jnp.asarray(rng.standard_normal((64, 128)), jnp.float32))
+    x, wp = _packed_problem(1, 24, 64, 128)
     mm = jax.jit(cpu_kernels.cpu_matmul)
     full = np.asarray(mm(x, wp))
     for rows in (0, 1, 7, 24, 99):
