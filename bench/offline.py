@@ -233,6 +233,7 @@ def main(argv=None) -> int:
         llm = LLM(str(path), **kw)
         load_s = time.perf_counter() - t0
         dtype = dtype or str(llm.engine.runner.dtype)
+        kv_dtype = llm.engine.runner.kv_dtype
         compile_s = 0.0
         if args.precompile:
             compile_s = llm.engine.precompile()
@@ -254,7 +255,8 @@ def main(argv=None) -> int:
                    kv_capacity_tokens=getattr(llm.engine, "kv_capacity_tokens", None))
         if measured:
             batch = min(args.max_num_seqs, len(items))
-            frac = rl.fraction(res["output_tok_s"], cfg, batch, int(res["mean_context"]), measured)
+            frac = rl.fraction(res["output_tok_s"], cfg, batch, int(res["mean_context"]), measured,
+                               kv_dtype_bytes=kv_dtype.itemsize)
             res["roofline"] = {**frac, **rl.work_fraction(res["wall_s"], res["prompt_tokens"],
                                                           res["output_tokens"], cfg, batch,
                                                           int(res["mean_context"]), measured)}
@@ -266,7 +268,8 @@ def main(argv=None) -> int:
         gc.collect()
 
     if single and measured:
-        single["roofline"] = rl.ceilings(cfg, 1, args.single_prompt_len + args.single_tokens // 2, measured)
+        single["roofline"] = rl.ceilings(cfg, 1, args.single_prompt_len + args.single_tokens // 2, measured,
+                                         kv_dtype_bytes=kv_dtype.itemsize)
         single["fraction_of_bandwidth_limit"] = single["decode_tok_s"] / single["roofline"]["bandwidth_tok_s"]
 
     hf = None
@@ -282,9 +285,11 @@ def main(argv=None) -> int:
             hf_res["ratio"]["single_decode_jaxserve_over_hf"] = (
                 single["decode_tok_s"] / hf_res["single_decode"]["decode_tok_s"])
 
+    args.kv_cache_dtype = str(kv_dtype)
     _print(results, single, hf, args)
     common.report("offline", argv, model=common.model_info(path, cfg),
-                  config={**{k: v for k, v in vars(args).items()}, "dtype": dtype, "workloads": names,
+                  config={**{k: v for k, v in vars(args).items()}, "dtype": dtype, "kv_cache_dtype": str(kv_dtype),
+                          "workloads": names,
                           "max_model_len": max_model_len},
                   results={"workloads": results, "single_request": single, "roofline_measured": measured,
                            "hf": hf["results"] if hf else None, "hf_machine": hf["machine"] if hf else None},
@@ -303,7 +308,7 @@ def _print(results: dict, single, hf, args) -> None:
     print(common.table(rows, ("workload", "reqs", "prompt tok", "output tok", "wall s", "out tok/s", "total tok/s",
                               "compile s", "hit blocks", "preempt", "% roofline", "% compute"),
                        f"jaxserve offline (max_num_seqs={args.max_num_seqs}, "
-                       f"max_num_batched_tokens={args.max_num_batched_tokens})"))
+                       f"max_num_batched_tokens={args.max_num_batched_tokens}, KV {args.kv_cache_dtype})"))
     print("  % roofline: output tok/s / min(compute, bandwidth) ceiling at that batch and mean context;"
           " % compute: ideal FLOP time / wall time (prompt + output tokens)")
     for name, r in results.items():

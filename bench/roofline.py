@@ -41,10 +41,13 @@ class ModelCosts:
     kv_bytes_per_token_ctx: float  # KV bytes read per sequence per step at the given context
     context: int
     dtype_bytes: int
+    kv_dtype_bytes: int
 
 
-def model_costs(cfg, context: int = 512, dtype_bytes: int = 4) -> ModelCosts:
-    """FLOPs and bytes for one token of a Llama-family model with `context` tokens already cached."""
+def model_costs(cfg, context: int = 512, dtype_bytes: int = 4, kv_dtype_bytes: int | None = None) -> ModelCosts:
+    """FLOPs and bytes for one token of a Llama-family model with `context` tokens already cached
+    (weights of `dtype_bytes`, KV of `kv_dtype_bytes`, default the same)."""
+    kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
     d, hd, L = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     q = d * cfg.num_heads * hd
     kv = 2 * d * cfg.num_kv_heads * hd
@@ -61,8 +64,9 @@ def model_costs(cfg, context: int = 512, dtype_bytes: int = 4) -> ModelCosts:
     flops = 2.0 * params_matmul + attn
     # A decode step reads every matmul weight once (the untied embedding table: one row per token).
     weight_bytes = (params_matmul + norms + bias) * dtype_bytes
-    kv_ctx = 2.0 * L * cfg.num_kv_heads * hd * context * dtype_bytes
-    return ModelCosts(params_matmul, lm_head, params_total, flops, attn, weight_bytes, kv_ctx, context, dtype_bytes)
+    kv_ctx = 2.0 * L * cfg.num_kv_heads * hd * context * kv_dtype_bytes
+    return ModelCosts(params_matmul, lm_head, params_total, flops, attn, weight_bytes, kv_ctx, context, dtype_bytes,
+                      kv_dtype_bytes)
 
 
 # ---- measurements -------------------------------------------------------------------------------
@@ -150,9 +154,10 @@ def _gflops_at(measured: dict, batch: int) -> float:
     return g[str(below[-1] if below else sizes[0])]
 
 
-def ceilings(cfg, batch: int, context: int, measured: dict, dtype_bytes: int = 4) -> dict:
+def ceilings(cfg, batch: int, context: int, measured: dict, dtype_bytes: int = 4,
+             kv_dtype_bytes: int | None = None) -> dict:
     """Throughput ceilings (tok/s) for `batch` sequences decoding at `context` tokens."""
-    c = model_costs(cfg, context, dtype_bytes)
+    c = model_costs(cfg, context, dtype_bytes, kv_dtype_bytes)
     gflops = _gflops_at(measured, batch)
     bw = max(measured["memory_gbps"]["read"], measured["memory_gbps"]["copy"])  # best streaming rate
     compute = gflops * 1e9 / c.flops_per_token
@@ -178,9 +183,10 @@ def work_fraction(wall_s: float, prompt_tokens: int, output_tokens: int, cfg, ba
             "achieved_gflops": flops / wall_s / 1e9, "fraction_of_compute": ideal / wall_s}
 
 
-def fraction(tok_s: float, cfg, batch: int, context: int, measured: dict, dtype_bytes: int = 4) -> dict:
+def fraction(tok_s: float, cfg, batch: int, context: int, measured: dict, dtype_bytes: int = 4,
+             kv_dtype_bytes: int | None = None) -> dict:
     """A result as a fraction of the roofline at its batch and context."""
-    c = ceilings(cfg, batch, context, measured, dtype_bytes)
+    c = ceilings(cfg, batch, context, measured, dtype_bytes, kv_dtype_bytes)
     return {**c, "measured_tok_s": tok_s, "fraction_of_roofline": tok_s / c["roofline_tok_s"]}
 
 
@@ -191,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1,8,16,32,64", help="comma-separated batch sizes (default 1,8,16,32,64)")
     p.add_argument("--context", type=int, default=512, help="cached tokens per sequence for attention/KV (512)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--kv-cache-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="KV bytes for the bandwidth ceiling (default: the engine's default for this model)")
     p.add_argument("--quick", action="store_true", help="shorter, smaller measurements (smoke tests)")
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
@@ -200,9 +208,13 @@ def main(argv=None) -> int:
 
     path = resolve_model_path(args.model)
     cfg = config_only(path)
+    from jaxserve.runtime.runner import default_kv_cache_dtype
+
+    args.kv_cache_dtype = args.kv_cache_dtype or default_kv_cache_dtype(args.dtype, cfg.checkpoint_dtype)
     dbytes = 4 if args.dtype == "float32" else 2
+    kvbytes = 4 if args.kv_cache_dtype == "float32" else 2
     measured = measure(cfg, batches, args.dtype, args.quick)
-    costs = model_costs(cfg, args.context, dbytes)
+    costs = model_costs(cfg, args.context, dbytes, kvbytes)
 
     rows = [(measured["matmul_shapes"][k], v, measured["matmul_gflops_by_impl"][k]["xla"],
              measured["matmul_gflops_by_impl"][k]["native"]) for k, v in measured["matmul_gflops"].items()]
@@ -215,15 +227,15 @@ def main(argv=None) -> int:
         ("GFLOP/token (matmuls)", 2 * costs.params_matmul / 1e9),
         (f"GFLOP/token (attention @ {args.context})", costs.flops_attention / 1e9),
         ("weight MB read per step", costs.weight_bytes / 1e6),
-        (f"KV MB per sequence @ {args.context}", costs.kv_bytes_per_token_ctx / 1e6),
+        (f"KV MB per sequence @ {args.context} ({args.kv_cache_dtype})", costs.kv_bytes_per_token_ctx / 1e6),
     ], f"Model {path.name}"))
     rows, results = [], []
     for b in batches:
-        c = ceilings(cfg, b, args.context, measured, dbytes)
+        c = ceilings(cfg, b, args.context, measured, dbytes, kvbytes)
         results.append(c)
         rows.append((b, c["matmul_gflops"], c["compute_tok_s"], c["bandwidth_tok_s"], c["roofline_tok_s"], c["bound"]))
     print(common.table(rows, ("batch", "GFLOP/s", "compute tok/s", "bandwidth tok/s", "roofline tok/s", "bound"),
-                       f"Ceilings at context {args.context} ({args.dtype})"))
+                       f"Ceilings at context {args.context} ({args.dtype}, KV {args.kv_cache_dtype})"))
     common.report("roofline", argv, model=common.model_info(path, cfg),
                   config=vars(args), results={"measured": measured, "costs": asdict(costs), "ceilings": results},
                   out=args.out)

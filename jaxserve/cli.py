@@ -55,7 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the matmul; built with g++), else xla")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")
     g.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
-                   help="KV cache storage (default: --dtype); bfloat16 halves KV memory, attention still in float32")
+                   help="KV cache storage (default: --dtype, but bfloat16 for a bfloat16 or quantized checkpoint run "
+                        "in float32, e.g. the default model); bfloat16 halves KV memory, attention still in float32")
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="shard the model over N devices")
     g.add_argument("--no-precompile", dest="precompile", action="store_false",
                    help="compile step shapes on first use instead of at start-up")

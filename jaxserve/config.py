@@ -30,7 +30,7 @@ class EngineConfig:
     admission: str = "optimistic"  # conservative: reserve for running requests' growth (SGLang)
     attention_backend: str | None = None  # default: cpu (native kernel, else xla) on CPU, pallas on TPU/GPU
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on accelerators
-    kv_cache_dtype: str | None = None  # default: dtype (bfloat16 halves KV memory and its reads)
+    kv_cache_dtype: str | None = None  # default: dtype; bfloat16 for a bfloat16 checkpoint computed in float32
     precompile: bool = True
     compilation_cache: bool = True
     seed: int = 0  # seeds the per-request seeds of requests that bring none

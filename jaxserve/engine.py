@@ -67,9 +67,9 @@ class LLMEngine:
         if config.compilation_cache:
             rt.enable_compilation_cache()
         dtype = config.dtype or rt.default_dtype()
-        kv_dtype = config.kv_cache_dtype or dtype
         self.loaded = load_model(config.model)
         self.model_config = mc = self.loaded.config
+        kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.num_blocks = config.num_blocks or self._blocks_from_budget(kv_dtype)

@@ -39,6 +39,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    checkpoint_dtype: str | None = None  # the weights' dtype as stored (config "torch_dtype"), if known
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -76,6 +77,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding and model_type == "mistral" else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            checkpoint_dtype=_checkpoint_dtype(hf),
         )
 
     @property
@@ -118,3 +120,10 @@ def _rope_scaling(hf: dict) -> dict | None:
         return None
     kind = rs.get("rope_type") or rs.get("type")
     return None if kind in (None, "default") else dict(rs)
+
+
+def _checkpoint_dtype(hf: dict) -> str | None:
+    """"float32" / "bfloat16" / "float16" from config.json's "torch_dtype" (newer transformers: "dtype")."""
+    name = str(hf.get("torch_dtype") or hf.get("dtype") or "").removeprefix("torch.")
+    name = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+    return name if name in ("float32", "bfloat16", "float16") else None

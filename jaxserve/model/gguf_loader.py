@@ -228,6 +228,15 @@ def _f32(x) -> float:
     return float(f"{float(x):.7g}")
 
 
+def checkpoint_dtype(g: GGUFFile) -> str:
+    """The float dtype the file's weights stand for, read from the first attention weight: F32 (or
+    F64) -> float32, F16 -> float16; BF16 and every quantized type -> bfloat16 (quantized weights
+    carry fewer bits than bfloat16; the models behind them are bfloat16 checkpoints)."""
+    info = g.tensors.get("blk.0.attn_q.weight")
+    name = info.type_name if info else "F32"
+    return {"F32": "float32", "F64": "float32", "F16": "float16"}.get(name, "bfloat16")
+
+
 def gguf_config(g: GGUFFile) -> dict:
     """HF-style config.json dict from GGUF metadata."""
     md = g.metadata
@@ -265,7 +274,7 @@ def gguf_config(g: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
-        "torch_dtype": "float32",
+        "torch_dtype": checkpoint_dtype(g),
     }
     if model_type == "llama":
         cfg["mlp_bias"] = False

@@ -199,6 +199,15 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def default_kv_cache_dtype(dtype: str, checkpoint_dtype: str | None) -> str:
+    """The KV cache's dtype when none is asked for: the compute dtype, except that a bfloat16
+    checkpoint (a quantized GGUF counts as one) computed in float32 keeps its K/V in bfloat16, the
+    precision the model has always run at (vLLM's `auto` stores the checkpoint's dtype too). That
+    halves the KV memory and the bytes each decode step reads; matmuls and attention math stay
+    float32."""
+    return "bfloat16" if dtype == "float32" and checkpoint_dtype == "bfloat16" else dtype
+
+
 def kv_memory_budget(kv_cache_memory: int | None, memory_fraction: float, weight_bytes: int) -> int:
     """Bytes for the KV cache: an explicit budget, else a fraction of the device's free memory.
 

@@ -15,6 +15,9 @@ def test_smollm2_costs_match_the_design_notes():
     c512 = rl.model_costs(SMOLLM2, context=512)
     assert c512.flops_attention == 4 * 30 * 9 * 64 * 512
     assert c512.kv_bytes_per_token_ctx == 2 * 30 * 3 * 64 * 512 * 4
+    bf16_kv = rl.model_costs(SMOLLM2, context=512, kv_dtype_bytes=2)  # float32 weights, bfloat16 KV
+    assert bf16_kv.kv_bytes_per_token_ctx == c512.kv_bytes_per_token_ctx / 2
+    assert bf16_kv.weight_bytes == c512.weight_bytes
 
 
 def test_ceilings_take_the_lower_bound():
@@ -27,6 +30,8 @@ def test_ceilings_take_the_lower_bound():
     assert big["matmul_gflops"] == 135.0 and big["bound"] == "compute"
     assert big["compute_tok_s"] == pytest.approx(135e9 / (2 * 134479872), rel=1e-6)
     f = rl.fraction(250.0, SMOLLM2, 64, 0, measured)
+    long_ctx = [rl.ceilings(SMOLLM2, 64, 4096, measured, kv_dtype_bytes=b)["bandwidth_tok_s"] for b in (4, 2)]
+    assert long_ctx[1] > long_ctx[0]  # half the KV bytes per step: a higher bandwidth ceiling
     assert f["fraction_of_roofline"] == pytest.approx(250.0 / big["roofline_tok_s"])
     w = rl.work_fraction(10.0, 1000, 500, SMOLLM2, 64, 0, measured)
     assert 0 < w["fraction_of_compute"] < 1

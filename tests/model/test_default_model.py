@@ -33,6 +33,9 @@ def test_greedy_tokens_match_transformers_gguf_loader(default_llm):
 
     from jaxserve import SamplingParams
 
+    # The default model is a bfloat16 checkpoint (Q4_1 GGUF) computed in float32: its KV cache is
+    # bfloat16 by default, and greedy tokens still match transformers' float32 forward.
+    assert str(default_llm.engine.runner.kv_dtype) == "bfloat16"
     path = default_llm.engine.loaded.path
     ref_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
     outs = default_llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),

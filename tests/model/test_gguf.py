@@ -167,6 +167,7 @@ def test_tiny_models_roundtrip(tmp_path, arch, bias, qk_norm, tied, head_dim):
     assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == 10000.0
     assert cfg["tie_word_embeddings"] is tied and cfg["attention_bias"] is bias
     assert cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+    assert cfg["torch_dtype"] == "float32"  # F32 weights: a float32 checkpoint
     assert set(w) == set(hf)
     for k in hf:
         np.testing.assert_array_equal(w[k], hf[k], err_msg=k)
@@ -224,7 +225,8 @@ def test_default_model_config(smol):
     expect = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
                   rope_theta=100000.0, max_position_embeddings=8192, vocab_size=49152,
-                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                  torch_dtype="bfloat16")  # Q4_1 weights stand for a bfloat16 checkpoint
     assert {k: cfg[k] for k in expect} == expect
     assert "lm_head.weight" not in w and len(w) == 2 + 30 * 9
     assert w["model.embed_tokens.weight"].shape == (49152, 576)
