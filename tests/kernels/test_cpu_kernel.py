@@ -66,16 +66,19 @@ def test_cpu_kernel_matches_reference(case, heads, head_dim, block_size, window,
 
 
 @needs_kernel
-@pytest.mark.parametrize("case,block_size", [("mixed-long", 16), ("chunked", 32), ("mixed-long", 8)])
-def test_cpu_kernel_bfloat16_pages(case, block_size):
-    """bfloat16 KV storage (--kv-cache-dtype bfloat16): widened exactly on load, float32 math."""
+@pytest.mark.parametrize("case,block_size,head_dim", [("mixed-long", 16, 64), ("chunked", 32, 64),
+                                                     ("mixed-long", 8, 64), ("mixed-long", 16, 128)])
+def test_cpu_kernel_bfloat16_pages(case, block_size, head_dim):
+    """bfloat16 KV storage (--kv-cache-dtype bfloat16): widened exactly on load (prefill tiles once
+    per tile, for every group of query vectors), float32 math."""
     q_lens, kv_lens = CASES[case]
     b = make_batch(np.random.default_rng(7), q_lens, kv_lens, num_q_heads=9, num_kv_heads=3, block_size=block_size,
-                   pad_tokens=5)
+                   head_dim=head_dim, pad_tokens=5)
     q, k, v, *md = b.args
     k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-    want = reference.ragged_paged_attention(q, k, v, *md, sm_scale=0.125)  # the oracle widens the pages too
-    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=0.125))(
+    scale = head_dim**-0.5
+    want = reference.ragged_paged_attention(q, k, v, *md, sm_scale=scale)  # the oracle widens the pages too
+    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=scale))(
         q, *cpu_kernels.to_cpu_layout(k, v), *md)
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
 

@@ -230,6 +230,34 @@ inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, flo
   for (int e = 0; e < DV; ++e) acc[e] *= corr;
 }
 
+// A 16-slot tile of one head as float32: float pages are used in place (K rows bs apart),
+// bfloat16 pages are widened into the object's buffers (K rows 16 apart).
+template <int D, typename T>
+struct Widened {
+  alignas(64) float kbuf[D * kW];
+  alignas(64) float vbuf[kW * D];
+  const float* k;
+  const float* v;
+  int64_t k_stride;
+  Widened(const T* kt, const T* vt, int64_t bs) : k(kbuf), v(vbuf), k_stride(kW) {
+    for (int e = 0; e < D; ++e) {
+      const v16 x = LoadU(kt + e * bs);
+      std::memcpy(kbuf + e * kW, &x, sizeof(x));
+    }
+    for (int i = 0; i < kW * D; i += kW) {
+      const v16 x = LoadU(vt + i);
+      std::memcpy(vbuf + i, &x, sizeof(x));
+    }
+  }
+};
+template <int D>
+struct Widened<D, float> {
+  const float* k;
+  const float* v;
+  int64_t k_stride;
+  Widened(const float* kt, const float* vt, int64_t bs) : k(kt), v(vt), k_stride(bs) {}
+};
+
 template <int D, int Q, typename T>
 void TiledItem(const Problem& p, const Item& it) {
   constexpr int DV = D / kW;
@@ -258,6 +286,11 @@ void TiledItem(const Problem& p, const Item& it) {
     for (int64_t h = 0; h < p.hkv; ++h) {
       const T* kt = p.KAt<T>(blk, h, off, 0);  // kt[e * bs + c]: 16 slots of dim e
       const T* vt = p.VAt<T>(blk, h, off, 0);  // vt[c * D + e]
+      // bfloat16 pages: the tile is widened once here, not once per group of Q query vectors.
+      const Widened<D, T> tile(kt, vt, bs);
+      const float* kf = tile.k;
+      const float* vf = tile.v;
+      const int64_t ks = tile.k_stride;
       for (int64_t i0 = h * nqh; i0 < (h + 1) * nqh; i0 += Q) {
         // Visible tile lanes of each vector: [jlo, jhi] (empty when jlo > jhi).
         int64_t jlo[Q], jhi[Q], ulo = kW, uhi = -1;
@@ -270,7 +303,7 @@ void TiledItem(const Problem& p, const Item& it) {
         const float* qf = qs.data() + i0 * D;
         v16 sc[Q] = {};
         for (int e = 0; e < D; ++e) {
-          const v16 kv = LoadU(kt + e * bs);
+          const v16 kv = LoadU(kf + e * ks);
           for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
         }
         float pr[Q][kW];
@@ -288,7 +321,7 @@ void TiledItem(const Problem& p, const Item& it) {
           v16 a[Q];
           for (int q = 0; q < Q; ++q) a[q] = av[q * DV + e];
           for (int64_t c = ulo; c <= uhi; ++c) {
-            const v16 vv = LoadU(vt + c * D + e * kW);
+            const v16 vv = LoadU(vf + c * D + e * kW);
             for (int q = 0; q < Q; ++q) a[q] += pr[q][c] * vv;
           }
           for (int q = 0; q < Q; ++q) av[q * DV + e] = a[q];
