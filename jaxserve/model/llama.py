@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
-from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, packable
+from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, cpu_matmul_gated, packable
 
 
 def real_tokens(md: AttentionMetadata):
@@ -43,26 +43,31 @@ def apply_rope(x, cos, sin):
 class Linear(nn.Module):
     """nn.Dense's parameters ("kernel" [K, N], optional "bias"). With `packed` (the native CPU
     matmul, runtime/cpu_kernels.py), kernels whose N is a multiple of 64 are held as panels
-    [N / 64, K, 64] (`pack_kernel`, done by the runner at load time) and run by `cpu_matmul`."""
+    [N / 64, K, 64] (`pack_kernel`, done by the runner at load time) and run by `cpu_matmul`.
+    `MLP` reads the gate and up kernels directly to run both in one gated call."""
 
+    in_features: int
     features: int
     use_bias: bool
     dtype: Any
     packed: bool = False
 
-    @nn.compact
+    @property
+    def is_packed(self) -> bool:
+        return self.packed and packable((self.in_features, self.features))
+
+    def setup(self):
+        k, n = self.in_features, self.features
+        shape = (n // PANEL, k, PANEL) if self.is_packed else (k, n)
+        self.kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
+        if self.use_bias:
+            self.bias = self.param("bias", nn.initializers.zeros, (n,), self.dtype)
+
     def __call__(self, x, num_rows=None):
         """num_rows (i32[1]): the real (non-padding) rows of x, all that the packed path computes."""
         x = x.astype(self.dtype)
-        shape = (x.shape[-1], self.features)
-        if self.packed and packable(shape):
-            w = self.param("kernel", nn.initializers.lecun_normal(), (self.features // PANEL, shape[0], PANEL), self.dtype)
-            y = cpu_matmul(x, w, num_rows)
-        else:
-            y = jnp.dot(x, self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype))
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
+        y = cpu_matmul(x, self.kernel, num_rows) if self.is_packed else jnp.dot(x, self.kernel)
+        return y + self.bias if self.use_bias else y
 
 
 class Embed(nn.Module):
@@ -99,11 +104,11 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows):
         c = self.cfg
-        dense = lambda n, name, bias: Linear(n, bias, self.dtype, self.packed, name=name)  # noqa: E731
-        t = x.shape[0]
-        q = dense(c.num_heads * c.head_dim, "q_proj", c.attention_bias)(x, rows).reshape(t, c.num_heads, c.head_dim)
-        k = dense(c.num_kv_heads * c.head_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
-        v = dense(c.num_kv_heads * c.head_dim, "v_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
+        dense = lambda k, n, name, bias: Linear(k, n, bias, self.dtype, self.packed, name=name)  # noqa: E731
+        t, q_dim, kv_dim = x.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q = dense(c.hidden_size, q_dim, "q_proj", c.attention_bias)(x, rows).reshape(t, c.num_heads, c.head_dim)
+        k = dense(c.hidden_size, kv_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
+        v = dense(c.hidden_size, kv_dim, "v_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -111,7 +116,7 @@ class Attention(nn.Module):
         o, k_pages, v_pages = self.attn_fn(
             q, k, v, kv[0], kv[1], md, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
         )
-        out = dense(c.hidden_size, "o_proj", False)(o.reshape(t, c.num_heads * c.head_dim), rows)
+        out = dense(q_dim, c.hidden_size, "o_proj", False)(o.reshape(t, q_dim), rows)
         return out, (k_pages, v_pages)
 
 
@@ -134,11 +139,14 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, num_rows=None):
-        dense = lambda n, name: Linear(n, False, self.dtype, self.packed, name=name)  # noqa: E731
-        i = self.cfg.intermediate_size
-        return dense(self.cfg.hidden_size, "down_proj")(
-            nn.silu(dense(i, "gate_proj")(x, num_rows)) * dense(i, "up_proj")(x, num_rows), num_rows
-        )
+        dense = lambda k, n, name: Linear(k, n, False, self.dtype, self.packed, name=name)  # noqa: E731
+        h, i = self.cfg.hidden_size, self.cfg.intermediate_size
+        gate, up = dense(h, i, "gate_proj"), dense(h, i, "up_proj")
+        if gate.is_packed:  # SiLU-and-multiply inside the matmul, on each tile
+            act = cpu_matmul_gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows)
+        else:
+            act = nn.silu(gate(x, num_rows)) * up(x, num_rows)
+        return dense(i, h, "down_proj")(act, num_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -192,5 +200,5 @@ class LlamaForCausalLM(nn.Module):
         if c.tie_word_embeddings:
             logits = embed.attend(x, md.num_seqs)
         else:
-            logits = Linear(c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x, md.num_seqs)
+            logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x, md.num_seqs)
         return logits.astype(jnp.float32), new_caches

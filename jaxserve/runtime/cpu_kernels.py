@@ -29,7 +29,8 @@ from jaxserve.runtime.attention import write_kv, xla_ragged_paged_attention
 
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
-           "jaxserve_matmul": "JaxserveMatmul", "jaxserve_argmax": "JaxserveArgmax"}
+           "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_gated": "JaxserveMatmulGated",
+           "jaxserve_argmax": "JaxserveArgmax"}
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -173,17 +174,33 @@ def native_float32(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and available() is None
 
 
+def _rows(x, num_rows):
+    return jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
+
+
+def _native_matmul(x, *wps) -> bool:
+    return x.ndim == 2 and all(x.dtype == wp.dtype == jnp.float32 for wp in wps) and available() is None
+
+
 def cpu_matmul(x, wp, num_rows=None):
     """`x @ W` for float32 x[M, K] and W packed by `pack_kernel`. Each output row is summed in k
     order with FMAs whatever the batch is, so a row's result does not depend on the other rows.
     With `num_rows` (an int or i32[1]: the step's real tokens) only the first num_rows rows are
     computed and the rest come out zero. Falls back to XLA's dot where the library is missing."""
-    n = wp.shape[0] * PANEL
-    if not (x.dtype == wp.dtype == jnp.float32 and x.ndim == 2 and available() is None):
+    if not _native_matmul(x, wp):
         return x @ unpack_kernel(wp).astype(x.dtype)
-    rows = jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, rows)
+    out = jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, _rows(x, num_rows))
+
+
+def cpu_matmul_gated(x, wp_gate, wp_up, num_rows=None):
+    """`silu(x @ W_gate) * (x @ W_up)` (the gated MLP's first half) in one native call: SiLU and the
+    product are applied to each tile as it is computed. Rows as in `cpu_matmul`."""
+    if not _native_matmul(x, wp_gate, wp_up):
+        return jax.nn.silu(cpu_matmul(x, wp_gate, num_rows)) * cpu_matmul(x, wp_up, num_rows)
+    out = jax.ShapeDtypeStruct((x.shape[0], wp_gate.shape[0] * PANEL), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_matmul_gated", out, vmap_method="sequential")(
+        x, wp_gate, wp_up, _rows(x, num_rows))
 
 
 def argmax_rows(x):

@@ -220,3 +220,23 @@ def test_cpu_matmul_computes_only_the_real_rows():
         n = min(rows, 24)
         np.testing.assert_array_equal(got[:n], full[:n])
         assert not got[n:].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,rows", [(1, 1), (7, 7), (64, 58), (100, 100)])
+def test_cpu_matmul_gated_matches_silu_times_up(m, rows):
+    """silu(x @ W_gate) * (x @ W_up) with the activation applied per tile, against XLA's ops on the
+    same native matmuls; rows stay independent of the batch; padding rows zero."""
+    rng = np.random.default_rng(m + 1)
+    x = jnp.asarray(rng.standard_normal((m, 576)), jnp.float32)
+    # large enough pre-activations to reach both of SiLU's tails
+    wg, wu = (cpu_kernels.pack_kernel(jnp.asarray(rng.standard_normal((576, 1536)) * 0.3, jnp.float32))
+              for _ in range(2))
+    gated = jax.jit(cpu_kernels.cpu_matmul_gated)
+    got = np.asarray(gated(x, wg, wu, rows))
+    mm = jax.jit(cpu_kernels.cpu_matmul)
+    want = np.asarray(jax.nn.silu(mm(x, wg, rows)) * mm(x, wu, rows))
+    np.testing.assert_allclose(got[:rows], want[:rows], rtol=2e-6, atol=2e-6)
+    assert not got[rows:].any()
+    if rows > 3:
+        np.testing.assert_array_equal(np.asarray(gated(x[2:4], wg, wu)), got[2:4])

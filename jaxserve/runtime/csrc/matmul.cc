@@ -1,6 +1,10 @@
-// The model's linear layers on XLA:CPU as an XLA FFI custom call: y[M, N] = x[M, K] @ W[K, N],
-// float32, with W stored once, at load time, as 64-column panels: w[N / 64, K, 64]
-// (cpu_kernels.pack_kernel).
+// The model's linear layers on XLA:CPU as XLA FFI custom calls, float32, with every weight W[K, N]
+// stored once, at load time, as 64-column panels: w[N / 64, K, 64] (cpu_kernels.pack_kernel).
+//
+//   jaxserve_matmul:       y[M, N] = x[M, K] @ W
+//   jaxserve_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up), the MLP's gate and up
+//                          projections with SiLU-and-multiply applied to each 6 x 64 tile as it is
+//                          computed (one call, no [M, N] intermediates, no separate elementwise pass)
 //
 // Why: at the batch sizes of decoding (1-64 rows) XLA:CPU's dot repacks the weight matrix on
 // every call and reaches 70-170 GFLOP/s here; reading pre-packed panels this reaches 130-200
@@ -16,23 +20,19 @@
 #include <cstring>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using v16 = float __attribute__((vector_size(64)));
-constexpr int kW = 16;       // floats per vector
+using jaxserve::kW;
+using jaxserve::LoadU;
+using jaxserve::v16;
 constexpr int kPanel = 64;   // columns per work item panel (4 vectors)
 constexpr int kMR = 6;       // rows per micro-kernel call
 constexpr int kRowChunk = 48;  // rows per work item (a multiple of kMR)
-
-inline v16 LoadU(const float* src) {
-  v16 x;
-  std::memcpy(&x, src, sizeof(x));
-  return x;
-}
 
 // y[0:MR, 0:64] = x[0:MR, :] @ panel[K, 64]; rows of x are K apart, rows of y N apart.
 template <int MR>
@@ -52,41 +52,92 @@ void Kernel(const float* x, const float* w, float* y, int64_t k_len, int64_t n) 
     for (int v = 0; v < NV; ++v) std::memcpy(y + r * n + v * kW, &c[r][v], sizeof(v16));
 }
 
-void Rows(const float* x, const float* w, float* y, int64_t rows, int64_t k_len, int64_t n) {
-  int64_t r = 0;
-  for (; r + kMR <= rows; r += kMR) Kernel<kMR>(x + r * k_len, w, y + r * n, k_len, n);
-  const float* xr = x + r * k_len;
-  float* yr = y + r * n;
-  switch (rows - r) {
-    case 1: return Kernel<1>(xr, w, yr, k_len, n);
-    case 2: return Kernel<2>(xr, w, yr, k_len, n);
-    case 3: return Kernel<3>(xr, w, yr, k_len, n);
-    case 4: return Kernel<4>(xr, w, yr, k_len, n);
-    case 5: return Kernel<5>(xr, w, yr, k_len, n);
+// Kernel<MR> for any 0 < MR <= kMR.
+inline void Tile(int64_t mr, const float* x, const float* w, float* y, int64_t k_len, int64_t n) {
+  switch (mr) {
+    case 1: return Kernel<1>(x, w, y, k_len, n);
+    case 2: return Kernel<2>(x, w, y, k_len, n);
+    case 3: return Kernel<3>(x, w, y, k_len, n);
+    case 4: return Kernel<4>(x, w, y, k_len, n);
+    case 5: return Kernel<5>(x, w, y, k_len, n);
+    case 6: return Kernel<6>(x, w, y, k_len, n);
     default: return;
   }
 }
+static_assert(kMR == 6, "Tile covers MR = 1..6");
 
-// Only the first rows[0] rows of x are computed (the step's real tokens); the padding rows of y
-// are zero.
+// y[0:rows, 0:64] = x[0:rows, :] @ panel; rows of x are K apart, rows of y N apart.
+void Rows(const float* x, const float* w, float* y, int64_t rows, int64_t k_len, int64_t n) {
+  for (int64_t r = 0; r < rows; r += kMR) Tile(std::min<int64_t>(kMR, rows - r), x + r * k_len, w, y + r * n, k_len, n);
+}
+
+// y[0:rows, 0:64] = silu(x @ gate panel) * (x @ up panel), a 6 x 64 tile at a time.
+void GatedRows(const float* x, const float* wg, const float* wu, float* y, int64_t rows, int64_t k_len, int64_t n) {
+  alignas(64) float g[kMR * kPanel], u[kMR * kPanel];
+  for (int64_t r = 0; r < rows; r += kMR) {
+    const int64_t mr = std::min<int64_t>(kMR, rows - r);
+    Tile(mr, x + r * k_len, wg, g, k_len, kPanel);
+    Tile(mr, x + r * k_len, wu, u, k_len, kPanel);
+    for (int64_t i = 0; i < mr; ++i)
+      for (int v = 0; v < kPanel; v += kW) {
+        const v16 gv = LoadU(g + i * kPanel + v), uv = LoadU(u + i * kPanel + v);
+        const v16 out = gv * uv / (1.0f + jaxserve::Exp(-gv));  // silu(g) * u = g * sigmoid(g) * u
+        std::memcpy(y + (r + i) * n + v, &out, sizeof(out));
+      }
+  }
+}
+
+// One call's work: y[M, N] from x[M, K] and one packed weight w (gated: w and w_up, alike).
+// Work item = (row chunk, panel), panels fastest: the threads share x's rows and split the
+// weights. Only the first `m` rows of x are computed (the step's real tokens); the padding rows of
+// y are zero.
+struct Call {
+  const float* x;
+  int64_t m, m_padded, k_len, panels;
+  const float* w;
+  const float* w_up;  // gated only
+  float* y;
+};
+
+void Run(ffi::ThreadPool& pool, const Call& c) {
+  const int64_t n = c.panels * kPanel, chunks = (c.m + kRowChunk - 1) / kRowChunk, wsize = c.k_len * kPanel;
+  std::memset(c.y + c.m * n, 0, (c.m_padded - c.m) * n * sizeof(float));
+  jaxserve::ParallelFor(pool, c.panels * chunks, [&](int64_t i) {
+    const int64_t panel = i % c.panels, r0 = (i / c.panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, c.m - r0);
+    const float* x = c.x + r0 * c.k_len;
+    float* y = c.y + r0 * n + panel * kPanel;
+    if (c.w_up)
+      GatedRows(x, c.w + panel * wsize, c.w_up + panel * wsize, y, rows, c.k_len, n);
+    else
+      Rows(x, c.w + panel * wsize, y, rows, c.k_len, n);
+  });
+}
+
+// w's panel count if it is x[M, K]'s packed weight [N / 64, K, 64], else -1.
+int64_t Panels(ffi::Buffer<ffi::F32> w, int64_t k_len) {
+  const auto wd = w.dimensions();
+  return wd.size() == 3 && wd[1] == k_len && wd[2] == kPanel ? wd[0] : -1;
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] != kPanel || rows.element_count() != 1)
+  const auto xd = x.dimensions();
+  const int64_t panels = xd.size() == 2 ? Panels(w, xd[1]) : -1;
+  if (panels < 0 || rows.element_count() != 1)
     return ffi::Error::InvalidArgument("matmul: expected x[M, K], packed w[N / 64, K, 64] and rows[1]");
-  const int64_t k_len = xd[1], panels = wd[0], n = panels * kPanel;
-  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  std::memset(yp + m * n, 0, (xd[0] - m) * n * sizeof(float));
-  const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
-  // Work item = (row chunk, panel), panels fastest: threads share x's rows and split w.
-  jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
-    const int64_t panel = i % panels, r0 = (i / panels) * kRowChunk;
-    Rows(xp + r0 * k_len, wp + panel * k_len * kPanel, yp + r0 * n + panel * kPanel,
-         std::min<int64_t>(kRowChunk, m - r0), k_len, n);
-  });
+  Run(pool, {x.typed_data(), std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), xd[0], xd[1], panels,
+             w.typed_data(), nullptr, y->typed_data()});
+  return ffi::Error::Success();
+}
+
+ffi::Error GatedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_gate,
+                       ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const int64_t panels = xd.size() == 2 ? Panels(w_gate, xd[1]) : -1;
+  if (panels < 0 || Panels(w_up, xd[1]) != panels || rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("gated matmul: expected x[M, K], two packed w[N / 64, K, 64] alike, rows[1]");
+  Run(pool, {x.typed_data(), std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]), xd[0], xd[1], panels,
+             w_gate.typed_data(), w_up.typed_data(), y->typed_data()});
   return ffi::Error::Success();
 }
 
@@ -97,5 +148,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w[N / 64, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y[M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGated, GatedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate[N / 64, K, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up[N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y[M, N]

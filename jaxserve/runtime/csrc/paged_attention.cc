@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -152,8 +153,10 @@ void GenericItem(const Problem& p, const Item& it) {
 // The fast path: block_size % 16 == 0 and head_dim D a multiple of 16. Query vectors go Q at a
 // time against 16-slot tiles, so each K/V vector loaded from the cache serves Q of them and the
 // Q accumulations are independent (no FMA latency chains).
-using v16 = float __attribute__((vector_size(64)));  // naturally 64-byte aligned
-constexpr int kW = 16;  // slots per tile = floats per v16
+using jaxserve::Exp;
+using jaxserve::kW;  // slots per tile = floats per v16
+using jaxserve::LoadU;
+using jaxserve::v16;
 
 // Lane reductions as shuffle trees (4 steps for 16 lanes).
 template <typename F>
@@ -168,11 +171,6 @@ inline float Reduce(v16 x, F op) {
 inline float HSum(v16 x) { return Reduce(x, [](v16 a, v16 b) { return a + b; }); }
 inline float HMax(v16 x) { return Reduce(x, [](v16 a, v16 b) { return a > b ? a : b; }); }
 
-inline v16 LoadU(const float* src) {
-  v16 x;
-  std::memcpy(&x, src, sizeof(x));
-  return x;
-}
 inline v16 LoadU(const Bf16* src) {
   using u16x16 = uint16_t __attribute__((vector_size(32)));
   using u32x16 = uint32_t __attribute__((vector_size(64)));
@@ -182,30 +180,6 @@ inline v16 LoadU(const Bf16* src) {
   v16 x;
   std::memcpy(&x, &w, sizeof(x));
   return x;
-}
-
-// exp of 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
-// (relative error < 2e-7, about glibc's expf). Inputs below -87 give ~1e-38 instead of 0 (callers
-// only use such lanes as negligible weights or mask them). glibc's scalar expf, called 16 times per
-// tile, cost more than the tile's FMAs.
-inline v16 Exp(v16 x) {
-  using i16 = int32_t __attribute__((vector_size(64)));
-  x = x < -87.0f ? v16{} - 87.0f : x;
-  x = x > 88.0f ? v16{} + 88.0f : x;
-  // Round x / ln2 to nearest via a positive truncation (fast-math would fold a magic-number trick).
-  const i16 n = __builtin_convertvector(x * 1.44269504f + 128.5f, i16) - 128;
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
-  v16 y = r * (1.0f / 720) + 1.0f / 120;
-  y = y * r + 1.0f / 24;
-  y = y * r + 1.0f / 6;
-  y = y * r + 0.5f;
-  y = y * r + 1.0f;
-  y = y * r + 1.0f;
-  const i16 bits = (n + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
 }
 
 // One online-softmax step of a query vector over a 16-slot tile whose visible lanes are

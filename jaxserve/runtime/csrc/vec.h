@@ -1,0 +1,42 @@
+// 16-lane float32 vectors (one AVX-512 register) shared by the native kernels.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace jaxserve {
+
+using v16 = float __attribute__((vector_size(64)));  // naturally 64-byte aligned
+constexpr int kW = 16;  // floats per v16
+
+inline v16 LoadU(const float* src) {
+  v16 x;
+  std::memcpy(&x, src, sizeof(x));
+  return x;
+}
+
+// exp of 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
+// (relative error < 2e-7, about glibc's expf). Inputs below -87 give ~1e-38 instead of 0, above 88
+// give ~1.6e38 instead of inf (callers only use such lanes as negligible weights, mask them, or
+// divide by them). glibc's scalar expf, called once per lane, costs more than a tile's FMAs.
+inline v16 Exp(v16 x) {
+  using i16 = int32_t __attribute__((vector_size(64)));
+  x = x < -87.0f ? v16{} - 87.0f : x;
+  x = x > 88.0f ? v16{} + 88.0f : x;
+  // Round x / ln2 to nearest via a positive truncation (fast-math would fold a magic-number trick).
+  const i16 n = __builtin_convertvector(x * 1.44269504f + 128.5f, i16) - 128;
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = (x - nf * 0.693145752f) - nf * 1.42860677e-6f;
+  v16 y = r * (1.0f / 720) + 1.0f / 120;
+  y = y * r + 1.0f / 24;
+  y = y * r + 1.0f / 6;
+  y = y * r + 0.5f;
+  y = y * r + 1.0f;
+  y = y * r + 1.0f;
+  const i16 bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+}  // namespace jaxserve
