@@ -1,5 +1,6 @@
 """Native CPU kernels as XLA FFI custom calls: the `cpu` attention backend (KV write and ragged
-paged attention), the float32 matmul of the model's linear layers, and greedy sampling's argmax.
+paged attention), the float32 matmul of the model's linear layers (and the MLP's gated pair of
+them), and greedy sampling's argmax.
 
 The C++ sources (`csrc/*.cc`) are compiled on first use with the system C++ compiler (`$CXX`,
 else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's CPU
