@@ -67,7 +67,8 @@ def test_cpu_kernel_matches_reference(case, heads, head_dim, block_size, window,
 
 @needs_kernel
 @pytest.mark.parametrize("case,block_size,head_dim", [("mixed-long", 16, 64), ("chunked", 32, 64),
-                                                     ("mixed-long", 8, 64), ("mixed-long", 16, 128)])
+                                                     ("mixed-long", 8, 64), ("mixed-long", 16, 128),
+                                                     ("chunked", 16, 256)])
 def test_cpu_kernel_bfloat16_pages(case, block_size, head_dim):
     """bfloat16 KV storage (--kv-cache-dtype bfloat16): widened exactly on load (prefill tiles once
     per tile, for every group of query vectors), float32 math."""
