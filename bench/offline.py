@@ -285,8 +285,7 @@ def main(argv=None) -> int:
             hf_res["ratio"]["single_decode_jaxserve_over_hf"] = (
                 single["decode_tok_s"] / hf_res["single_decode"]["decode_tok_s"])
 
-    args.kv_cache_dtype = str(kv_dtype)
-    _print(results, single, hf, args)
+    _print(results, single, hf, args, str(kv_dtype))
     common.report("offline", argv, model=common.model_info(path, cfg),
                   config={**{k: v for k, v in vars(args).items()}, "dtype": dtype, "kv_cache_dtype": str(kv_dtype),
                           "workloads": names,
@@ -297,7 +296,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _print(results: dict, single, hf, args) -> None:
+def _print(results: dict, single, hf, args, kv_dtype: str) -> None:
     rows = []
     for name, r in results.items():
         frac = r.get("roofline", {})
@@ -308,7 +307,7 @@ def _print(results: dict, single, hf, args) -> None:
     print(common.table(rows, ("workload", "reqs", "prompt tok", "output tok", "wall s", "out tok/s", "total tok/s",
                               "compile s", "hit blocks", "preempt", "% roofline", "% compute"),
                        f"jaxserve offline (max_num_seqs={args.max_num_seqs}, "
-                       f"max_num_batched_tokens={args.max_num_batched_tokens}, KV {args.kv_cache_dtype})"))
+                       f"max_num_batched_tokens={args.max_num_batched_tokens}, KV {kv_dtype})"))
     print("  % roofline: output tok/s / min(compute, bandwidth) ceiling at that batch and mean context;"
           " % compute: ideal FLOP time / wall time (prompt + output tokens)")
     for name, r in results.items():

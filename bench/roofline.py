@@ -208,11 +208,10 @@ def main(argv=None) -> int:
 
     path = resolve_model_path(args.model)
     cfg = config_only(path)
-    from jaxserve.runtime.runner import default_kv_cache_dtype
+    from jaxserve.runtime.runner import default_kv_cache_dtype, dtype_size
 
     args.kv_cache_dtype = args.kv_cache_dtype or default_kv_cache_dtype(args.dtype, cfg.checkpoint_dtype)
-    dbytes = 4 if args.dtype == "float32" else 2
-    kvbytes = 4 if args.kv_cache_dtype == "float32" else 2
+    dbytes, kvbytes = dtype_size(args.dtype), dtype_size(args.kv_cache_dtype)
     measured = measure(cfg, batches, args.dtype, args.quick)
     costs = model_costs(cfg, args.context, dbytes, kvbytes)
 

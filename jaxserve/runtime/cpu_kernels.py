@@ -180,7 +180,7 @@ def _rows(x, num_rows):
 
 
 def _native_matmul(x, *wps) -> bool:
-    return x.ndim == 2 and all(x.dtype == wp.dtype == jnp.float32 for wp in wps) and available() is None
+    return x.ndim == 2 and all(wp.dtype == x.dtype for wp in wps) and native_float32(x.dtype)
 
 
 def cpu_matmul(x, wp, num_rows=None):
