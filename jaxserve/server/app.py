@@ -202,6 +202,13 @@ async def drain(app: Starlette, timeout: float) -> None:
         aengine.abort_all()
 
 
+# Idle keep-alive connections stay open this long. uvicorn's default (5 s) equals httpx's pool
+# expiry (the openai client's), so a client could reuse a pooled connection just as the server
+# closed it ("Server disconnected without sending a response"); outliving the client's expiry
+# leaves closing idle connections to the client.
+KEEP_ALIVE_S = 65
+
+
 class _Server(uvicorn.Server):
     """uvicorn, but the first SIGTERM/SIGINT drains before exiting; a second one exits at once."""
 
@@ -267,6 +274,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=cfg.log_level,
         lifespan="on",
         timeout_graceful_shutdown=max(cfg.shutdown_timeout, 1.0),
+        timeout_keep_alive=KEEP_ALIVE_S,
         access_log=False,
     )
     server = _Server(config, app, url, engine.kv_capacity_tokens)

@@ -21,7 +21,7 @@ def bench_server(tiny_model):
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
-    from jaxserve.server.app import build_app
+    from jaxserve.server.app import KEEP_ALIVE_S, build_app
     from jaxserve.server.config import ServerConfig
 
     with socket.socket() as s:
@@ -30,7 +30,8 @@ def bench_server(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model("llama"), precompile=False, **ENGINE))
     engine.precompile()
     app = build_app(engine, ServerConfig(port=port))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -32,7 +32,7 @@ class ServerThread:
     def __init__(self, model_dir, engine_kw: dict | None = None, **server_kw):
         from jaxserve.config import EngineConfig
         from jaxserve.engine import LLMEngine
-        from jaxserve.server.app import build_app
+        from jaxserve.server.app import KEEP_ALIVE_S, build_app
         from jaxserve.server.config import ServerConfig
 
         self.engine = LLMEngine(
@@ -45,7 +45,8 @@ class ServerThread:
         self.model = self.app.state.serving.model_names[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                           timeout_keep_alive=KEEP_ALIVE_S)
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
