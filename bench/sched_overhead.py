@@ -39,12 +39,14 @@ def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radi
         new()
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
         out = sched.schedule()  # warm-up: prefill everyone
-        sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled})
+        sched.dispatched(out)
+    sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled})
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: rng.randrange(32000) for s in out.scheduled})
+        sched.dispatched(out)
+    sched.update_from_output(out, {s.request.request_id: rng.randrange(32000) for s in out.scheduled})
         times.append(time.perf_counter() - t0)
         for s in out.scheduled:  # keep the population at N: replace finished ones (not timed)
             r = s.request

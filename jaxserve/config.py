@@ -35,6 +35,7 @@ class EngineConfig:
     compilation_cache: bool = True
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     tensor_parallel_size: int = 1
+    async_scheduling: bool = True  # dispatch step n+1 before reading step n's tokens (overlap)
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
+from .batch import PENDING
 from .request import Request, RequestStatus
 
 PREFIX_CACHES = ("radix", "hash", "off")
@@ -222,6 +223,8 @@ class Scheduler:
             if req.status != running or req.request_id in skip:
                 continue  # preempted earlier in this loop, or admitted this step already
             num_tokens = len(req.token_ids)
+            if req.reached_length or num_tokens >= self.config.max_model_len:
+                continue  # its last token is in flight: it ends when that lands
             num_new = min(num_tokens - req.num_computed_tokens, budget[0])
             if num_new <= 0:
                 continue  # waiting for the engine to append its sampled token
@@ -326,19 +329,43 @@ class Scheduler:
         self.finish_request(req, RequestStatus.FINISHED_LENGTH)
         out.finished.append(req)
 
-    # ---- after the step -----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+    # ---- after the step ---------------------------------------------------------------------
+    def dispatched(self, out: SchedulerOutput) -> None:
+        """The step's batch is built and on its way: its tokens count as computed, and each row
+        that samples holds a PENDING token until `update_from_output` brings the real one. The
+        next step can be scheduled at once (overlap)."""
         for s in out.scheduled:
             req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # finished or aborted since
-            assert req.num_computed_tokens == s.start, "update_from_output applied twice?"
+            assert req.num_computed_tokens == s.start, "dispatched() applied twice?"
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(req)
             if s.samples:
+                req.append_token(PENDING)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, RequestStatus, int | None]]:
+        """A dispatched step's sampled tokens land: each replaces its PENDING placeholder, newly
+        full blocks are cached, and token-level stops (EOS, stop ids, max_tokens,
+        max_model_len) finish requests here. Returns (request, status, stop_reason) of those."""
+        finished = []
+        max_len = self.config.max_model_len
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue  # aborted, or stopped by a token of an earlier step
+            if s.samples:
+                index = s.num_tokens  # where dispatched() put the placeholder
                 tok = sampled.get(req.request_id)
-                if tok is not None:
-                    req.append_token(tok)
+                if tok is None:
+                    continue
+                req.token_ids[index] = tok
+            if req.status == RequestStatus.RUNNING:
+                self.kv.commit(req)
+            if s.samples:
+                stop = req.stop_for(index, max_len)
+                if stop is not None:
+                    del req.token_ids[index + 1:]  # a token sampled after the stop never counts
+                    self.finish_request(req, stop[0])
+                    finished.append((req, *stop))
+        return finished
 
     # ---- numbers ------------------------------------------------------------------------------
     def stats(self) -> dict:
