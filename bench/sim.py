@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.workloads import WORKLOADS, WorkItem
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import Request
 from jaxserve.core.scheduler import ADMISSIONS, Scheduler, SchedulerConfig
 
 

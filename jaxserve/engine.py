@@ -9,6 +9,7 @@ the prompt's cached blocks.
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import dataclasses
 import logging
 import random
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.core.batch import BucketKey, RowSpec, Sampling
@@ -102,20 +103,7 @@ class LLMEngine:
             ),
         )
         self.loaded.params = None  # host copy no longer needed
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=self.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                prefix_cache=config.prefix_cache,
-                eviction=config.eviction,
-                policy=config.schedule,
-                prefill_first=config.prefill_first,
-                admission=config.admission,
-            )
-        )
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=self.max_model_len))
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
@@ -139,9 +127,9 @@ class LLMEngine:
                                           self.config.tensor_parallel_size)  # per device
         blocks = budget // per_block
         if blocks < 2:
-            raise ValueError(
+            raise UserError(
                 f"The KV cache budget of {budget / 2**20:.1f} MiB holds no block of {per_block / 2**20:.2f} MiB: "
-                "raise --kv-cache-memory or --memory-fraction."
+                "raise --kv-cache-memory or --gpu-memory-utilization."
             )
         return int(blocks)
 
@@ -163,16 +151,16 @@ class LLMEngine:
         """Queue a request. Raises ValueError (a message for the user) if it can never run."""
         params = params or SamplingParams()
         if request_id in self._groups:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+            raise UserError(f"Request id {request_id!r} is already in use.")
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
-                raise ValueError("The prompt must be a string or a list of token ids.")
+                raise UserError("The prompt must be a string or a list of token ids.")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
         for t in params.stop_token_ids + list((params.logit_bias or {}).keys()):
             if t >= self.model_config.vocab_size:
-                raise ValueError(f"Token id {t} is outside the vocabulary (size {self.model_config.vocab_size}).")
+                raise UserError(f"Token id {t} is outside the vocabulary (size {self.model_config.vocab_size}).")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
@@ -202,13 +190,13 @@ class LLMEngine:
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise ValueError("The prompt is empty: send at least one token.")
+            raise UserError("The prompt is empty: send at least one token.")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"Prompt token id {bad} is outside the vocabulary (0..{vocab - 1}).")
+            raise UserError(f"Prompt token id {bad} is outside the vocabulary (0..{vocab - 1}).")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise UserError(
                 f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "shorten the prompt or start the engine with a larger --max-model-len."
             )

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.errors import UserError
+
+from .batch import PENDING
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
-from .batch import PENDING
 from .request import Request, RequestStatus
 
 PREFIX_CACHES = ("radix", "hash", "off")
@@ -63,7 +65,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, fix: str) -> None:
             if not ok:
-                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {fix}")
+                raise UserError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {fix}")
 
         need(self.num_blocks >= 2, "num_blocks", "need at least 2 (block 0 is the reserved null block)")
         need(self.block_size >= 1, "block_size", "must be a positive number of tokens, e.g. 16")
@@ -140,18 +142,18 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         cfg = self.config
         if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+            raise UserError(f"request id {req.request_id!r} is already in the scheduler")
         if req.num_tokens < 1:
-            raise ValueError(f"request {req.request_id!r} has an empty prompt; send at least one token")
+            raise UserError(f"request {req.request_id!r} has an empty prompt; send at least one token")
         if req.num_tokens >= cfg.max_model_len:
-            raise ValueError(
+            raise UserError(
                 f"request {req.request_id!r}: the prompt has {req.num_tokens} tokens but max_model_len "
                 f"is {cfg.max_model_len}, which must leave room for at least one generated token; "
                 "shorten the prompt or raise max_model_len"
             )
         capacity = cfg.num_blocks - 1
         if cdiv(req.num_tokens + 1, cfg.block_size) > capacity:
-            raise ValueError(
+            raise UserError(
                 f"request {req.request_id!r}: {req.num_tokens} prompt tokens need "
                 f"{cdiv(req.num_tokens + 1, cfg.block_size)} KV blocks but the whole cache has "
                 f"{capacity} ({capacity * cfg.block_size} tokens); shorten the prompt or give the "
