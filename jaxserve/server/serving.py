@@ -1,26 +1,79 @@
-"""The OpenAI endpoints that generate: /v1/completions and /v1/chat/completions.
+"""The OpenAI endpoints that generate: /v1/completions, /v1/chat/completions and /invocations.
 
-Both follow one path: parse -> prompts to token ids -> SamplingParams -> admit (503 draining,
-429 queue full) -> one engine request per prompt on one RequestStream -> SSE chunks or one JSON
-body. They differ only in how a prompt is built and how a choice is shaped, which `Kind` holds.
+Both follow one path: read (415 wrong type, 413 too big) -> parse -> prompts to token ids, off the
+event loop with a time bound -> SamplingParams -> admit (503 draining, 429 queue full, 400 too many
+sequences) -> one engine request per prompt on one RequestStream -> SSE chunks or one JSON body.
+They differ only in how a prompt is built and how a choice is shaped, which `Kind` holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.errors import APIError, bad_request, from_value_error
+from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.offload import run_bounded
 from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
 from jaxserve.server.streaming import EventStream, until_disconnect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# apply_chat_template's own arguments: the server sets them, a request may not.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "conversation",
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "documents",
+    }
+)
+
+SHUTTING_DOWN = "The server is shutting down: retry on another instance."
+
+
+@contextlib.contextmanager
+def engine_input(param: str) -> Iterator[None]:
+    """The one place where a plain ValueError from the engine means bad input (a 400 naming param).
+
+    TODO(lead): once engine.add_request / validate_prompt raise UserError(param=...), drop this.
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def served_names(model: str, cfg: ServerConfig) -> list[str]:
+    """The names /v1/models shows: --served-model-name, else the model's, never a local path."""
+    if cfg.served_model_names:
+        return list(cfg.served_model_names)
+    return [os.path.basename(model.rstrip("/\\")) or model]
+
+
+def shutting_down() -> APIError:
+    return APIError(503, SHUTTING_DOWN, code="shutting_down")
 
 
 class OpenAIServing:
@@ -29,17 +82,32 @@ class OpenAIServing:
         self.cfg = cfg
         self.tok = tokenizer  # this thread's own copy: the engine thread uses the engine's
         self.max_model_len = engine.max_model_len
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.vocab_size = engine.model_config.vocab_size
         self.validate_prompt: Callable[[list[int]], None] = (
             engine.validate_prompt
         )  # pure: reads only limits
         self.defaults = dict(engine.loaded.generation_defaults)
-        self.model_names = list(cfg.served_model_names or [engine.loaded.name])
+        self.model_names = served_names(engine.loaded.name, cfg)
+        # Clients may also send the --model argument itself (vLLM's default name), path or not.
+        self.accepted_names = {*self.model_names, engine.loaded.name}
         self.draining = False
         self.tokens = TokenTexts(tokenizer)
+        # No token covers more characters than the longest vocabulary piece, so a text longer
+        # than max_model_len * that is too long without tokenizing it.
+        longest = max((len(p) for p in tokenizer.hf.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
 
     # ---- shared checks ---------------------------------------------------------------------------
-    async def read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request, *, json_only: bool = True) -> bytes:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if json_only and ctype != "application/json":
+            raise APIError(
+                415,
+                f"Unsupported Content-Type {ctype[:60] or '(none)'!r}: send the body as JSON "
+                "with 'Content-Type: application/json'.",
+                code="unsupported_media_type",
+            )
         limit = self.cfg.max_body_bytes
         too_big = APIError(
             413,
@@ -60,7 +128,7 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> str:
         if name in (None, ""):
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.accepted_names:
             raise APIError(
                 404,
                 f"The model {name[:100]!r} does not exist: this server serves "
@@ -70,11 +138,35 @@ class OpenAIServing:
             )
         return name
 
-    def admit(self, num_requests: int) -> None:
-        if self.draining:
-            raise APIError(
-                503, "The server is shutting down: retry on another instance.", code="shutting_down"
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """vLLM's wording ('... out of vocabulary'), which clients match on."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"Token id {bad} in '{param}' is out of vocabulary (valid ids: "
+                f"0..{self.vocab_size - 1}).",
+                param,
             )
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt has {num_chars} characters, more than this model's maximum context "
+                f"length of {self.max_model_len} tokens can hold: shorten it.",
+                param,
+                code="context_length_exceeded",
+            )
+
+    def admit(self, num_seqs: int, num_requests: int) -> None:
+        if num_seqs > self.cfg.max_seqs_per_request:
+            raise bad_request(
+                f"The request asks for {num_seqs} sequences (prompts x n), more than this "
+                f"server's limit of {self.cfg.max_seqs_per_request}: split it or lower 'n'.",
+                "n",
+                code="too_many_sequences",
+            )
+        if self.draining:
+            raise shutting_down()
         reason = self.aengine.health()
         if reason is not None:
             raise APIError(503, reason, code="engine_unavailable")
@@ -88,26 +180,57 @@ class OpenAIServing:
             )
 
     def check_lengths(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
+        prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
         for p in prompts:
-            try:
+            if not p.ids:
+                raise bad_request("The prompt is empty: send at least one token.", prompt_param)
+            self.check_token_ids(p.ids, prompt_param)
+            with engine_input(prompt_param):
                 self.validate_prompt(p.ids)
-            except ValueError as e:
-                raise from_value_error(
-                    e, default_param="messages" if param == "max_completion_tokens" else "prompt"
-                )
-            if max_tokens is not None and len(p.ids) + max_tokens > self.max_model_len:
+            if max_tokens is None:
+                continue
+            total = len(p.ids) + max_tokens
+            if total > self.max_model_len:
                 raise bad_request(
-                    f"This model's maximum context length is {self.max_model_len} tokens, but {len(p.ids) + max_tokens} "
-                    f"were requested ({len(p.ids)} in the prompt, {max_tokens} to generate): "
+                    f"This model's maximum context length is {self.max_model_len} tokens, but "
+                    f"{total} were requested ({len(p.ids)} in the prompt, {max_tokens} to "
+                    f"generate): shorten the prompt or lower '{param}'.",
+                    param,
+                    code="context_length_exceeded",
+                )
+            if total > self.kv_capacity_tokens:  # it could never finish: not a retry-later
+                raise bad_request(
+                    f"{total} tokens ({len(p.ids)} in the prompt, {max_tokens} to generate) do "
+                    f"not fit this server's whole KV cache of {self.kv_capacity_tokens} tokens: "
                     f"shorten the prompt or lower '{param}'.",
                     param,
                     code="context_length_exceeded",
                 )
 
+    def truncate(self, ids: list[int], req: P._SamplingRequest) -> list[int]:
+        k = req.truncate_prompt_tokens
+        if k is None or len(ids) <= max(k, 0):
+            return ids
+        if k == -1:
+            k = self.max_model_len - 1
+        if k == 0:
+            return []
+        return ids[-k:] if req.truncation_side == "left" else ids[:k]
+
+    async def encode(self, text: str, param: str, truncating: bool) -> list[int]:
+        if not truncating:
+            self.check_chars(len(text), param)
+        return await run_bounded(
+            lambda: self.tok.encode(text), self.cfg.render_timeout, "Tokenizing the prompt", param
+        )
+
     # ---- /v1/completions -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = P.parse(P.CompletionRequest, await self.read_body(request))
-        req.check_stream_options()
+        return await self._completions(request, await self.read_body(request))
+
+    async def _completions(self, request: Request, body: bytes) -> Response:
+        req = P.parse(P.CompletionRequest, body)
+        req.check()
         model = self.check_model(req.model)
         if req.suffix:
             raise bad_request("'suffix' is not supported.", "suffix")
@@ -119,9 +242,15 @@ class OpenAIServing:
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
-        prompts = [
-            Prompt(self.tok.encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in raw
-        ]
+        self.admit(len(raw) * req.n, len(raw))
+        truncating = req.truncate_prompt_tokens is not None
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                ids = await self.encode(p, "prompt", truncating)
+                prompts.append(Prompt(self.truncate(ids, req), None if truncating else p))
+            else:
+                prompts.append(Prompt(self.truncate(list(p), req)))
         self.check_lengths(prompts, req.max_tokens, "max_tokens")
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -130,23 +259,26 @@ class OpenAIServing:
                 self.max_model_len - max(len(p.ids) for p in prompts),
             )
         kind = Kind("text_completion", "text_completion", "cmpl", req, prompts, echo=req.echo)
-        params = P.to_sampling_params(
-            req,
-            defaults=self.defaults,
-            max_tokens=max_tokens,
-            logprobs=req.logprobs,
-            vocab_size=self.vocab_size,
-            aliases={},
-        )
+        params = self.sampling_params(req, max_tokens, req.logprobs, {})
         return await self._generate(request, kind, params, model)
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        req = P.parse(P.ChatCompletionRequest, await self.read_body(request))
-        req.check_stream_options()
+        return await self._chat(request, await self.read_body(request))
+
+    async def _chat(self, request: Request, body: bytes) -> Response:
+        req = P.parse(P.ChatCompletionRequest, body)
+        req.check()
         model = self.check_model(req.model)
-        ids = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-        prompts = [Prompt(ids)]
+        self.admit(req.n, 1)
+        ids = await self.render_chat(
+            req.messages,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            chat_template=req.chat_template,
+            continue_final_message=req.continue_final_message,
+        )
+        prompts = [Prompt(self.truncate(ids, req))]
         max_param = (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         )
@@ -165,67 +297,132 @@ class OpenAIServing:
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
         )
-        params = P.to_sampling_params(
+        params = self.sampling_params(req, max_tokens, logprobs, kind.aliases)
+        return await self._generate(request, kind, params, model)
+
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None, aliases: dict):
+        for name in ("logit_bias", "stop_token_ids"):
+            self.check_token_ids([int(t) for t in getattr(req, name) or ()], name)
+        return P.to_sampling_params(
             req,
             defaults=self.defaults,
             max_tokens=max_tokens,
             logprobs=logprobs,
             vocab_size=self.vocab_size,
-            aliases=kind.aliases,
+            aliases=aliases,
         )
-        return await self._generate(request, kind, params, model)
 
-    def render_chat(
+    # ---- /invocations (SageMaker) ----------------------------------------------------------------
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route: a chat body (with 'messages') or a completions body."""
+        body = await self.read_body(request)
+        try:
+            is_chat = isinstance(doc := json.loads(body), dict) and "messages" in doc
+        except ValueError:
+            is_chat = False  # the typed parse below names the JSON error
+        return await (self._chat if is_chat else self._completions)(request, body)
+
+    # ---- chat templates --------------------------------------------------------------------------
+    async def render_chat(
         self,
         messages: list[P.ChatMessage],
         add_generation_prompt: bool = True,
         template_kwargs: dict | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        if not self.tok.has_chat_template:
-            raise bad_request("This model has no chat template: use /v1/completions.", "messages")
-        msgs = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
-        try:
-            return self.tok.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+        """The prompt ids of `messages`, rendered off the event loop within the time bound."""
+        kwargs = dict(template_kwargs or {})
+        for key in kwargs:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise bad_request(
+                    f"'chat_template_kwargs.{key}' is set by the server: remove it"
+                    + (" (use the top-level field)." if key in P.ChatCompletionRequest.model_fields
+                       else "."),
+                    f"chat_template_kwargs.{key}",
+                )
+        if "chat_template" in kwargs:
+            chat_template = chat_template or kwargs.pop("chat_template")
+            param = "chat_template_kwargs.chat_template"
+        else:
+            param = "chat_template"
+        if chat_template is not None and not self.cfg.trust_request_chat_template:
+            raise bad_request(
+                "A request-supplied chat template runs code on the server and is refused: "
+                "remove it, or start the server with --trust-request-chat-template.",
+                param,
             )
+        if chat_template is None and not self.tok.has_chat_template:
+            raise bad_request("This model has no chat template: use /v1/completions.", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "'continue_final_message' needs 'add_generation_prompt' set to false.",
+                "continue_final_message",
+            )
+        self.check_chars(sum(m.num_chars for m in messages), "messages")
+        msgs = [m.to_template(i) for i, m in enumerate(messages)]
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+
+        def render() -> list[int]:
+            text = self.tok.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+            self.check_chars(len(text), "messages")  # the template's output-size bound
+            return self.tok.encode(text, add_special_tokens=False)
+
+        try:
+            return await run_bounded(
+                render, self.cfg.render_timeout, "Rendering the chat template", "messages"
+            )
+        except UserError:
+            raise
         except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are the client's
-            raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+            msg = str(e)[:300]
+            raise bad_request(f"The chat template rejected the messages: {msg}", "messages") from None
 
     # ---- the shared generation path --------------------------------------------------------------
     async def _generate(self, request: Request, kind: Kind, params, model: str) -> Response:
-        self.admit(len(kind.prompts))
+        self.admit(len(kind.prompts) * params.n, len(kind.prompts))
         api_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         stream = self.aengine.stream()
         try:
-            for i, p in enumerate(kind.prompts):
-                await self.aengine.add(
-                    stream,
-                    f"{api_id}-{i}",
-                    i,
-                    p.ids,
-                    params,
-                    priority=kind.params.priority,
-                    cache_salt=kind.params.cache_salt,
-                )
-        except ValueError as e:
-            stream.abort()
-            raise from_value_error(e, kind.aliases, default_param="prompt") from None
+            with engine_input("prompt"):
+                for i, p in enumerate(kind.prompts):
+                    await self.aengine.add(
+                        stream,
+                        f"{api_id}-{i}",
+                        i,
+                        p.ids,
+                        params,
+                        priority=kind.params.priority,
+                        cache_salt=kind.params.cache_salt,
+                    )
         except BaseException:
             stream.abort()
             raise
         if stream.aborted:  # by a drain that timed out while the adds were queued
-            raise APIError(
-                503, "The server is shutting down: retry on another instance.", code="shutting_down"
-            )
+            raise shutting_down()
         ctx = ResponseBuilder(self.tokens, kind, params.n, api_id, model)
         if kind.params.stream:
             return EventStream(ctx.events(stream), stream.abort)
+        gone = []
+
+        def client_gone() -> None:
+            gone.append(True)
+            stream.abort()
+
         try:
-            finals = await until_disconnect(request, ctx.collect(stream), stream.abort)
+            finals = await until_disconnect(request, ctx.collect(stream), client_gone)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         finally:
             stream.abort()  # no-op once finished
-        if finals is None:  # the client went away
-            return Response(status_code=499)
+        if finals is None:
+            if gone:
+                return Response(status_code=499)  # nobody is listening; nginx's code for it
+            raise shutting_down()  # aborted by the shutdown timeout
         return JSONResponse(ctx.body(finals))

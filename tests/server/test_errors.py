@@ -75,10 +75,10 @@ CASES = [
     ("chat-no-messages", "POST", CHAT, {"max_tokens": 4}, 400, "messages"),
     ("chat-empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
     (
-        "chat-bad-role",
+        "chat-empty-role",
         "POST",
         CHAT,
-        chat(messages=[{"role": "robot", "content": "x"}]),
+        chat(messages=[{"role": "", "content": "x"}]),
         400,
         "messages[0].role",
     ),
