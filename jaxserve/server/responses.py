@@ -228,6 +228,8 @@ class ResponseBuilder:
                     chunk = {**head, "choices": [first]}
                     if i == 0 and self.kind.params.return_token_ids:
                         chunk["prompt_token_ids"] = self.kind.prompts[0].ids
+                    if continuous:
+                        chunk["usage"] = self._usage(latest)
                     yield sse(chunk)
             async for idx, out in stream:
                 latest[idx] = out
