@@ -279,7 +279,7 @@ def to_sampling_params(
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
-            stop=req.stop or [],
+            stop=[] if req.stop is None else req.stop,
             seed=req.seed,
             logprobs=logprobs,
             presence_penalty=req.presence_penalty,
