@@ -236,7 +236,10 @@ class ResponseBuilder:
                 for o in out.outputs:
                     index = idx * self.n + o.index
                     if index in done or not (
-                        o.delta_text or o.finished or (o.delta_logprobs and o.logprobs is not None)
+                        o.delta_text
+                        or o.finished
+                        or (o.delta_logprobs and o.logprobs is not None)
+                        or (o.delta_token_ids and self.kind.params.return_token_ids)
                     ):
                         continue
                     text = o.delta_text

@@ -207,12 +207,13 @@ class OpenAIServing:
                     code="context_length_exceeded",
                 )
 
-    def truncate(self, ids: list[int], req: P._SamplingRequest) -> list[int]:
+    def truncate(self, ids: list[int], req: P._SamplingRequest, max_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens; -1 keeps as much as leaves room for max_tokens."""
         k = req.truncate_prompt_tokens
-        if k is None or len(ids) <= max(k, 0):
-            return ids
         if k == -1:
-            k = self.max_model_len - 1
+            k = self.max_model_len - (max_tokens or 1)
+        if k is None or len(ids) <= k:
+            return ids
         if k == 0:
             return []
         return ids[-k:] if req.truncation_side == "left" else ids[:k]
@@ -248,9 +249,11 @@ class OpenAIServing:
         for p in raw:
             if isinstance(p, str):
                 ids = await self.encode(p, "prompt", truncating)
-                prompts.append(Prompt(self.truncate(ids, req), None if truncating else p))
+                prompts.append(
+                    Prompt(self.truncate(ids, req, req.max_tokens), None if truncating else p)
+                )
             else:
-                prompts.append(Prompt(self.truncate(list(p), req)))
+                prompts.append(Prompt(self.truncate(list(p), req, req.max_tokens)))
         self.check_lengths(prompts, req.max_tokens, "max_tokens")
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -278,13 +281,13 @@ class OpenAIServing:
             chat_template=req.chat_template,
             continue_final_message=req.continue_final_message,
         )
-        prompts = [Prompt(self.truncate(ids, req))]
         max_param = (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         )
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
+        prompts = [Prompt(self.truncate(ids, req, max_tokens))]
         self.check_lengths(prompts, max_tokens, max_param)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")

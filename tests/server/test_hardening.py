@@ -49,8 +49,10 @@ def authed(s: ServerThread) -> httpx.Client:
 def test_request_template_refused_by_default(server, http):
     for body, param in [
         ({"chat_template": "{{ 'x' }}"}, "chat_template"),
-        ({"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
-         "chat_template_kwargs.chat_template"),
+        (
+            {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+            "chat_template_kwargs.chat_template",
+        ),
     ]:
         r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, **body})
         assert r.status_code == 400, r.text
@@ -62,7 +64,9 @@ def test_request_template_refused_by_default(server, http):
 
 @pytest.mark.parametrize("key", ["tokenize", "return_dict", "add_generation_prompt", "tools"])
 def test_server_owned_template_kwargs_are_400(server, http, key):
-    r = http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "chat_template_kwargs": {key: False}})
+    r = http.post(
+        CHAT, json={"messages": MSG, "max_tokens": 2, "chat_template_kwargs": {key: False}}
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == f"chat_template_kwargs.{key}"
 
@@ -77,9 +81,13 @@ def test_template_variables_pass_through(server, http):
 
 def test_trusted_template_is_used(strict):
     with authed(strict) as h:
-        r = h.post("/tokenize", json={"messages": MSG, "chat_template": "[{{ messages[0]['content'] }}]"})
+        r = h.post(
+            "/tokenize", json={"messages": MSG, "chat_template": "[{{ messages[0]['content'] }}]"}
+        )
         assert r.status_code == 200, r.text
-        assert r.json()["tokens"] == strict.engine.tokenizer.encode("[Hi]", add_special_tokens=False)
+        assert r.json()["tokens"] == strict.engine.tokenizer.encode(
+            "[Hi]", add_special_tokens=False
+        )
 
 
 def test_pathological_template_ends_in_400_while_health_answers(strict):
@@ -107,8 +115,10 @@ def test_pathological_template_ends_in_400_while_health_answers(strict):
         assert r.json()["error"]["code"] == "timeout" and "1 s" in r.json()["error"]["message"]
         # /health kept answering during the render: many answers, all OK
         assert len(answered) >= 5 and set(answered) == {200}, answered
-        print(f"/health during the render: {len(latencies)} answers, "
-              f"max {max(latencies) * 1000:.1f} ms")
+        print(
+            f"/health during the render: {len(latencies)} answers, "
+            f"max {max(latencies) * 1000:.1f} ms"
+        )
         # the render thread was stopped, not left spinning
         deadline = time.monotonic() + 10
         while any(t.name == "jaxserve-offload" for t in threading.enumerate()):
@@ -153,7 +163,9 @@ def test_huge_prompt_refused_before_tokenizing(server, http):
         r = http.post(path, json=body)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["code"] == "context_length_exceeded" and f"{len(big)} characters" in err["message"]
+        assert (
+            err["code"] == "context_length_exceeded" and f"{len(big)} characters" in err["message"]
+        )
 
 
 def test_sequences_per_request_capped(strict):
@@ -217,7 +229,8 @@ def test_cors_preflight_passes_the_key_check(strict):
         assert r.status_code == 401  # the real request still needs the key
         assert r.headers["access-control-allow-origin"] == ORIGIN
         r = h.options(
-            CHAT, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+            CHAT,
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
         )
         assert "access-control-allow-origin" not in r.headers
 
