@@ -55,6 +55,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "prediction": (),
     "documents": (),
     "mm_processor_kwargs": (),
+    "min_characters": (),
 }
 
 
