@@ -32,7 +32,6 @@ from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
 from jaxserve.server.errors import APIError, bad_request, error_response, http_error
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.offload import run_bounded
 from jaxserve.server.serving import OpenAIServing, served_names
 
 log = logging.getLogger("jaxserve.server")
@@ -177,13 +176,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
                 chat_template=req.chat_template,
             )
         else:
-            text = req.prompt
-            serving.check_chars(len(text), "prompt")
-            ids = await run_bounded(
-                lambda: serving.tok.encode(text, add_special_tokens=req.add_special_tokens),
-                cfg.render_timeout,
-                "Tokenizing the prompt",
-                "prompt",
+            ids = await serving.encode(
+                req.prompt, "prompt", add_special_tokens=req.add_special_tokens
             )
         return JSONResponse(
             {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}

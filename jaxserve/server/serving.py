@@ -48,6 +48,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 
+INLINE_ENCODE_CHARS = 4096  # shorter prompts are tokenized on the event loop
+
 SHUTTING_DOWN = "The server is shutting down: retry on another instance."
 
 
@@ -218,12 +220,19 @@ class OpenAIServing:
             return []
         return ids[-k:] if req.truncation_side == "left" else ids[:k]
 
-    async def encode(self, text: str, param: str, truncating: bool) -> list[int]:
+    async def encode(
+        self, text: str, param: str, truncating: bool = False, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a prompt; only long texts pay for a thread (short ones take microseconds)."""
         if not truncating:
             self.check_chars(len(text), param)
-        return await run_bounded(
-            lambda: self.tok.encode(text), self.cfg.render_timeout, "Tokenizing the prompt", param
-        )
+
+        def encode() -> list[int]:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return encode()
+        return await run_bounded(encode, self.cfg.render_timeout, "Tokenizing the prompt", param)
 
     # ---- /v1/completions -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
