@@ -52,7 +52,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "prompt_embeds": (),
     "audio": (),
     "modalities": (["text"],),
-    "prediction": (),
     "documents": (),
     "mm_processor_kwargs": (),
     "min_characters": (),
