@@ -185,7 +185,7 @@ class OpenAIServing:
         prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
         for p in prompts:
             if not p.ids:
-                raise bad_request("The prompt is empty: send at least one token.", prompt_param)
+                raise bad_request("The prompt cannot be empty: send at least one token.", prompt_param)
             self.check_token_ids(p.ids, prompt_param)
             with engine_input(prompt_param):
                 self.validate_prompt(p.ids)

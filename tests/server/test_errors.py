@@ -215,3 +215,29 @@ def test_errors_through_the_official_client(server, client):
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)
+
+
+def test_a_bug_is_a_logged_500_for_that_request_only(server, http, caplog):
+    """Any exception that is not a UserError (even a plain ValueError) is a bug: 500, traceback
+    in the log, and the next request is served."""
+    tokens = server.app.state.serving.tokens
+
+    def broken(token_id: int) -> str:
+        raise ValueError("a bug, not the client's fault")
+
+    body = {"prompt": "Hello", "max_tokens": 3, "logprobs": 1}
+    tokens.text = broken  # fault injection: logprobs name every token through this
+    try:
+        r = http.post(C, json=body)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "internal_error" and "a bug" not in err["message"]
+        with http.stream("POST", C, json={**body, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "internal_error"
+    finally:
+        del tokens.text
+    assert "a bug, not the client's fault" in caplog.text  # the traceback is logged
+    good = http.post(C, json=body)
+    assert good.status_code == 200 and good.json()["choices"][0]["logprobs"]["tokens"]
