@@ -9,11 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import time
-import uuid
 
 import uvicorn
 from starlette.applications import Starlette
@@ -23,7 +21,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
 from jaxserve.errors import UserError
@@ -32,88 +29,12 @@ from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
 from jaxserve.server.errors import APIError, bad_request, error_response, http_error
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.serving import OpenAIServing, served_names
 
 log = logging.getLogger("jaxserve.server")
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
-
 __all__ = ["ServerConfig", "add_serve_args", "build_app", "serve"]
-
-
-class _APIKey:
-    """Pure ASGI middleware: 'Authorization: Bearer KEY' on every path but the public ones.
-
-    CORS preflights (OPTIONS) pass: browsers never send credentials with them.
-    """
-
-    def __init__(self, app: ASGIApp, key: str, public_paths: tuple[str, ...]):
-        self.app = app
-        self.key = key.encode()
-        self.public = set(public_paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["method"] != "OPTIONS"
-            and scope["path"] not in self.public
-        ):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                msg = (
-                    "Missing API key: send 'Authorization: Bearer <key>'."
-                    if not auth
-                    else "Invalid API key."
-                )
-                err = APIError(401, msg, code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _RequestId:
-    """Pure ASGI middleware: answer with X-Request-Id, the client's (if sane) or a new one."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        rid = dict(scope["headers"]).get(b"x-request-id", b"")
-        if not (0 < len(rid) <= 128 and rid.isascii() and rid.decode().isprintable()):
-            rid = uuid.uuid4().hex.encode()
-
-        async def send_with_id(message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-class InFlight:
-    """Generate calls in flight, until their last byte (vLLM's server load)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
-class _Load:
-    """Pure ASGI middleware keeping an InFlight count of the generate routes' calls."""
-
-    def __init__(self, app: ASGIApp, in_flight: InFlight):
-        self.app, self.in_flight = app, in_flight
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATE_PATHS:
-            return await self.app(scope, receive, send)
-        self.in_flight.count += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight.count -= 1
 
 
 def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Starlette:
@@ -171,7 +92,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of 'prompt' and 'messages'.", "prompt")
         if req.messages is not None:
-            ids = await serving.render_chat(
+            ids = await serving.chat_template.render(
                 req.messages, req.add_generation_prompt, req.chat_template_kwargs,
                 chat_template=req.chat_template,
             )
@@ -248,11 +169,11 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             )
         )
     if cfg.enable_request_id_headers:
-        middleware.append(Middleware(_RequestId))
+        middleware.append(Middleware(RequestId))
     if cfg.api_key:
-        middleware.append(Middleware(_APIKey, key=cfg.api_key, public_paths=cfg.public_paths))
+        middleware.append(Middleware(APIKey, key=cfg.api_key, public_paths=cfg.public_paths))
     in_flight = InFlight()
-    middleware.append(Middleware(_Load, in_flight=in_flight))  # innermost: admitted calls only
+    middleware.append(Middleware(LoadCounter, in_flight=in_flight))  # innermost: admitted calls only
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.server.chat_template import ChatTemplate
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.offload import run_bounded
@@ -27,26 +28,6 @@ from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
 from jaxserve.server.streaming import EventStream, until_disconnect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-# apply_chat_template's own arguments: the server sets them, a request may not.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "return_assistant_tokens_mask",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-        "conversation",
-        "messages",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tools",
-        "documents",
-    }
-)
 
 INLINE_ENCODE_CHARS = 4096  # shorter prompts are tokenized on the event loop
 
@@ -99,6 +80,7 @@ class OpenAIServing:
         # than max_model_len * that is too long without tokenizing it.
         longest = max((len(p) for p in tokenizer.hf.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
+        self.chat_template = ChatTemplate(tokenizer, cfg, self.check_chars)
 
     # ---- shared checks ---------------------------------------------------------------------------
     async def read_body(self, request: Request, *, json_only: bool = True) -> bytes:
@@ -185,7 +167,9 @@ class OpenAIServing:
         prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
         for p in prompts:
             if not p.ids:
-                raise bad_request("The prompt cannot be empty: send at least one token.", prompt_param)
+                raise bad_request(
+                    "The prompt cannot be empty: send at least one token.", prompt_param
+                )
             self.check_token_ids(p.ids, prompt_param)
             with engine_input(prompt_param):
                 self.validate_prompt(p.ids)
@@ -283,7 +267,7 @@ class OpenAIServing:
         req.check()
         model = self.check_model(req.model)
         self.admit(req.n, 1)
-        ids = await self.render_chat(
+        ids = await self.chat_template.render(
             req.messages,
             req.add_generation_prompt,
             req.chat_template_kwargs,
@@ -333,68 +317,6 @@ class OpenAIServing:
         except ValueError:
             is_chat = False  # the typed parse below names the JSON error
         return await (self._chat if is_chat else self._completions)(request, body)
-
-    # ---- chat templates --------------------------------------------------------------------------
-    async def render_chat(
-        self,
-        messages: list[P.ChatMessage],
-        add_generation_prompt: bool = True,
-        template_kwargs: dict | None = None,
-        *,
-        chat_template: str | None = None,
-        continue_final_message: bool = False,
-    ) -> list[int]:
-        """The prompt ids of `messages`, rendered off the event loop within the time bound."""
-        kwargs = dict(template_kwargs or {})
-        for key in kwargs:
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise bad_request(
-                    f"'chat_template_kwargs.{key}' is set by the server: remove it"
-                    + (" (use the top-level field)." if key in P.ChatCompletionRequest.model_fields
-                       else "."),
-                    f"chat_template_kwargs.{key}",
-                )
-        if "chat_template" in kwargs:
-            chat_template = chat_template or kwargs.pop("chat_template")
-            param = "chat_template_kwargs.chat_template"
-        else:
-            param = "chat_template"
-        if chat_template is not None and not self.cfg.trust_request_chat_template:
-            raise bad_request(
-                "A request-supplied chat template runs code on the server and is refused: "
-                "remove it, or start the server with --trust-request-chat-template.",
-                param,
-            )
-        if chat_template is None and not self.tok.has_chat_template:
-            raise bad_request("This model has no chat template: use /v1/completions.", "messages")
-        if continue_final_message and add_generation_prompt:
-            raise bad_request(
-                "'continue_final_message' needs 'add_generation_prompt' set to false.",
-                "continue_final_message",
-            )
-        self.check_chars(sum(m.num_chars for m in messages), "messages")
-        msgs = [m.to_template(i) for i, m in enumerate(messages)]
-        if chat_template is not None:
-            kwargs["chat_template"] = chat_template
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
-
-        def render() -> list[int]:
-            text = self.tok.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-            )
-            self.check_chars(len(text), "messages")  # the template's output-size bound
-            return self.tok.encode(text, add_special_tokens=False)
-
-        try:
-            return await run_bounded(
-                render, self.cfg.render_timeout, "Rendering the chat template", "messages"
-            )
-        except UserError:
-            raise
-        except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are the client's
-            msg = str(e)[:300]
-            raise bad_request(f"The chat template rejected the messages: {msg}", "messages") from None
 
     # ---- the shared generation path --------------------------------------------------------------
     async def _generate(self, request: Request, kind: Kind, params, model: str) -> Response:
