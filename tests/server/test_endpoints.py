@@ -199,3 +199,23 @@ def test_harmless_values_of_unsupported_fields_pass(server, http):
         },
     )
     assert r.status_code == 200, r.text
+
+
+def test_continue_final_message(server, http):
+    """vLLM's extension: the prompt ends inside the last (assistant) message, to be continued."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    body = {
+        "messages": msgs,
+        "max_tokens": 2,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    expect = server.engine.tokenizer.apply_chat_template(
+        msgs, add_generation_prompt=False, continue_final_message=True
+    )
+    assert r.json()["usage"]["prompt_tokens"] == len(expect)
+    assert server.engine.tokenizer.decode(expect).endswith("Hello, I am")
+    r = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
