@@ -41,6 +41,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM: -1 means no seed
+            self.seed = None
         self._validate()
 
     def _validate(self) -> None:

@@ -47,3 +47,8 @@ def test_bad_values_are_user_errors_with_param(kw, field):
 )
 def test_edges_are_accepted(kw):
     SamplingParams(**kw)
+
+
+def test_seed_minus_one_means_no_seed():
+    """vLLM's convention, which clients rely on to ask for a random seed."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2

@@ -83,9 +83,9 @@ class OpenAIServing:
         self.chat_template = ChatTemplate(tokenizer, cfg, self.check_chars)
 
     # ---- shared checks ---------------------------------------------------------------------------
-    async def read_body(self, request: Request, *, json_only: bool = True) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if json_only and ctype != "application/json":
+        if ctype != "application/json":
             raise APIError(
                 415,
                 f"Unsupported Content-Type {ctype[:60] or '(none)'!r}: send the body as JSON "
