@@ -22,7 +22,7 @@ text wins (ties: the one starting first), whatever the token boundaries.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 _PROMPT_CONTEXT = 6  # prompt tokens used to seed the decode window (vLLM uses 5)
 _REPLACEMENT = "\ufffd"

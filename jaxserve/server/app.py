@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -27,7 +28,13 @@ from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
-from jaxserve.server.errors import APIError, bad_request, error_response, http_error
+from jaxserve.server.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    http_error,
+    internal_error,
+)
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.serving import OpenAIServing, served_names
@@ -35,6 +42,26 @@ from jaxserve.server.serving import OpenAIServing, served_names
 log = logging.getLogger("jaxserve.server")
 
 __all__ = ["ServerConfig", "add_serve_args", "build_app", "serve"]
+
+
+def guarded(endpoint):
+    """A bug in a handler: logged with its traceback, a 500 for that request only.
+
+    Caught here, not by Starlette's catch-all handler: that one re-raises after answering, and
+    uvicorn then drops the keep-alive connection, under the client's next request.
+    """
+
+    @functools.wraps(endpoint)
+    async def run(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except (UserError, HTTPException, EngineDeadError, ClientDisconnect):
+            raise  # answered by the app's exception handlers
+        except Exception:
+            log.exception("Unhandled error on %s", request.url.path)
+            return error_response(internal_error())
+
+    return run
 
 
 def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Starlette:
@@ -130,10 +157,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         return Response(status_code=499)
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        log.exception("Unhandled error on %s", request.url.path)
-        return error_response(
-            APIError(500, "Internal server error: see the server log.", code="internal_error")
-        )
+        log.exception("Unhandled error on %s", request.url.path)  # outside a route: middleware
+        return error_response(internal_error())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -144,18 +169,18 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             await aengine.shutdown()
 
     routes = [
-        Route("/v1/completions", serving.completions, methods=["POST"]),
-        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
-        Route("/invocations", serving.invocations, methods=["POST"]),
-        Route("/load", load, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", model, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/v1/completions", guarded(serving.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(serving.chat), methods=["POST"]),
+        Route("/invocations", guarded(serving.invocations), methods=["POST"]),
+        Route("/load", guarded(load), methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/metrics", guarded(prometheus), methods=["GET"]),
+        Route("/version", guarded(version), methods=["GET"]),
+        Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]),
     ]
     middleware = []  # outermost first: CORS answers preflights before the key is checked
     if cfg.allowed_origins:

@@ -58,6 +58,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def internal_error() -> APIError:
+    """What a client sees of a bug (the traceback goes to the server log)."""
+    return APIError(500, "Internal server error: see the server log.", code="internal_error")
+
+
 def http_error(status: int, detail: str | None, method: str, path: str) -> APIError:
     """Starlette's own HTTP errors (unknown route, wrong method) in the OpenAI shape."""
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"

@@ -17,7 +17,7 @@ from typing import Any
 from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError, RequestStream
-from jaxserve.server.errors import APIError, error_body
+from jaxserve.server.errors import APIError, error_body, internal_error
 from jaxserve.server.streaming import DONE, sse
 from jaxserve.tokenizer import _byte_alphabet
 
@@ -271,8 +271,7 @@ class ResponseBuilder:
             yield sse(error_body(APIError(503, str(e), code="engine_unavailable")))
         except Exception:  # a bug: this stream ends with an error event, the server serves on
             log.exception("Unhandled error while streaming")
-            err = APIError(500, "Internal server error: see the server log.", code="internal_error")
-            yield sse(error_body(err))
+            yield sse(error_body(internal_error()))
         finally:
             stream.abort()  # no-op once finished; frees the blocks of a stream cut short
         yield DONE
