@@ -92,9 +92,11 @@ class ServerConfig:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+        "--host",
+        default=ServerConfig.host,
+        help="address to bind (default %(default)s: this machine only)",
     )
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=int, default=ServerConfig.port, help="port (default %(default)s)")
     g.add_argument(
         "--api-key",
         default=None,
@@ -115,38 +117,38 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-queued-requests",
         type=int,
-        default=1024,
-        help="answer 429 when more requests than this wait for a first step (default 1024)",
+        default=ServerConfig.max_queued_requests,
+        help="answer 429 when more requests than this wait for a first step (default %(default)s)",
     )
     g.add_argument(
         "--max-body-bytes",
         type=parse_bytes,
-        default=8 << 20,
+        default=ServerConfig.max_body_bytes,
         help="answer 413 for request bodies larger than this (default 8MiB)",
     )
     g.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default 30)",
+        default=ServerConfig.shutdown_timeout,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default %(default)s)",
     )
     g.add_argument(
         "--hang-timeout",
         type=float,
-        default=120.0,
-        help="/health answers 503 if one engine step runs longer than this (default 120 s)",
+        default=ServerConfig.hang_timeout,
+        help="/health answers 503 if one engine step runs longer than this (default %(default)s s)",
     )
     g.add_argument(
         "--log-level",
-        default="info",
+        default=ServerConfig.log_level,
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default info)",
     )
     g.add_argument(
         "--max-seqs-per-request",
         type=int,
-        default=256,
-        help="answer 400 when one request asks for more sequences (prompts x n) (default 256)",
+        default=ServerConfig.max_seqs_per_request,
+        help="answer 400 when one request asks for more sequences (prompts x n) (default %(default)s)",
     )
     g.add_argument(
         "--trust-request-chat-template",
@@ -157,9 +159,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--render-timeout",
         type=float,
-        default=5.0,
+        default=ServerConfig.render_timeout,
         help="answer 400 when rendering a chat template or tokenizing a prompt takes longer "
-        "(default 5 s)",
+        "(default %(default)s s)",
     )
     g.add_argument(
         "--allowed-origins",
@@ -169,10 +171,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "(default: none, no CORS headers)",
     )
     g.add_argument(
-        "--allowed-methods", nargs="*", default=["*"], help="CORS: allowed methods (default *)"
+        "--allowed-methods",
+        nargs="*",
+        default=list(ServerConfig.allowed_methods),
+        help="CORS: allowed methods (default *)",
     )
     g.add_argument(
-        "--allowed-headers", nargs="*", default=["*"], help="CORS: allowed headers (default *)"
+        "--allowed-headers",
+        nargs="*",
+        default=list(ServerConfig.allowed_headers),
+        help="CORS: allowed headers (default *)",
     )
     g.add_argument(
         "--allow-credentials", action="store_true", help="CORS: allow credentials (default off)"
