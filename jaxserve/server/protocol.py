@@ -58,7 +58,9 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class _SamplingRequest(_Model):
+class SamplingRequest(_Model):
+    """The fields completions and chat share."""
+
     # Extra fields are kept (not used) so that check() can refuse the unsupported ones.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
@@ -125,7 +127,7 @@ class _SamplingRequest(_Model):
                 )
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -215,7 +217,7 @@ def _finite(v: Any, where: str) -> None:
             _finite(x, f"{where}[{i}]")
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -255,7 +257,7 @@ def parse(model: type[_Model], body: bytes) -> Any:
 
 
 def to_sampling_params(
-    req: _SamplingRequest,
+    req: SamplingRequest,
     *,
     defaults: dict,
     max_tokens: int | None,

@@ -39,7 +39,7 @@ class Kind:
     object: str  # "text_completion" | "chat.completion"
     chunk_object: str
     id_prefix: str
-    params: P._SamplingRequest
+    params: P.SamplingRequest
     prompts: list[Prompt]
     echo: bool = False
     aliases: dict[str, str] = field(default_factory=dict)

@@ -193,7 +193,7 @@ class OpenAIServing:
                     code="context_length_exceeded",
                 )
 
-    def truncate(self, ids: list[int], req: P._SamplingRequest, max_tokens: int | None) -> list[int]:
+    def truncate(self, ids: list[int], req: P.SamplingRequest, max_tokens: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens; -1 keeps as much as leaves room for max_tokens."""
         k = req.truncate_prompt_tokens
         if k == -1:
