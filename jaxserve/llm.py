@@ -133,7 +133,7 @@ def _compile_progress():
         nonlocal bar
         if bar is None:
             bar = tqdm(total=total, desc="Compiling step buckets", unit="bucket", dynamic_ncols=True)
-        bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}")
+        bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}" + (f" adjust={bucket[2]}" if bucket[2] else ""))
         bar.update(1)
         if done == total:
             bar.close()
