@@ -19,7 +19,6 @@ Inputs must be bfloat16 or float16 (WGMMA operands); head_dim a multiple of 64.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -28,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.runtime import compat
 from pallas_kernels import common
 
 ROWS = 64  # WGMMA M per warpgroup
@@ -222,8 +222,8 @@ def ragged_paged_attention(
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),
         grid_names=("tile", "head"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else None,
+        compiler_params=compat.gpu_compiler_params(approx_math=True),
+        interpret=compat.gpu_interpret_params() if interpret else None,
     )
     out = kernel(
         seq_lens.astype(jnp.int32),
@@ -237,9 +237,3 @@ def ragged_paged_attention(
     )
     return common.from_rows(out, num_tokens, num_q_heads)
 
-
-@functools.cache
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxserve.runtime import compat
 from pallas_kernels import common
 
 
@@ -215,8 +216,8 @@ def ragged_paged_attention(
         grid=(num_kv_heads, num_tiles),
         in_specs=[
             row_spec,
-            pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM),
-            pl.BlockSpec(memory_space=pltpu.MemorySpace.HBM),
+            pl.BlockSpec(memory_space=compat.tpu_hbm()),
+            pl.BlockSpec(memory_space=compat.tpu_hbm()),
         ],
         out_specs=row_spec,
         scratch_shapes=[
@@ -232,10 +233,10 @@ def ragged_paged_attention(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(
+        compiler_params=compat.tpu_compiler_params(
             dimension_semantics=("parallel", "parallel"),
         ),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=compat.tpu_interpret_params() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(
         seq_lens.astype(jnp.int32),
