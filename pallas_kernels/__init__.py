@@ -17,7 +17,57 @@ from pallas_kernels import reference
 
 Backend = Literal["auto", "tpu", "gpu", "reference"]
 
-__all__ = ["ragged_paged_attention", "resolve_backend", "write_kv"]
+__all__ = ["ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
+
+TPU_DTYPES = ("float32", "bfloat16", "float16")
+HEAD_DIMS = (64, 80, 96, 128, 256)
+MIN_CAPABILITY = (9, 0)  # WGMMA and TMA: Hopper and later
+
+
+def _capability(cc) -> tuple[int, int] | None:
+    if cc is None or isinstance(cc, tuple):
+        return cc
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def supported(
+    platform: str,
+    *,
+    dtype,
+    head_dim: int,
+    group: int,
+    block_size: int,
+    compute_capability: str | tuple[int, int] | None = None,
+) -> str | None:
+    """None when this platform's Pallas kernel runs the shape, else the reason it cannot.
+
+    Meant for backend resolution at engine construction (so a bad choice fails there, or falls
+    back to the portable path with one warning), not per call. ``platform``: ``gpu``/``cuda``
+    or ``tpu``; ``compute_capability`` (``"9.0"`` or ``(9, 0)``) is the GPU's, from
+    ``compat.compute_capability(device)``.
+    """
+    import jax.numpy as jnp
+
+    if platform in ("gpu", "cuda"):
+        cc = _capability(compute_capability)
+        if cc is None or cc < MIN_CAPABILITY:
+            have = "unknown" if cc is None else f"sm_{cc[0]}{cc[1]}"
+            return (f"the Mosaic GPU attention kernel needs an sm_90+ GPU (Hopper WGMMA/TMA); "
+                    f"this one is {have}")
+        from pallas_kernels import gpu
+
+        return gpu.unsupported(dtype, head_dim, group, block_size)
+    if platform == "tpu":
+        name = jnp.dtype(dtype).name
+        if name not in TPU_DTYPES:
+            return f"the TPU attention kernel supports {TPU_DTYPES}, not {name}"
+        if head_dim not in HEAD_DIMS:
+            return f"the TPU attention kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
+        if group < 1 or block_size % 8:
+            return f"the TPU attention kernel needs a block size multiple of 8, not {block_size}"
+        return None
+    return f"no Pallas attention kernel for platform {platform!r} (use xla)"
 
 
 def resolve_backend(backend: Backend = "auto", interpret: bool = False) -> str:
@@ -53,7 +103,7 @@ def ragged_paged_attention(
     ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu.
     """
     args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kwargs = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = resolve_backend(backend, interpret)
     if name == "tpu":
         from pallas_kernels import tpu

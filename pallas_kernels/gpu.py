@@ -14,7 +14,8 @@ barrier arrival count is static) and are masked out; masked probabilities are ex
 kernel needs finite K/V in the slots of a sequence's own pages (stale slots past its length
 included) but never reads the null block or other sequences' pages.
 
-Inputs must be bfloat16 or float16 (WGMMA operands); head_dim a multiple of 64.
+Inputs must be bfloat16 or float16 (WGMMA operands); ``unsupported`` says which shapes run. Any
+GQA ratio G <= 64 works: a tile holds ``64 // G`` tokens and pads its rows to 64.
 """
 
 from __future__ import annotations
@@ -31,6 +32,50 @@ from jaxserve.runtime import compat
 from pallas_kernels import common
 
 ROWS = 64  # WGMMA M per warpgroup
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+HEAD_DIMS = (64, 80, 96, 128, 256)
+SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit (opt-in maximum)
+# KV tokens per chunk by head_dim: K and V double-buffered in SMEM (2 x 2 x chunk x D x 2 bytes,
+# at most 128 KiB, beside the q/out tile) and the f32 scores [64, chunk] in registers.
+CHUNK_TOKENS = {64: 128, 80: 128, 96: 128, 128: 128, 256: 64}
+
+
+def swizzle_bytes(head_dim: int, dtype) -> int:
+    """The widest SMEM swizzle (128/64/32 bytes) that divides a row of ``head_dim`` elements."""
+    row = head_dim * jnp.dtype(dtype).itemsize
+    return next(s for s in (128, 64, 32, 16) if row % s == 0)
+
+
+def default_pages_per_chunk(head_dim: int, block_size: int) -> int:
+    return max(1, CHUNK_TOKENS.get(head_dim, 64) // block_size)
+
+
+def smem_bytes(head_dim: int, chunk: int, dtype) -> int:
+    itemsize = jnp.dtype(dtype).itemsize
+    return (ROWS + 4 * chunk) * head_dim * itemsize + 1024  # q/out tile, K+V x 2 slots, barriers
+
+
+def unsupported(dtype, head_dim: int, group: int, block_size: int,
+                pages_per_chunk: int | None = None) -> str | None:
+    """Why this kernel cannot run a shape (None when it can); decided before anything traces."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return (f"the Mosaic GPU kernel needs bfloat16 or float16 q/KV (WGMMA operands), got "
+                f"{jnp.dtype(dtype).name}: use --dtype bfloat16")
+    if head_dim not in HEAD_DIMS:
+        return f"the Mosaic GPU kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
+    if not 1 <= group <= ROWS:
+        return f"the Mosaic GPU kernel supports GQA ratios 1..{ROWS}, not {group}"
+    if block_size % 8 or block_size > 256:
+        return f"the Mosaic GPU kernel needs a block size that is a multiple of 8 up to 256, " \
+               f"not {block_size}"
+    ppc = pages_per_chunk or default_pages_per_chunk(head_dim, block_size)
+    chunk = ppc * block_size
+    if chunk % 64:
+        return f"pages_per_chunk*block_size={chunk} must be a multiple of 64"
+    if smem_bytes(head_dim, chunk, dtype) > SMEM_BYTES:
+        return (f"a chunk of {chunk} KV tokens at head_dim {head_dim} needs "
+                f"{smem_bytes(head_dim, chunk, dtype)} bytes of shared memory (> {SMEM_BYTES})")
+    return None
 
 
 def ragged_paged_attention(
@@ -45,34 +90,29 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    pages_per_chunk: int = 4,
+    pages_per_chunk: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
-    if ROWS % max(group, 1):
-        raise ValueError(f"GQA ratio {group} must divide {ROWS}")
-    block_q = ROWS // group
+    group = num_q_heads // max(num_kv_heads, 1)
+    if pages_per_chunk is None:
+        pages_per_chunk = default_pages_per_chunk(head_dim, block_size)
+    reason = unsupported(q.dtype, head_dim, group, block_size, pages_per_chunk)
+    if reason:
+        raise ValueError(reason)
+    block_q = ROWS // group  # tokens per tile; rows past block_q * G are padding
     common.check_static(
         q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
     )
     dtype = q.dtype
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"the GPU kernel needs bfloat16/float16 inputs, got {dtype}")
     if k_pages.dtype != dtype or v_pages.dtype != dtype:
         raise ValueError("q, k_pages and v_pages must share a dtype")
-    if head_dim % 64:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
     chunk = pages_per_chunk * block_size
-    if chunk % 64 or block_size % 8:
-        raise ValueError(
-            f"pages_per_chunk*block_size={chunk} must be a multiple of 64, block_size of 8"
-        )
     num_seqs_max, max_blocks = block_tables.shape
     num_tiles = pl.cdiv(num_tokens, block_q)
 
-    q_rows = common.to_rows(q, num_kv_heads, num_tiles * block_q)  # [Hkv, num_tiles*64, D]
+    q_rows = common.to_rows(q, num_kv_heads, block_q, ROWS)  # [Hkv, num_tiles*64, D]
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
     tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
     log2e = math.log2(math.e)
@@ -114,10 +154,9 @@ def ragged_paged_attention(
         plgpu.copy_gmem_to_smem(q_g.at[head, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
-        row_tok = tile_start + lax.div(
-            layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 0), plgpu.Layout.WGMMA),
-            jnp.int32(group),
-        )
+        row = layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 0), plgpu.Layout.WGMMA)
+        # Rows past block_q * G pad the tile to 64: out of every sequence.
+        row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, jnp.int32(group)), -1)
         col = layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 1), plgpu.Layout.WGMMA)
 
         def fetch(seq, c, slot, num_pages):
@@ -203,9 +242,10 @@ def ragged_paged_attention(
         plgpu.wait_smem_to_gmem(0)
 
     def entry(*refs):
+        swizzle = swizzle_bytes(head_dim, dtype)
         transforms = (
-            plgpu.TilingTransform((8, 64)),
-            plgpu.SwizzleTransform(128),
+            plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle),
         )
         pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
@@ -235,5 +275,5 @@ def ragged_paged_attention(
         k_pages,
         v_pages,
     )
-    return common.from_rows(out, num_tokens, num_q_heads)
+    return common.from_rows(out, num_tokens, num_q_heads, block_q)
 

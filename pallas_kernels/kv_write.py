@@ -75,7 +75,7 @@ def write_kv_tpu(
 ) -> tuple[jax.Array, jax.Array]:
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
-    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+    _, block_size, num_kv_heads, head_dim = k_pages.shape
     num_tokens = k.shape[0]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"k {k.shape} / v {v.shape} do not match pages {k_pages.shape}")

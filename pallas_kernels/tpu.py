@@ -63,7 +63,7 @@ def _kernel(
 ):
     head = pl.program_id(0)
     tile = pl.program_id(1)
-    rows = block_q * group
+    rows = m_ref.shape[0]
     chunk = pages_per_chunk * block_size
 
     m_ref[...] = jnp.full_like(m_ref, common.MASK_VALUE)
@@ -71,7 +71,9 @@ def _kernel(
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
     tile_start = tile * block_q
-    row_tok = tile_start + lax.div(lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    # Rows past block_q * G pad the tile to the sublane multiple: mark them out of every sequence.
+    row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, group), -1)
 
     def page_copies(seq, c, slot, num_pages):
         """One async copy per (K|V, page) of chunk c; pages past the sequence are skipped."""
@@ -193,10 +195,11 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     num_seqs_max, max_blocks = block_tables.shape
     num_tiles = pl.cdiv(num_tokens, block_q)
-    rows = block_q * group
+    # Sublane multiple: 8 rows of 32-bit, 16 of 16-bit values; padding rows are masked.
+    rows = common.round_up(block_q * group, 8 * 4 // jnp.dtype(q.dtype).itemsize)
     chunk = pages_per_chunk * block_size
 
-    q_rows = common.to_rows(q, num_kv_heads, num_tiles * block_q)
+    q_rows = common.to_rows(q, num_kv_heads, block_q, rows)
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
 
     kernel = functools.partial(
@@ -248,4 +251,4 @@ def ragged_paged_attention(
         k_pages,
         v_pages,
     )
-    return common.from_rows(out, num_tokens, num_q_heads)
+    return common.from_rows(out, num_tokens, num_q_heads, block_q)

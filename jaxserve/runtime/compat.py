@@ -43,6 +43,12 @@ def memory_stats(device: Any) -> dict[str, int] | None:
     return dict(stats) if stats else None
 
 
+def compute_capability(device: Any) -> str | None:
+    """A CUDA device's compute capability (``"9.0"``), None elsewhere or where unreported."""
+    cc = getattr(device, "compute_capability", None)
+    return str(cc) if cc else None
+
+
 def peak_temp_bytes(compiled: Any) -> int:
     """Peak temporary (scratch) bytes of a compiled executable, from XLA's memory analysis.
 
