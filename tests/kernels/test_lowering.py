@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import ragged_paged_attention
+from tests.kernels.batch import MODELS
 
 
 def _shapes(dtype, head_dim, num_q_heads=8, num_kv_heads=2, num_tokens=64, num_seqs=8):
@@ -52,3 +53,35 @@ def test_cuda_lowering(head_dim, heads):
     )
     shapes = _shapes(jnp.bfloat16, head_dim, *heads)
     assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
+
+
+def _model_shapes(dtype, heads, block_size=16):
+    hq, hkv, d = heads
+    shapes = list(_shapes(dtype, d, hq, hkv))
+    pages = jax.ShapeDtypeStruct((64, block_size, hkv, d), dtype)
+    shapes[1] = shapes[2] = pages
+    return shapes
+
+
+MODEL_HEADS = sorted(set(MODELS.values()))
+
+
+@pytest.mark.parametrize("heads", MODEL_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_model_shapes_lower(platform, heads):
+    backend, target = {"cuda": ("gpu", "mosaic_gpu_v2"), "tpu": ("tpu", "tpu_custom_call")}[platform]
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, backend=backend)
+    assert target in _custom_calls(fn, platform, _model_shapes(jnp.bfloat16, heads))
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_head_dims_block_sizes_dtypes_lower(platform, head_dim, dtype, block_size):
+    backend, target = {"cuda": ("gpu", "mosaic_gpu_v2"), "tpu": ("tpu", "tpu_custom_call")}[platform]
+    fn = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, soft_cap=30.0, sliding_window=100, backend=backend
+    )
+    shapes = _model_shapes(dtype, (9, 3, head_dim), block_size)
+    assert target in _custom_calls(fn, platform, shapes)
