@@ -1,6 +1,7 @@
 """Pallas kernels for jaxserve, each next to its pure-jnp reference.
 
-``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16),
+``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16;
+split-KV ``gpu_decode`` for decode-only steps),
 ``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU kernel in
 its interpreter when ``interpret=True``, else the reference). ``write_kv`` dispatches the same
 way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
@@ -17,7 +18,7 @@ from pallas_kernels import reference
 
 Backend = Literal["auto", "tpu", "gpu", "reference"]
 
-__all__ = ["ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
+__all__ = ["for_step", "ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
 
 TPU_DTYPES = ("float32", "bfloat16", "float16")
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -96,11 +97,15 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: Backend = "auto",
     interpret: bool = False,
+    decode_only: bool = False,
     **block_sizes: int,
 ) -> jax.Array:  # [T, Hq, D]
     """Attention of each new token over its own sequence's paged KV (see ``reference``).
 
-    ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu.
+    ``decode_only`` (static, per compiled bucket): every sequence has exactly one new token and
+    token t is sequence t; on gpu that selects the split-KV decode kernel (``gpu_decode``).
+    ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu
+    (and ``num_splits`` for its decode kernel).
     """
     args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
     kwargs = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
@@ -109,11 +114,24 @@ def ragged_paged_attention(
         from pallas_kernels import tpu
 
         return tpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
+    if name == "gpu" and decode_only:
+        from pallas_kernels import gpu_decode
+
+        return gpu_decode.decode_attention(*args, **kwargs, **block_sizes, interpret=interpret)
     if name == "gpu":
         from pallas_kernels import gpu
 
         return gpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
     return reference.ragged_paged_attention(*args, **kwargs)
+
+
+def for_step(*, decode_only: bool, backend: Backend = "auto", interpret: bool = False):
+    """The attention function for one compiled step: the runner builds one per bucket, so the
+    choice of kernel (split-KV decode or the general one) is made once, from the bucket's shape."""
+    import functools
+
+    return functools.partial(ragged_paged_attention, backend=backend, interpret=interpret,
+                             decode_only=decode_only)
 
 
 def write_kv(

@@ -78,7 +78,7 @@ def unsupported(dtype, head_dim: int, group: int, block_size: int,
     return None
 
 
-class _Ops:
+class Ops:
     """The Mosaic GPU pieces both kernels use, with the interpreter's substitutes."""
 
     def __init__(self, interpret: bool):
@@ -123,7 +123,7 @@ class _Ops:
         return acc, m_i, l_i
 
 
-def _transforms(head_dim: int, dtype):
+def smem_transforms(head_dim: int, dtype):
     swizzle = swizzle_bytes(head_dim, dtype)
     return (
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
@@ -131,9 +131,9 @@ def _transforms(head_dim: int, dtype):
     )
 
 
-def _scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype):
+def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype):
     """q/out tile, K and V chunks double-buffered, their barriers (one arrival per page)."""
-    transforms = _transforms(head_dim, dtype)
+    transforms = smem_transforms(head_dim, dtype)
     return (
         plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
@@ -144,11 +144,11 @@ def _scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype):
     )
 
 
-def _stream(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype):
+def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype):
     """Online softmax over chunks [c_lo, c_hi): chunk c+1's TMAs (``fetch(c, slot)``) fly while
     chunk c is on the tensor cores. ``mask_of(c)`` is the chunk's [ROWS, chunk] visibility;
     masked probabilities are exactly 0, so masked slots need finite (not meaningful) K/V."""
-    q_smem, k_smem, v_smem, _, k_bar, v_bar = scoped
+    q_smem, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
     log2e = math.log2(math.e)
 
     @pl.when(c_lo < c_hi)
@@ -181,9 +181,9 @@ def _stream(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_ca
     return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
 
 
-def _fetch_pages(scoped, k_g, v_g, head, block_size):
+def page_fetcher(scoped, k_g, v_g, head, block_size):
     """``fetch(slot, block_ids)``: one TMA per (K|V, page) of a chunk into ``slot``."""
-    _, k_smem, v_smem, _, k_bar, v_bar = scoped
+    _, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
 
     def fetch(slot, block_ids):
         for j, block in enumerate(block_ids):
@@ -194,12 +194,12 @@ def _fetch_pages(scoped, k_g, v_g, head, block_size):
     return fetch
 
 
-def _normalized(acc, l_i):
+def normalized(acc, l_i):
     l_b = lax.broadcast_in_dim(l_i, acc.shape, [0])
     return jnp.where(l_b > 0.0, acc / jnp.where(l_b > 0.0, l_b, 1.0), 0.0)
 
 
-def _validate(q, k_pages, v_pages, pages_per_chunk):
+def validate(q, k_pages, v_pages, pages_per_chunk):
     _, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // max(num_kv_heads, 1)
@@ -231,7 +231,7 @@ def ragged_paged_attention(
     """Any batch (prefill, chunked, mixed, decode): one CTA per (tile of 64 q rows, kv head)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
-    group, pages_per_chunk = _validate(q, k_pages, v_pages, pages_per_chunk)
+    group, pages_per_chunk = validate(q, k_pages, v_pages, pages_per_chunk)
     block_q = ROWS // group  # tokens per tile; rows past block_q * G are padding
     common.check_static(
         q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
@@ -240,7 +240,7 @@ def ragged_paged_attention(
     chunk = pages_per_chunk * block_size
     num_seqs_max, max_blocks = block_tables.shape
     num_tiles = pl.cdiv(num_tokens, block_q)
-    ops = _Ops(interpret)
+    ops = Ops(interpret)
 
     q_rows = common.to_rows(q, num_kv_heads, block_q, ROWS)  # [Hkv, num_tiles*64, D]
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
@@ -259,7 +259,7 @@ def ragged_paged_attention(
         # Rows past block_q * G pad the tile to 64: out of every sequence.
         row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, jnp.int32(group)), -1)
         col = ops.iota((ROWS, chunk), 1)
-        copy = _fetch_pages(scoped, k_g, v_g, head, block_size)
+        copy = page_fetcher(scoped, k_g, v_g, head, block_size)
 
         def seq_body(seq, carry):
             q_start = qsl_g[seq]
@@ -295,11 +295,11 @@ def ragged_paged_attention(
                     mask &= kv_pos > row_pos - sliding_window
                 return mask
 
-            return _stream(ops, scoped, fetch=fetch, mask_of=mask_of, c_lo=c_lo, c_hi=c_hi,
+            return stream_chunks(ops, scoped, fetch=fetch, mask_of=mask_of, c_lo=c_lo, c_hi=c_hi,
                            carry=carry, sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype)
 
         acc, _, l_i = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, ops.init_carry(head_dim))
-        q_smem[...] = _normalized(acc, l_i).astype(dtype)
+        q_smem[...] = normalized(acc, l_i).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_g.at[head, pl.ds(tile * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
@@ -307,7 +307,7 @@ def ragged_paged_attention(
     kernel = plgpu.kernel(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
-            *_scratch(head_dim, chunk, pages_per_chunk, dtype),
+            *scratch(head_dim, chunk, pages_per_chunk, dtype),
         ),
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import pallas_kernels
 from pallas_kernels import ragged_paged_attention
 from tests.kernels.batch import MODELS
 
@@ -85,3 +86,18 @@ def test_head_dims_block_sizes_dtypes_lower(platform, head_dim, dtype, block_siz
     )
     shapes = _model_shapes(dtype, (9, 3, head_dim), block_size)
     assert target in _custom_calls(fn, platform, shapes)
+
+
+@pytest.mark.parametrize("heads", MODEL_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
+def test_split_kv_decode_lowers_for_cuda(heads):
+    step = pallas_kernels.for_step(decode_only=True, backend="gpu")
+    fn = functools.partial(step, sm_scale=0.1, soft_cap=30.0, sliding_window=100)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", _model_shapes(jnp.bfloat16, heads))
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 256])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_split_kv_decode_head_dims_lower(head_dim, block_size):
+    fn = functools.partial(pallas_kernels.for_step(decode_only=True, backend="gpu"), sm_scale=0.1)
+    shapes = _model_shapes(jnp.float16, (10, 2, head_dim), block_size)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
