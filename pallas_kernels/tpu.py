@@ -2,7 +2,9 @@
 
 Grid ``(Hkv, num_q_tiles)``; each program owns one kv head and one tile of ``block_q`` tokens
 (``block_q * G`` q rows, see ``common``). Block tables, lengths and the per-tile sequence ranges
-are scalar-prefetched into SMEM, so page addresses are known before the body runs. For each
+are scalar-prefetched into SMEM, so page addresses are known before the body runs (block tables
+too up to ``TABLE_SMEM_BYTES``; longer ones stay in HBM and each chunk DMAs its few ids into a
+two-slot SMEM buffer, so a 128k-token ``max_model_len`` fits). For each
 sequence overlapping the tile the body walks only the KV positions that tile's rows can see
 (causal upper bound, sliding-window lower bound) in chunks of ``pages_per_chunk`` pages, with
 two VMEM buffers: while chunk c is on the MXU, the DMAs for chunk c+1 (one per page, straight
@@ -24,6 +26,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxserve.runtime import compat
 from pallas_kernels import common
 
+# SMEM is about 1 MiB per core (less on older chips), shared with the other scalar operands.
+TABLE_SMEM_BYTES = 256 * 1024
+
 
 def _cdiv(a, b: int):
     """Ceil-divide for non-negative ints (truncating division: no sign op, which Mosaic
@@ -31,27 +36,32 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), b)
 
 
-def _kernel(
-    # scalar prefetch (SMEM)
-    seq_lens_ref,  # i32[S]
-    qsl_ref,  # i32[S+1]
-    tables_ref,  # i32[S * max_blocks]  (flattened: 2-D SMEM arrays pad badly)
-    tile_lo_ref,  # i32[num_tiles]
-    tile_hi_ref,  # i32[num_tiles]
-    # inputs
-    q_ref,  # [block_q * G, D] (VMEM block)
-    k_hbm,  # [num_blocks, block_size, Hkv, D] (HBM)
-    v_hbm,  # [num_blocks, block_size, Hkv, D] (HBM)
-    # outputs
-    o_ref,  # [block_q * G, D] (VMEM block)
-    # scratch
-    k_buf,  # [2, pages_per_chunk * block_size, D]
-    v_buf,  # [2, pages_per_chunk * block_size, D]
-    sems,  # DMA[2, 2]  (k/v, slot)
-    m_ref,  # f32[block_q * G, 1]
-    l_ref,  # f32[block_q * G, 1]
-    acc_ref,  # f32[block_q * G, D]
+def _kernel(*refs, tables_in_smem: bool, **static):
+    """Unpack the refs of either table mode, then run the body.
+
+    Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], [tables i32[S * max_blocks] when they
+    fit], tile_lo/tile_hi i32[num_tiles]. Inputs: q [rows, D] (VMEM block), k/v pages (HBM),
+    [tables in HBM otherwise]. Output: [rows, D]. Scratch: k/v chunk buffers [2, chunk, D], DMA
+    sems [2, 2], m/l f32[rows, 1], acc f32[rows, D], [the chunk's table entries i32[2 * ppc] in
+    SMEM and their DMA semaphore when the tables stay in HBM as i32[S, max_blocks + ppc]].
+    """
+    if tables_in_smem:
+        (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, k_hbm, v_hbm, o_ref,
+         *scratch) = refs
+        tables = (tables_ref,)
+    else:
+        (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, k_hbm, v_hbm, tables_hbm, o_ref,
+         *scratch) = refs
+        tables = (tables_hbm, *scratch[6:])
+    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, k_hbm, v_hbm, o_ref, *scratch[:6],
+          tables=tables, **static)
+
+
+def _body(
+    seq_lens_ref, qsl_ref, tile_lo_ref, tile_hi_ref, q_ref, k_hbm, v_hbm, o_ref,
+    k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
     *,
+    tables: tuple,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -75,13 +85,33 @@ def _kernel(
     # Rows past block_q * G pad the tile to the sublane multiple: mark them out of every sequence.
     row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, group), -1)
 
+    def load_table(seq, c, slot):
+        """HBM-table mode: this chunk's block ids into SMEM slot ``slot`` (a few bytes; each
+        row of the table is padded by one chunk, so the slice never runs off its end)."""
+        if len(tables) == 1:
+            return
+        tables_hbm, ids, sem = tables
+        cp = pltpu.make_async_copy(
+            tables_hbm.at[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)],
+            ids.at[pl.ds(slot * pages_per_chunk, pages_per_chunk)],
+            sem.at[0],
+        )
+        cp.start()
+        cp.wait()
+
+    def block_id(seq, c, j, slot):
+        if len(tables) == 1:
+            page_idx = jnp.minimum(c * pages_per_chunk + j, max_blocks - 1)
+            return tables[0][seq * max_blocks + page_idx]
+        return tables[1][slot * pages_per_chunk + j]
+
     def page_copies(seq, c, slot, num_pages):
         """One async copy per (K|V, page) of chunk c; pages past the sequence are skipped."""
         copies = []
         for j in range(pages_per_chunk):
             page_idx = c * pages_per_chunk + j
             needed = page_idx < num_pages
-            block = tables_ref[seq * max_blocks + jnp.minimum(page_idx, max_blocks - 1)]
+            block = block_id(seq, c, j, slot)
             for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
                 copies.append(
                     (
@@ -123,6 +153,7 @@ def _kernel(
 
         @pl.when(c_lo < c_hi)
         def _():
+            load_table(seq, c_lo, 0)
             start(page_copies(seq, c_lo, 0, num_pages))
 
         def chunk_body(c, carry):
@@ -130,6 +161,7 @@ def _kernel(
 
             @pl.when(c + 1 < c_hi)
             def _():
+                load_table(seq, c + 1, 1 - slot)
                 start(page_copies(seq, c + 1, 1 - slot, num_pages))
 
             wait(page_copies(seq, c, slot, num_pages))
@@ -185,8 +217,12 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_q: int = 8,
     pages_per_chunk: int = 8,
+    table_smem_bytes: int = TABLE_SMEM_BYTES,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
+    """``table_smem_bytes``: block tables up to this size are scalar-prefetched into SMEM;
+    larger ones (long ``max_model_len`` x many sequences) stay in HBM and each chunk DMAs its
+    ``pages_per_chunk`` ids into a two-slot SMEM buffer, so SMEM use is bounded."""
     common.check_static(
         q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
     )
@@ -202,8 +238,11 @@ def ragged_paged_attention(
     q_rows = common.to_rows(q, num_kv_heads, block_q, rows)
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
 
+    tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
+    tables_in_smem = tables.size * 4 <= table_smem_bytes
     kernel = functools.partial(
         _kernel,
+        tables_in_smem=tables_in_smem,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -213,24 +252,32 @@ def ragged_paged_attention(
         pages_per_chunk=pages_per_chunk,
         max_blocks=max_blocks,
     )
+    hbm = pl.BlockSpec(memory_space=compat.tpu_hbm())
     row_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    scratch = [
+        pltpu.VMEM((2, chunk, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, chunk, head_dim), v_pages.dtype),
+        pltpu.SemaphoreType.DMA((2, 2)),
+        pltpu.VMEM((rows, 1), jnp.float32),
+        pltpu.VMEM((rows, 1), jnp.float32),
+        pltpu.VMEM((rows, head_dim), jnp.float32),
+    ]
+    lens = (seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32))
+    if tables_in_smem:
+        prefetch, inputs = (*lens, tables, tile_lo, tile_hi), (q_rows, k_pages, v_pages)
+        in_specs = [row_spec, hbm, hbm]
+    else:
+        prefetch = (*lens, tile_lo, tile_hi)
+        padded = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_chunk)))
+        inputs = (q_rows, k_pages, v_pages, padded)  # [S, max_blocks + ppc], stays in HBM
+        in_specs = [row_spec, hbm, hbm, hbm]
+        scratch += [pltpu.SMEM((2 * pages_per_chunk,), jnp.int32), pltpu.SemaphoreType.DMA((1,))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=len(prefetch),
         grid=(num_kv_heads, num_tiles),
-        in_specs=[
-            row_spec,
-            pl.BlockSpec(memory_space=compat.tpu_hbm()),
-            pl.BlockSpec(memory_space=compat.tpu_hbm()),
-        ],
+        in_specs=in_specs,
         out_specs=row_spec,
-        scratch_shapes=[
-            pltpu.VMEM((2, chunk, head_dim), k_pages.dtype),
-            pltpu.VMEM((2, chunk, head_dim), v_pages.dtype),
-            pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, head_dim), jnp.float32),
-        ],
+        scratch_shapes=scratch,
     )
     out = pl.pallas_call(
         kernel,
@@ -241,14 +288,5 @@ def ragged_paged_attention(
         ),
         interpret=compat.tpu_interpret_params() if interpret else False,
         name="ragged_paged_attention_tpu",
-    )(
-        seq_lens.astype(jnp.int32),
-        query_start_loc.astype(jnp.int32),
-        block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks),
-        tile_lo,
-        tile_hi,
-        q_rows,
-        k_pages,
-        v_pages,
-    )
+    )(*prefetch, *inputs)
     return common.from_rows(out, num_tokens, num_q_heads, block_q)

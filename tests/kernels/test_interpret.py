@@ -145,3 +145,11 @@ def test_tpu_shapes(shape):
     hq, hkv, d, bs, dtype, window, cap = shape
     b = _shape_batch(40 + d, hq, hkv, d, bs, dtype)
     _check(tpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=window, soft_cap=cap)
+
+
+@pytest.mark.parametrize("case", ["chunked", "decode"])
+def test_tpu_block_tables_in_hbm(case):
+    """Tables too large for SMEM stay in HBM (forced here with a 0-byte SMEM budget)."""
+    b = make_batch(np.random.default_rng(30), *CASES[case], num_q_heads=6, num_kv_heads=2)
+    kernel = functools.partial(tpu_kernel, table_smem_bytes=0)
+    _check(kernel, b, rtol=1e-5, atol=1e-5, sliding_window=7)

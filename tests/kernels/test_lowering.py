@@ -101,3 +101,16 @@ def test_split_kv_decode_head_dims_lower(head_dim, block_size):
     fn = functools.partial(pallas_kernels.for_step(decode_only=True, backend="gpu"), sm_scale=0.1)
     shapes = _model_shapes(jnp.float16, (10, 2, head_dim), block_size)
     assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
+
+
+def test_tpu_long_block_tables_stay_in_hbm():
+    """256 sequences x 8192 pages (128k tokens of 16) is 8 MiB of table: no scalar prefetch of it."""
+    shapes = list(_model_shapes(jnp.bfloat16, (32, 8, 128)))
+    shapes[3] = jax.ShapeDtypeStruct((256,), jnp.int32)
+    shapes[4] = jax.ShapeDtypeStruct((257,), jnp.int32)
+    shapes[5] = jax.ShapeDtypeStruct((256, 8192), jnp.int32)
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, backend="tpu")
+    text = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()
+    assert "tpu_custom_call" in text
+    short = jax.export.export(jax.jit(fn), platforms=["tpu"])(*_model_shapes(jnp.bfloat16, (32, 8, 128)))
+    assert "tpu_custom_call" in short.mlir_module()
