@@ -7,8 +7,8 @@ head, :]`` takes its block id from a scalar loaded from the block table, and a b
 
 One CTA = one warpgroup = one kv head x one tile of 64 q rows (``64 // G`` tokens, rows laid out
 as in ``common``). For every sequence overlapping the tile it streams that tile's visible KV
-range in chunks of ``pages_per_chunk`` pages, double-buffered in SMEM (chunk c+1's TMAs are in
-flight while chunk c runs on the tensor cores), QK^T and PV as WGMMA with f32 accumulation,
+range in chunks of ``pages_per_chunk`` pages through a ring of 2-4 SMEM slots (the next chunks'
+TMAs are in flight while chunk c runs on the tensor cores), QK^T and PV as WGMMA with f32 accumulation,
 online softmax in registers. Chunk slots past a sequence's last page re-fetch that page (so the
 barrier arrival count is static) and are masked out; masked probabilities are exactly 0, so the
 kernel needs finite K/V in the slots of a sequence's own pages (stale slots past its length
@@ -34,9 +34,12 @@ from pallas_kernels import common
 ROWS = 64  # WGMMA M per warpgroup
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HEAD_DIMS = (64, 80, 96, 128, 256)
-SMEM_BYTES = 227 * 1024  # Hopper's per-block shared memory limit (opt-in maximum)
-# KV tokens per chunk by head_dim: K and V double-buffered in SMEM (2 x 2 x chunk x D x 2 bytes,
-# at most 128 KiB, beside the q/out tile) and the f32 scores [64, chunk] in registers.
+# Hopper's per-block shared memory limit is 227 KiB (opt-in maximum); keep 8 KiB for the
+# compiler's own scratch (cross-warp reductions, layout changes).
+SMEM_BYTES = 219 * 1024
+MAX_STAGES = 4  # chunks of K/V in flight at most (a ring of TMA destinations)
+# KV tokens per chunk by head_dim: bounded by the f32 scores [64, chunk] held in registers and
+# by two ring slots of K and V (2 x 2 x chunk x D x 2 bytes) fitting beside the q/out tile.
 CHUNK_TOKENS = {64: 128, 80: 128, 96: 128, 128: 128, 256: 64}
 
 
@@ -50,9 +53,17 @@ def default_pages_per_chunk(head_dim: int, block_size: int) -> int:
     return max(1, CHUNK_TOKENS.get(head_dim, 64) // block_size)
 
 
-def smem_bytes(head_dim: int, chunk: int, dtype) -> int:
+def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0) -> int:
+    """q/out tile + K and V x ``stages`` ring slots + barriers + ``extra`` (a kernel's own)."""
     itemsize = jnp.dtype(dtype).itemsize
-    return (ROWS + 4 * chunk) * head_dim * itemsize + 1024  # q/out tile, K+V x 2 slots, barriers
+    return (ROWS + 2 * stages * chunk) * head_dim * itemsize + 1024 + extra
+
+
+def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0) -> int:
+    """The deepest TMA ring (2..MAX_STAGES chunks in flight) that fits in shared memory."""
+    fits = [n for n in range(2, MAX_STAGES + 1)
+            if smem_bytes(head_dim, chunk, dtype, n, extra) <= SMEM_BYTES]
+    return max(fits, default=2)
 
 
 def unsupported(dtype, head_dim: int, group: int, block_size: int,
@@ -131,37 +142,41 @@ def smem_transforms(head_dim: int, dtype):
     )
 
 
-def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype):
-    """q/out tile, K and V chunks double-buffered, their barriers (one arrival per page)."""
+def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int):
+    """q/out tile, a ring of ``stages`` K and V chunks, their barriers (one arrival per page)."""
     transforms = smem_transforms(head_dim, dtype)
     return (
         plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=transforms),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
-        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
     )
 
 
 def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype):
-    """Online softmax over chunks [c_lo, c_hi): chunk c+1's TMAs (``fetch(c, slot)``) fly while
-    chunk c is on the tensor cores. ``mask_of(c)`` is the chunk's [ROWS, chunk] visibility;
-    masked probabilities are exactly 0, so masked slots need finite (not meaningful) K/V."""
+    """Online softmax over chunks [c_lo, c_hi) through a ring of ``stages`` SMEM slots: while
+    chunk c is on the tensor cores, the TMAs (``fetch(c, slot)``) of the next ``stages - 1``
+    chunks are in flight. ``mask_of(c)`` is the chunk's [ROWS, chunk] visibility; masked
+    probabilities are exactly 0, so masked slots need finite (not meaningful) K/V."""
     q_smem, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
+    stages = k_smem.shape[0]
     log2e = math.log2(math.e)
 
-    @pl.when(c_lo < c_hi)
-    def _():
-        fetch(c_lo, 0)
+    for i in range(stages - 1):
+        @pl.when(c_lo + i < c_hi)
+        def _(i=i):
+            fetch(c_lo + i, i)
 
     def chunk_body(c, carry):
         acc, m_i, l_i = carry
-        slot = lax.rem(c - c_lo, jnp.int32(2))
+        slot = lax.rem(c - c_lo, jnp.int32(stages))
+        ahead = c + (stages - 1)
 
-        @pl.when(c + 1 < c_hi)
+        @pl.when(ahead < c_hi)  # into the slot chunk c-1 has just released
         def _():
-            fetch(c + 1, 1 - slot)
+            fetch(ahead, lax.rem(ahead - c_lo, jnp.int32(stages)))
 
         plgpu.barrier_wait(k_bar.at[slot])
         s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
@@ -307,7 +322,8 @@ def ragged_paged_attention(
     kernel = plgpu.kernel(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
-            *scratch(head_dim, chunk, pages_per_chunk, dtype),
+            *scratch(head_dim, chunk, pages_per_chunk, dtype,
+                     num_stages(head_dim, chunk, dtype)),
         ),
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),

@@ -5,7 +5,7 @@ tile of 64 q rows, i.e. ``64 // G`` sequences, so at batch 1-64 it launches a ha
 on a 132-SM GPU and each walks a whole context. Here one CTA takes one (sequence, kv head,
 context split): the G query heads of the group are the rows of the MMA (padded to its 64), the
 sequence's visible pages are cut into ``num_splits`` equal ranges, and each CTA streams its
-range through the same double-buffered TMA pipeline and online softmax as ``gpu``. Each writes
+range through the same TMA ring and online softmax as ``gpu``. Each writes
 its normalized partial output and log-sum-exp; a small XLA combine weighs the splits.
 
 ``num_splits`` and ``pages_per_chunk`` come from ``decode_config``: chunk tokens from the
@@ -137,10 +137,11 @@ def decode_attention(
     lse_smem = plgpu.SMEM((gpu.ROWS, LSE_COLS), jnp.float32,
                           transforms=gpu.smem_transforms(LSE_COLS, jnp.float32))
     rows = num_tokens * num_splits * out_rows
+    stages = gpu.num_stages(head_dim, chunk, dtype, extra=gpu.ROWS * LSE_COLS * 4)
     kernel = plgpu.kernel(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
-            *gpu.scratch(head_dim, chunk, pages_per_chunk, dtype), lse_smem,
+            *gpu.scratch(head_dim, chunk, pages_per_chunk, dtype, stages), lse_smem,
         ),
         out_type=(
             jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), dtype),

@@ -74,3 +74,8 @@ def test_for_step_picks_the_decode_kernel_only_for_decode_buckets():
     assert_close(out_d, out_g, b.num_real_tokens, rtol=2e-2, atol=2e-2)
     with pytest.raises(TypeError, match="num_splits"):  # the general kernel has no splits
         general(*b.args, **KW, num_splits=2)
+
+
+def test_one_split_streams_the_whole_ring():
+    """A single split over 10 chunks: the ring wraps several times."""
+    _check(_decode_batch(6, [640, 200, 1], (8, 2, 64)), num_splits=1, pages_per_chunk=4)

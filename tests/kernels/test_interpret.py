@@ -153,3 +153,12 @@ def test_tpu_block_tables_in_hbm(case):
     b = make_batch(np.random.default_rng(30), *CASES[case], num_q_heads=6, num_kv_heads=2)
     kernel = functools.partial(tpu_kernel, table_smem_bytes=0)
     _check(kernel, b, rtol=1e-5, atol=1e-5, sliding_window=7)
+
+
+def test_gpu_ring_deeper_than_a_sequence():
+    """More chunks than ring slots (64-token chunks, 4 slots at head_dim 64), and sequences with
+    1, 3 and 10 chunks in one tile, so the ring restarts mid-way through its slots."""
+    assert gpu.num_stages(64, 64, jnp.bfloat16) == 4
+    b = make_batch(np.random.default_rng(31), [1, 2, 1], [600, 170, 1], num_q_heads=6,
+                   num_kv_heads=2, dtype=jnp.bfloat16)
+    _check(gpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=500)
