@@ -6,6 +6,7 @@ import pytest
 
 from jaxserve.errors import UserError
 from jaxserve.runtime import memory
+from jaxserve.runtime.memory import DEFAULT_MARGIN as DEFAULT
 from jaxserve.runtime.memory import GiB, plan_kv_memory
 
 
@@ -122,3 +123,14 @@ def test_device_memory_on_cpu_is_none():
     import jax
 
     assert memory.device_memory(jax.devices()[0]) is None
+
+
+def test_reserved_null_block_is_not_counted_as_capacity():
+    kw = {"device_limit": 4 * GiB, "bytes_in_use": GiB, "activation_bytes": 0,
+          "block_bytes": 1 << 20, "block_size": 16, "max_model_len": 16}
+    plain, reserved = plan_kv_memory(**kw), plan_kv_memory(**kw, reserved_blocks=1)
+    assert plain.num_blocks == reserved.num_blocks
+    assert reserved.kv_tokens == plain.kv_tokens - 16
+    with pytest.raises(UserError):  # room for exactly the null block is no room at all
+        plan_kv_memory(**{**kw, "device_limit": int((GiB + DEFAULT + (1 << 20)) / 0.9) + 1},
+                       reserved_blocks=1)

@@ -35,10 +35,12 @@ class MemoryPlan:
     num_blocks: int
     max_model_len: int
     tensor_parallel_size: int = 1
+    reserved_blocks: int = 0  # allocated but holding no request's KV (the engine's null block)
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of KV that requests can use."""
+        return (self.num_blocks - self.reserved_blocks) * self.block_size
 
     @property
     def max_concurrency(self) -> float:
@@ -69,6 +71,7 @@ def plan_kv_memory(
     utilization: float = DEFAULT_UTILIZATION,
     margin_bytes: int = DEFAULT_MARGIN,
     tensor_parallel_size: int = 1,
+    reserved_blocks: int = 0,
 ) -> MemoryPlan:
     """The KV plan, or a UserError naming what does not fit and the flags that change it."""
     if not 0.0 < utilization <= 1.0:
@@ -87,7 +90,7 @@ def plan_kv_memory(
         f"(--gpu-memory-utilization {utilization} x {_gib(device_limit)} device memory)"
     )
     kv_bytes = budget - bytes_in_use - activation_bytes - margin_bytes
-    if kv_bytes < block_bytes:
+    if kv_bytes < (reserved_blocks + 1) * block_bytes:
         if bytes_in_use + margin_bytes > budget:
             fix = (
                 "raise --tensor-parallel-size to split the weights over more devices, use a "
@@ -113,6 +116,7 @@ def plan_kv_memory(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
+        reserved_blocks=reserved_blocks,
     )
     if plan.kv_tokens < max_model_len:
         raise UserError(
