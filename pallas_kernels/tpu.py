@@ -1,14 +1,15 @@
 """Ragged paged attention for TPU (Pallas / Mosaic TPU).
 
-Grid ``(Hkv, num_q_tiles)``; each program owns one kv head and one tile of ``block_q`` tokens
-(``block_q * G`` q rows, see ``common``). Block tables, lengths and the per-tile sequence ranges
+Grid ``(num_q_tiles,)``; each program owns one tile of ``block_q`` tokens for every kv head
+(``block_q * G`` q rows per head, see ``common``), so one DMA per page brings all its kv heads
+(a contiguous ``[block_size, Hkv, D]`` run of HBM instead of Hkv strided ones). Block tables, lengths and the per-tile sequence ranges
 are scalar-prefetched into SMEM, so page addresses are known before the body runs (block tables
 too up to ``TABLE_SMEM_BYTES``; longer ones stay in HBM and each chunk DMAs its few ids into a
 two-slot SMEM buffer, so a 128k-token ``max_model_len`` fits). For each
 sequence overlapping the tile the body walks only the KV positions that tile's rows can see
 (causal upper bound, sliding-window lower bound) in chunks of ``pages_per_chunk`` pages, with
-two VMEM buffers: while chunk c is on the MXU, the DMAs for chunk c+1 (one per page, straight
-from the paged HBM cache, strided over the kv-head axis) are in flight. Online softmax in f32.
+two VMEM buffers: while chunk c is on the MXU, the DMAs for chunk c+1 (one per page and K/V,
+straight from the paged HBM cache) are in flight. Online softmax in f32, per head.
 
 Block sizes are static keyword arguments; nothing is read from the device at trace time.
 """
@@ -40,9 +41,10 @@ def _kernel(*refs, tables_in_smem: bool, **static):
     """Unpack the refs of either table mode, then run the body.
 
     Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], [tables i32[S * max_blocks] when they
-    fit], tile_lo/tile_hi i32[num_tiles]. Inputs: q [rows, D] (VMEM block), k/v pages (HBM),
-    [tables in HBM otherwise]. Output: [rows, D]. Scratch: k/v chunk buffers [2, chunk, D], DMA
-    sems [2, 2], m/l f32[rows, 1], acc f32[rows, D], [the chunk's table entries i32[2 * ppc] in
+    fit], tile_lo/tile_hi i32[num_tiles]. Inputs: q [Hkv, rows, D] (VMEM block), k/v pages
+    (HBM), [tables in HBM otherwise]. Output: [Hkv, rows, D]. Scratch: k/v chunk buffers
+    [2, chunk, Hkv, D], DMA sems [2, 2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows, D], [the
+    chunk's table entries i32[2 * ppc] in
     SMEM and their DMA semaphore when the tables stay in HBM as i32[S, max_blocks + ppc]].
     """
     if tables_in_smem:
@@ -71,9 +73,8 @@ def _body(
     pages_per_chunk: int,
     max_blocks: int,
 ):
-    head = pl.program_id(0)
-    tile = pl.program_id(1)
-    rows = m_ref.shape[0]
+    tile = pl.program_id(0)
+    num_kv_heads, rows, _ = m_ref.shape
     chunk = pages_per_chunk * block_size
 
     m_ref[...] = jnp.full_like(m_ref, common.MASK_VALUE)
@@ -106,7 +107,8 @@ def _body(
         return tables[1][slot * pages_per_chunk + j]
 
     def page_copies(seq, c, slot, num_pages):
-        """One async copy per (K|V, page) of chunk c; pages past the sequence are skipped."""
+        """One async copy per (K|V, page) of chunk c, all kv heads of the page at once (a
+        contiguous [block_size, Hkv, D] run of HBM); pages past the sequence are skipped."""
         copies = []
         for j in range(pages_per_chunk):
             page_idx = c * pages_per_chunk + j
@@ -117,8 +119,8 @@ def _body(
                     (
                         needed,
                         pltpu.make_async_copy(
-                            src.at[block, :, head, :],
-                            buf.at[slot, pl.ds(j * block_size, block_size), :],
+                            src.at[block],
+                            buf.at[slot, pl.ds(j * block_size, block_size)],
                             sems.at[kv, slot],
                         ),
                     )
@@ -165,33 +167,34 @@ def _body(
                 start(page_copies(seq, c + 1, 1 - slot, num_pages))
 
             wait(page_copies(seq, c, slot, num_pages))
-            q = q_ref[...]
-            k = k_buf[slot]
-            v = v_buf[slot]
-            s = lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            ) * sm_scale
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
             kv_pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
             mask = in_seq & (kv_pos <= row_pos) & (kv_pos < kv_end)
             if sliding_window is not None:
                 mask &= kv_pos > row_pos - sliding_window
-            s = jnp.where(mask, s, common.MASK_VALUE)
-            m_prev = m_ref[...]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-            alpha = jnp.exp(m_prev - m_new)
             # Pages past kv_end were not fetched this round: zero them so stale VMEM
             # (possibly NaN) never reaches the accumulator through 0 * NaN.
             kv_col = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-            v = jnp.where(kv_col < kv_end, v, jnp.zeros_like(v))
-            pv = lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            m_ref[...] = m_new
-            l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-            acc_ref[...] = alpha * acc_ref[...] + pv
+            for h in range(num_kv_heads):  # static: each head's [chunk, D] slice of the pages
+                s = lax.dot_general(
+                    q_ref[h], k_buf[slot, :, h, :], (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                ) * sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * jnp.tanh(s / soft_cap)
+                s = jnp.where(mask, s, common.MASK_VALUE)
+                m_prev = m_ref[h]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+                alpha = jnp.exp(m_prev - m_new)
+                v = v_buf[slot, :, h, :]
+                v = jnp.where(kv_col < kv_end, v, jnp.zeros_like(v))
+                pv = lax.dot_general(
+                    p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )
+                m_ref[h] = m_new
+                l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+                acc_ref[h] = alpha * acc_ref[h] + pv
             return carry
 
         return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
@@ -253,14 +256,14 @@ def ragged_paged_attention(
         max_blocks=max_blocks,
     )
     hbm = pl.BlockSpec(memory_space=compat.tpu_hbm())
-    row_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    row_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
     scratch = [
-        pltpu.VMEM((2, chunk, head_dim), k_pages.dtype),
-        pltpu.VMEM((2, chunk, head_dim), v_pages.dtype),
+        pltpu.VMEM((2, chunk, num_kv_heads, head_dim), k_pages.dtype),
+        pltpu.VMEM((2, chunk, num_kv_heads, head_dim), v_pages.dtype),
         pltpu.SemaphoreType.DMA((2, 2)),
-        pltpu.VMEM((rows, 1), jnp.float32),
-        pltpu.VMEM((rows, 1), jnp.float32),
-        pltpu.VMEM((rows, head_dim), jnp.float32),
+        pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+        pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
+        pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
     ]
     lens = (seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32))
     if tables_in_smem:
@@ -274,7 +277,7 @@ def ragged_paged_attention(
         scratch += [pltpu.SMEM((2 * pages_per_chunk,), jnp.int32), pltpu.SemaphoreType.DMA((1,))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
-        grid=(num_kv_heads, num_tiles),
+        grid=(num_tiles,),
         in_specs=in_specs,
         out_specs=row_spec,
         scratch_shapes=scratch,
@@ -284,7 +287,7 @@ def ragged_paged_attention(
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=compat.tpu_compiler_params(
-            dimension_semantics=("parallel", "parallel"),
+            dimension_semantics=("parallel",),
         ),
         interpret=compat.tpu_interpret_params() if interpret else False,
         name="ragged_paged_attention_tpu",
