@@ -189,7 +189,7 @@ def phase_numerics(rec, opts, deadline):
 
 def phase_decode(rec, opts, deadline):
     copy = [r["gbps"] for r in rec.rows if r["phase"] == "copy" and "gbps" in r]
-    ceiling = max(copy) if copy else float("nan")
+    ceiling = max(copy) if copy else None
     hq, hkv, d = SHAPE_8B
     xla_name, xla_fn = xla_attention()
     fns = {**kernels(opts), xla_name: xla_fn}
@@ -205,7 +205,7 @@ def phase_decode(rec, opts, deadline):
                 sec = timed(jax.jit(functools.partial(fn, sm_scale=d ** -0.5)), args)
                 gbps = nbytes / sec / 1e9
                 rec("decode", batch=batch, ctx=ctx, kernel=kname, us=sec * 1e6, gbps=gbps,
-                    pct_copy=100 * gbps / ceiling)
+                    pct_copy=100 * gbps / ceiling if ceiling else None)
             except Exception as e:  # noqa: BLE001
                 rec("decode", batch=batch, ctx=ctx, kernel=kname,
                     error=f"{type(e).__name__}: {e}"[:1500])
@@ -242,11 +242,13 @@ def phase_generate(rec, opts, deadline):
         if time.time() > deadline:
             return rec("generate", skipped="deadline")
         try:
+            # No precompile of every bucket (minutes of Mosaic compiles); a warm-up pass over the
+            # same prompts compiles the buckets the timed pass uses.
             llm = LLM(str(path), max_model_len=prompt_len + new + 16, max_num_seqs=batch,
-                      precompile=not opts.cpu_smoke)  # compile every bucket before the timing
+                      precompile=False)
             prompts = [[5 + (i + j) % 300 for j in range(prompt_len)] for i in range(batch)]
             params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-            llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True),
+            llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                          use_tqdm=False)
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
