@@ -103,7 +103,8 @@ def ragged_paged_attention(
     """Attention of each new token over its own sequence's paged KV (see ``reference``).
 
     ``decode_only`` (static, per compiled bucket): every sequence has exactly one new token and
-    token t is sequence t; on gpu that selects the split-KV decode kernel (``gpu_decode``).
+    token t is sequence t; on gpu that selects the split-KV decode kernel (``gpu_decode``), on
+    tpu the decode row of ``tpu.block_sizes`` (explicit ``block_sizes`` override the table).
     ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu
     (and ``num_splits`` for its decode kernel).
     """
@@ -113,7 +114,9 @@ def ragged_paged_attention(
     if name == "tpu":
         from pallas_kernels import tpu
 
-        return tpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
+        group = q.shape[1] // k_pages.shape[2]
+        sizes = {**tpu.block_sizes(decode_only, group, k_pages.shape[1]), **block_sizes}
+        return tpu.ragged_paged_attention(*args, **kwargs, **sizes, interpret=interpret)
     if name == "gpu" and decode_only:
         from pallas_kernels import gpu_decode
 

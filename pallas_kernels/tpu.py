@@ -31,6 +31,18 @@ from pallas_kernels import common
 TABLE_SMEM_BYTES = 256 * 1024
 
 
+def block_sizes(decode_only: bool, group: int, block_size: int) -> dict[str, int]:
+    """The one table of TPU block sizes, by step kind (a static property of the bucket).
+
+    Decode: one token (one sequence) per program, so each sequence's pages stream once with
+    only its own G rows on the MXU, and 256-token chunks. Prefill/mixed: about 128 q rows per
+    tile (MXU-shaped) and 128-token chunks.
+    """
+    if decode_only:
+        return {"block_q": 1, "pages_per_chunk": max(1, 256 // block_size)}
+    return {"block_q": max(1, 128 // group), "pages_per_chunk": max(1, 128 // block_size)}
+
+
 def _cdiv(a, b: int):
     """Ceil-divide for non-negative ints (truncating division: no sign op, which Mosaic
     lowers by querying the TPU generation)."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import gpu, reference, tpu
 from tests.kernels.batch import assert_close, make_batch
 
@@ -162,3 +163,17 @@ def test_gpu_ring_deeper_than_a_sequence():
     b = make_batch(np.random.default_rng(31), [1, 2, 1], [600, 170, 1], num_q_heads=6,
                    num_kv_heads=2, dtype=jnp.bfloat16)
     _check(gpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=500)
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "general"])
+def test_tpu_block_size_table(decode_only):
+    """The table's block sizes (one sequence per program for decode, ~128-row tiles otherwise)
+    on a decode batch with an odd GQA ratio; the general row also on a mixed batch."""
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu", interpret=True)
+    b = make_batch(np.random.default_rng(32), [1, 1, 1], [300, 1, 77], num_q_heads=10,
+                   num_kv_heads=2, block_size=16)
+    _check(step, b, rtol=1e-5, atol=1e-5)
+    if not decode_only:
+        b = make_batch(np.random.default_rng(33), [1, 30, 2], [300, 30, 77], num_q_heads=10,
+                       num_kv_heads=2, block_size=16)
+        _check(step, b, rtol=1e-5, atol=1e-5, soft_cap=25.0)

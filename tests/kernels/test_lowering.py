@@ -112,3 +112,11 @@ def test_tpu_long_block_tables_stay_in_hbm():
     shapes[5] = jax.ShapeDtypeStruct((256, 8192), jnp.int32)
     fn = functools.partial(ragged_paged_attention, sm_scale=0.1, backend="tpu")
     assert "tpu_custom_call" in _custom_calls(fn, "tpu", shapes)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (28, 4, 128)])
+def test_tpu_table_block_sizes_lower(heads, decode_only):
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu")
+    fn = functools.partial(step, sm_scale=0.1, sliding_window=100)
+    assert "tpu_custom_call" in _custom_calls(fn, "tpu", _model_shapes(jnp.bfloat16, heads))
