@@ -1,13 +1,14 @@
 """Pallas kernels for jaxserve, each next to its pure-jnp reference.
 
-``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16;
-split-KV ``gpu_decode`` for decode-only steps),
-``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU kernel in
-its interpreter when ``interpret=True``, else the reference). ``write_kv`` dispatches the same
-way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
-With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreter on any host.
+``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16,
+sm_90+), ``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU
+kernel in its interpreter when ``interpret=True``, else the reference). ``for_step(decode_only=)``
+fixes the step kind per compiled bucket: decode-only steps get the split-KV ``gpu_decode`` kernel
+on GPU and the decode row of the block-size table on TPU. ``supported(...)`` says, before anything
+traces, whether a platform's kernel runs a shape (else why), for backend resolution.
+``write_kv`` dispatches the same way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
+With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host.
 """
-
 from __future__ import annotations
 
 from typing import Literal
