@@ -134,3 +134,33 @@ def test_reserved_null_block_is_not_counted_as_capacity():
     with pytest.raises(UserError):  # room for exactly the null block is no room at all
         plan_kv_memory(**{**kw, "device_limit": int((GiB + DEFAULT + (1 << 20)) / 0.9) + 1},
                        reserved_blocks=1)
+
+
+def test_engine_sizes_kv_after_the_weights_and_the_compiled_step(tiny_model, monkeypatch):
+    """On a device with memory stats (faked here), the engine places the weights and compiles the
+    largest step before it sizes the KV cache from what is left."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+    from jaxserve.errors import UserError
+    from jaxserve.runtime import runner as rt
+
+    limit, in_use = memory.DEFAULT_MARGIN + (48 << 20), 4 << 20
+    monkeypatch.setattr(memory, "has_device_stats", lambda: True)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (limit, in_use))
+    kw = dict(model=tiny_model("llama"), precompile=False, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, gpu_memory_utilization=1.0)
+    engine = LLMEngine(EngineConfig(**kw))
+    peak = engine.runner.peak_step_bytes()
+    assert peak > 0
+    block = rt.kv_bytes_per_block(engine.model_config, 16, str(engine.runner.kv_dtype))
+    want = (limit - in_use - peak - memory.DEFAULT_MARGIN) // block
+    assert engine.num_blocks == want == engine.runner.kv_caches[0][0].shape[0]
+    assert engine.scheduler.kv.num_blocks == want
+    from jaxserve import SamplingParams
+
+    engine.add_request("a", None, SamplingParams(max_tokens=4, temperature=0), prompt_token_ids=[3, 4, 5])
+    while engine.has_unfinished_requests():
+        engine.step()
+    monkeypatch.setattr(memory, "device_memory", lambda device: (limit, limit))  # weights fill it
+    with pytest.raises(UserError, match="tensor-parallel-size"):
+        LLMEngine(EngineConfig(**kw))

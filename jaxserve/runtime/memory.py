@@ -56,6 +56,13 @@ def device_memory(device: Any) -> tuple[int, int] | None:
     return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
 
 
+def has_device_stats() -> bool:
+    """Whether the default device reports its memory (accelerators do; XLA:CPU does not)."""
+    import jax
+
+    return device_memory(jax.devices()[0]) is not None
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
