@@ -1,0 +1,128 @@
+"""Grammar backends compared on the default model's tokenizer: compile time and mask time per token.
+
+    python -m bench.structured [--fields 50] [--json out.json]
+
+For a schema with N fields of mixed types (strings with patterns, bounded numbers, enums, arrays,
+a nested object), each backend compiles the schema cold (no cache), then walks the tokens of one
+valid instance, filling the packed bitmask before each token and accepting it after: the per-token
+cost the engine pays on the host. Tokenizer setup (once per server) is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def big_schema(n: int) -> tuple[dict, dict]:
+    """A schema with n properties of rotating kinds, and one instance that satisfies it."""
+    props, inst = {}, {}
+    for i in range(n):
+        k = i % 5
+        name = f"field_{i}"
+        if k == 0:
+            props[name], inst[name] = {"type": "string", "maxLength": 20}, f"value {i}"
+        elif k == 1:
+            props[name], inst[name] = {"type": "integer", "minimum": 0, "maximum": 1000}, i * 7
+        elif k == 2:
+            props[name], inst[name] = {"enum": ["red", "green", "blue"]}, "green"
+        elif k == 3:
+            props[name] = {"type": "array", "items": {"type": "number"}, "maxItems": 4}
+            inst[name] = [1.5, 2.25]
+        else:
+            props[name] = {
+                "type": "object",
+                "properties": {"id": {"type": "string", "pattern": "^[a-z]{3}[0-9]{2}$"},
+                               "ok": {"type": "boolean"}},
+                "required": ["id", "ok"], "additionalProperties": False,
+            }
+            inst[name] = {"id": "abc12", "ok": True}
+    schema = {"type": "object", "properties": props, "required": list(props),
+              "additionalProperties": False}
+    return schema, inst
+
+
+def run_llguidance(hf, vocab: int, schema: dict, tokens: list[int]) -> dict:
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy
+
+    t0 = time.perf_counter()
+    lltok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+    setup = time.perf_counter() - t0
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
+    t0 = time.perf_counter()
+    m = llguidance.LLMatcher(lltok, grammar)
+    compile_s = time.perf_counter() - t0
+    assert not m.is_error(), m.get_error()
+    mask = llguidance.numpy.allocate_token_bitmask(1, vocab)
+    times = []
+    for t in tokens:
+        t0 = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask(m, mask)
+        times.append(time.perf_counter() - t0)
+        assert m.consume_token(t), m.get_error()
+    return {"setup_s": setup, "compile_s": compile_s, "mask_us": _us(times)}
+
+
+def run_xgrammar(hf, vocab: int, schema: dict, tokens: list[int]) -> dict:
+    import xgrammar as xgr
+
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+    comp = xgr.GrammarCompiler(info, cache_enabled=False)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cg = comp.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+    compile_s = time.perf_counter() - t0
+    m = xgr.GrammarMatcher(cg)
+    mask = np.zeros((1, (vocab + 31) // 32), np.int32)
+    times = []
+    for t in tokens:
+        t0 = time.perf_counter()
+        m.fill_next_token_bitmask(mask)
+        times.append(time.perf_counter() - t0)
+        assert m.accept_token(t)
+    return {"setup_s": setup, "compile_s": compile_s, "mask_us": _us(times)}
+
+
+def _us(times: list[float]) -> dict:
+    us = sorted(x * 1e6 for x in times)
+    return {"mean": statistics.fmean(us), "p50": us[len(us) // 2], "p99": us[int(len(us) * .99)],
+            "max": us[-1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fields", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from jaxserve.model.default_model import default_model_path
+    from jaxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_path())
+    vocab = 49152  # the model's embedding rows
+    schema, inst = big_schema(args.fields)
+    tokens = tok.encode(json.dumps(inst, separators=(",", ":")), add_special_tokens=False)
+    rows = {}
+    for name, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+        rows[name] = fn(tok.hf, vocab, schema, tokens)
+    print(f"{args.fields}-field schema, {len(tokens)} tokens, vocab {vocab}")
+    print(f"{'backend':<12}{'setup s':>9}{'compile s':>11}{'mask mean us':>14}{'p50':>8}"
+          f"{'p99':>8}{'max':>8}")
+    for name, r in rows.items():
+        m = r["mask_us"]
+        print(f"{name:<12}{r['setup_s']:>9.3f}{r['compile_s']:>11.4f}{m['mean']:>14.1f}"
+              f"{m['p50']:>8.1f}{m['p99']:>8.1f}{m['max']:>8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"fields": args.fields, "tokens": len(tokens), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
