@@ -111,7 +111,10 @@ def main() -> None:
     tokens = tok.encode(json.dumps(inst, separators=(",", ":")), add_special_tokens=False)
     rows = {}
     for name, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
-        rows[name] = fn(tok.hf, vocab, schema, tokens)
+        try:
+            rows[name] = fn(tok.hf, vocab, schema, tokens)
+        except ImportError:  # xgrammar is not a dependency (it needs torch): pip install it
+            print(f"{name}: not installed, skipped")
     print(f"{args.fields}-field schema, {len(tokens)} tokens, vocab {vocab}")
     print(f"{'backend':<12}{'setup s':>9}{'compile s':>11}{'mask mean us':>14}{'p50':>8}"
           f"{'p99':>8}{'max':>8}")

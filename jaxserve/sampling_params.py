@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.errors import UserError
+from jaxserve.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -28,6 +32,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # constrain the output to a JSON schema / regex / choice / grammar (a StructuredOutputs, or
+    # a dict of its fields, e.g. {"json": schema})
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,6 +43,17 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as e:
+                raise UserError(f"Invalid structured_outputs: {e}.",
+                                param="structured_outputs") from None
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputs):
+            raise UserError(
+                f"Invalid structured_outputs={type(self.structured_outputs).__name__}: give a "
+                "StructuredOutputs or a dict such as {'json': schema}.", param="structured_outputs")
         self._validate()
 
     def _validate(self) -> None:
