@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass
 
 from jaxserve.config import parse_bytes
+from jaxserve.errors import UserError
+from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version")
 
@@ -23,8 +26,16 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     hang_timeout: float = 120.0  # /health turns 503 when one engine step runs longer than this
     log_level: str = "info"
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls (tool_parsers.py)
+    reasoning_parser: str | None = None  # splits <think> blocks into reasoning_content
 
     def __post_init__(self) -> None:
+        for name, known in (("tool_call_parser", TOOL_PARSERS),
+                            ("reasoning_parser", REASONING_PARSERS)):
+            v = getattr(self, name)
+            if v is not None and v not in known:
+                raise UserError(f"Invalid {name}={v!r}: choose one of {', '.join(sorted(known))}.",
+                                param=name)
         for name in ("max_queued_requests", "max_body_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -53,6 +64,8 @@ class ServerConfig:
             shutdown_timeout=args.shutdown_timeout,
             hang_timeout=args.hang_timeout,
             log_level=args.log_level,
+            tool_call_parser=getattr(args, "tool_call_parser", None),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
         )
 
 
@@ -108,4 +121,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default info)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format, read for tool_choice 'auto' (default: none; "
+        "'auto' is then a 400, 'required' and named functions still work)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="put <think>...</think> in reasoning_content (qwen3: when the answer opens with "
+        "<think>; deepseek_r1: the prompt opened it) (default: off)",
     )

@@ -55,3 +55,32 @@ def tool_call_json(call: FunctionCall, index: int | None = None) -> dict:
     d = {"id": call_id(), "type": "function",
          "function": {"name": call.name, "arguments": call.arguments}}
     return d if index is None else {"index": index, **d}
+
+
+def message_json(p: Parsed) -> dict:
+    """The assistant message of a whole answer."""
+    m: dict = {"role": "assistant",
+               "content": None if p.calls and not p.content.strip() else p.content}
+    if p.reasoning:
+        m["reasoning_content"] = p.reasoning
+    if p.calls:
+        m["tool_calls"] = [tool_call_json(c) for c in p.calls]
+    return m
+
+
+def delta_json(d: Parsed, first_call_index: int) -> dict:
+    """A stream delta: content, reasoning_content and whole tool calls (OpenAI's delta shape,
+    each call in one delta with its index, id, name and arguments)."""
+    out: dict = {}
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.calls:
+        out["tool_calls"] = [tool_call_json(c, first_call_index + k) for k, c in enumerate(d.calls)]
+    return out
+
+
+def finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI says "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if made_calls and reason == "stop" else reason

@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError, bad_request, from_validation_error, from_value_error
+from jaxserve.server.tools import StructuredFields, ToolFields, ToolMessageFields
+from jaxserve.structured import StructuredOutputs
 
 
 class _Model(BaseModel):
@@ -23,7 +25,7 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Model):
+class _SamplingRequest(_Model, StructuredFields):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -104,7 +106,7 @@ class CompletionRequest(_SamplingRequest):
         )
 
 
-class ChatMessage(_Model):
+class ChatMessage(_Model, ToolMessageFields):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -123,7 +125,7 @@ class ChatMessage(_Model):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -160,6 +162,7 @@ def to_sampling_params(
     logprobs: int | None,
     vocab_size: int,
     aliases: dict[str, str],
+    structured_outputs: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """Build SamplingParams: explicit request values, then the model's generation config, then OpenAI's."""
     kw: dict[str, Any] = {"temperature": 1.0, **defaults}
@@ -188,6 +191,7 @@ def to_sampling_params(
             stop_token_ids=req.stop_token_ids or [],
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
             **kw,
         )
     except ValueError as e:

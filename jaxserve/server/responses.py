@@ -17,6 +17,8 @@ from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError, RequestStream
 from jaxserve.server.errors import APIError
+from jaxserve.server.output_parser import OutputParser, Parsed, delta_json, message_json
+from jaxserve.server.output_parser import finish_reason as agent_finish_reason
 from jaxserve.server.streaming import DONE, sse
 from jaxserve.tokenizer import _byte_alphabet
 
@@ -40,6 +42,7 @@ class Kind:
     prompts: list[Prompt]
     echo: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
+    output: OutputParser | None = None  # chat: reasoning / tool calls out of the text
 
 
 class TokenTexts:
@@ -91,6 +94,7 @@ class ResponseBuilder:
         self.tokens, self.kind, self.n, self.id, self.model = tokens, kind, n, api_id, model
         self.created = int(time.time())
         self.chat = kind.object == "chat.completion"
+        self._calls_sent: dict[int, int] = {}  # streamed tool calls per choice
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -140,17 +144,23 @@ class ResponseBuilder:
         return out
 
     def _choice(
-        self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool
+        self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool,
+        parsed: Parsed | None = None, made_calls: bool = False,
     ) -> dict:
         c: dict[str, Any] = {"index": index}
         if not self.chat:
             c["text"] = text
+        elif parsed is not None:  # split by the output parser
+            c["delta" if delta else "message"] = (
+                delta_json(parsed, self._calls_sent.get(index, 0)) if delta
+                else message_json(parsed)
+            )
         elif delta:
             c["delta"] = {"content": text} if text else {}
         else:
             c["message"] = {"role": "assistant", "content": text}
         c["logprobs"] = logprobs
-        c["finish_reason"] = o.finish_reason
+        c["finish_reason"] = agent_finish_reason(o.finish_reason, made_calls)
         c["stop_reason"] = o.stop_reason
         return c
 
@@ -178,9 +188,11 @@ class ResponseBuilder:
         for idx in sorted(finals):
             for o in finals[idx].outputs:
                 text = (self._echo(idx) + o.text) if self.kind.echo else o.text
+                parsed = self.kind.output.extract(text) if self.kind.output else None
                 choices.append(
                     self._choice(
-                        idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False
+                        idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False,
+                        parsed=parsed, made_calls=bool(parsed and parsed.calls),
                     )
                 )
         return {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
@@ -196,6 +208,7 @@ class ResponseBuilder:
         done: set[int] = set()
         started: set[int] = set()
         offsets: dict[int, int] = {}
+        incs = {}  # per choice: the output parser's stream state
         try:
             if self.chat:
                 for i in range(len(self.kind.prompts) * self.n):
@@ -234,7 +247,18 @@ class ResponseBuilder:
                         offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
                     if o.finished:
                         done.add(index)
-                    yield sse({**head, "choices": [self._choice(index, text, lps, o, delta=True)]})
+                    parsed = None
+                    if self.kind.output is not None:
+                        inc = incs.setdefault(index, self.kind.output.stream())
+                        parsed = inc.feed(text, final=o.finished)
+                        if not (parsed.content or parsed.reasoning or parsed.calls
+                                or o.finished or lps):
+                            continue  # held back: it may still become a call or a tag
+                    choice = self._choice(index, text, lps, o, delta=True, parsed=parsed,
+                                          made_calls=bool(index in incs and incs[index].sent.calls))
+                    if parsed is not None:
+                        self._calls_sent[index] = len(incs[index].sent.calls)
+                    yield sse({**head, "choices": [choice]})
             if stream.aborted:
                 return
             if include_usage:

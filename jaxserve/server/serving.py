@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.server import protocol as P
+from jaxserve.server import tools as T
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request, from_value_error
@@ -37,6 +38,7 @@ class OpenAIServing:
         self.model_names = list(cfg.served_model_names or [engine.loaded.name])
         self.draining = False
         self.tokens = TokenTexts(tokenizer)
+        self.grammar = getattr(engine, "grammar_compiler", None)  # structured outputs, if wired
 
     # ---- shared checks ---------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -130,6 +132,7 @@ class OpenAIServing:
                 self.max_model_len - max(len(p.ids) for p in prompts),
             )
         kind = Kind("text_completion", "text_completion", "cmpl", req, prompts, echo=req.echo)
+        spec, spec_param = T.structured_spec(req)
         params = P.to_sampling_params(
             req,
             defaults=self.defaults,
@@ -137,7 +140,9 @@ class OpenAIServing:
             logprobs=req.logprobs,
             vocab_size=self.vocab_size,
             aliases={},
+            structured_outputs=spec,
         )
+        await T.check_grammar(self.grammar, spec, spec_param)
         return await self._generate(request, kind, params, model)
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -145,7 +150,10 @@ class OpenAIServing:
         req = P.parse(P.ChatCompletionRequest, await self.read_body(request))
         req.check_stream_options()
         model = self.check_model(req.model)
-        ids = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        plan = T.plan(req, self.cfg.tool_call_parser, self.cfg.reasoning_parser)
+        ids = self.render_chat(
+            req.messages, req.add_generation_prompt, req.chat_template_kwargs, plan.template_tools
+        )
         prompts = [Prompt(ids)]
         max_param = (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -164,7 +172,9 @@ class OpenAIServing:
             req,
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
+            output=plan.output,
         )
+        spec, spec_param = T.structured_spec(req, plan.tool_call)
         params = P.to_sampling_params(
             req,
             defaults=self.defaults,
@@ -172,7 +182,11 @@ class OpenAIServing:
             logprobs=logprobs,
             vocab_size=self.vocab_size,
             aliases=kind.aliases,
+            structured_outputs=spec,
         )
+        if plan.skip_special_tokens is not None:
+            params.skip_special_tokens = plan.skip_special_tokens
+        await T.check_grammar(self.grammar, spec, spec_param)
         return await self._generate(request, kind, params, model)
 
     def render_chat(
@@ -180,13 +194,15 @@ class OpenAIServing:
         messages: list[P.ChatMessage],
         add_generation_prompt: bool = True,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         if not self.tok.has_chat_template:
             raise bad_request("This model has no chat template: use /v1/completions.", "messages")
-        msgs = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+        msgs = [T.message_dict(m, i) for i, m in enumerate(messages)]
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self.tok.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+                msgs, add_generation_prompt=add_generation_prompt, **kw
             )
         except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are the client's
             raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
