@@ -67,7 +67,32 @@ def run_llguidance(hf, vocab: int, schema: dict, tokens: list[int]) -> dict:
         llguidance.numpy.fill_next_token_bitmask(m, mask)
         times.append(time.perf_counter() - t0)
         assert m.consume_token(t), m.get_error()
-    return {"setup_s": setup, "compile_s": compile_s, "mask_us": _us(times)}
+    return {"setup_s": setup, "compile_s": compile_s, "mask_us": _us(times),
+            "batch32_fill_us": _batch_fill(lltok, grammar, tokens, vocab, 32)}
+
+
+def _batch_fill(lltok, grammar: str, tokens: list[int], vocab: int, rows: int) -> dict:
+    """One step's mask for `rows` sequences at spread-out positions of the instance, filled in
+    parallel by jaxserve's BitmaskFiller (what the engine calls per step)."""
+    import llguidance
+
+    from jaxserve.structured.matcher import BitmaskFiller, Matcher, bitmask_width
+
+    template = llguidance.LLMatcher(lltok, grammar)
+    ms = []
+    for r in range(rows):
+        m = Matcher(template.deep_copy(), vocab)
+        for t in tokens[: r * len(tokens) // rows]:
+            m.accept(t)
+        ms.append(m)
+    mask = np.zeros((rows, bitmask_width(vocab)), np.int32)
+    filler = BitmaskFiller()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        filler.fill(ms, mask)
+        times.append(time.perf_counter() - t0)
+    return _us(times)
 
 
 def run_xgrammar(hf, vocab: int, schema: dict, tokens: list[int]) -> dict:
@@ -122,6 +147,10 @@ def main() -> None:
         m = r["mask_us"]
         print(f"{name:<12}{r['setup_s']:>9.3f}{r['compile_s']:>11.4f}{m['mean']:>14.1f}"
               f"{m['p50']:>8.1f}{m['p99']:>8.1f}{m['max']:>8.1f}")
+    if "llguidance" in rows:
+        b = rows["llguidance"]["batch32_fill_us"]
+        print(f"llguidance: one step's mask for 32 rows: mean {b['mean']:.0f} us, "
+              f"p50 {b['p50']:.0f} us, max {b['max']:.0f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"fields": args.fields, "tokens": len(tokens), "rows": rows}, f, indent=1)

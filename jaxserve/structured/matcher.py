@@ -47,3 +47,25 @@ class Matcher:
     @property
     def error(self) -> str | None:
         return self._ll.get_error() if self._ll.is_error() else None
+
+
+class BitmaskFiller:
+    """Fills one step's i32[S, W] mask: all ones for unconstrained rows, each matcher's row
+    otherwise, the constrained rows in parallel (llguidance's Rust threads, no GIL)."""
+
+    def __init__(self, num_threads: int | None = None):
+        import llguidance
+
+        self._executor = llguidance.LLExecutor(num_threads)
+
+    def fill(self, matchers: list[Matcher | None], bitmask: np.ndarray) -> bool:
+        """Row i from matchers[i] (None: unconstrained). Returns whether any row is constrained,
+        so a batch without grammars can skip the mask."""
+        if bitmask.dtype != np.int32 or not bitmask.flags.c_contiguous or bitmask.ndim != 2:
+            raise ValueError("bitmask must be a contiguous int32[S, W]")
+        bitmask.fill(-1)
+        rows = [(m._ll, i) for i, m in enumerate(matchers) if m is not None]
+        if rows:
+            s, w = bitmask.shape
+            self._executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, w * 4, s)
+        return bool(rows)

@@ -234,3 +234,19 @@ def test_spec_validation(kw, param):
 def test_bitmask_width_pads_to_words():
     assert [bitmask_width(v) for v in (1, 32, 33, 49152)] == [1, 1, 2, 1536]
     assert re.fullmatch(r"\d+", str(bitmask_width(384)))
+
+
+def test_bitmask_filler_matches_per_row_fill(tok):
+    from jaxserve.structured.matcher import BitmaskFiller
+
+    g = tok.compiler.compile(StructuredOutputs(json=SCHEMA))
+    a, b = g.matcher(), g.matcher(tok.encode('{"name":"X'))
+    mask = np.zeros((4, bitmask_width(tok.vocab)), np.int32)
+    assert BitmaskFiller(2).fill([a, None, b, None], mask)
+    for row, m in ((0, a), (2, b)):
+        want = np.zeros(bitmask_width(tok.vocab), np.int32)
+        m.fill_bitmask(want)
+        np.testing.assert_array_equal(mask[row], want)
+    assert (mask[[1, 3]] == -1).all()
+    assert not BitmaskFiller(1).fill([None, None, None, None], mask)
+    assert (mask == -1).all()
