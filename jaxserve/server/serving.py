@@ -20,6 +20,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request, from_value_error
 from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
 from jaxserve.server.streaming import EventStream, until_disconnect
+from jaxserve.server.tool_parsers import detect_tool_parser
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -39,6 +40,7 @@ class OpenAIServing:
         self.draining = False
         self.tokens = TokenTexts(tokenizer)
         self.grammar = getattr(engine, "grammar_compiler", None)  # structured outputs, if wired
+        self.tool_parser = cfg.tool_call_parser or detect_tool_parser(tokenizer.chat_template)
 
     # ---- shared checks ---------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -150,7 +152,7 @@ class OpenAIServing:
         req = P.parse(P.ChatCompletionRequest, await self.read_body(request))
         req.check_stream_options()
         model = self.check_model(req.model)
-        plan = T.plan(req, self.cfg.tool_call_parser, self.cfg.reasoning_parser)
+        plan = T.plan(req, self.tool_parser, self.cfg.reasoning_parser)
         ids = self.render_chat(
             req.messages, req.add_generation_prompt, req.chat_template_kwargs, plan.template_tools
         )

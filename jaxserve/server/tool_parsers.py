@@ -181,6 +181,14 @@ def _loads(body: str):
         return None
 
 
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The parser a chat template implies, when exactly one format's marker appears in it."""
+    markers = {"hermes": HermesToolParser.start, "mistral": MistralToolParser.marker,
+               "llama3": Llama3JsonToolParser.tag}
+    found = [name for name, m in markers.items() if m in (chat_template or "")]
+    return found[0] if len(found) == 1 else None
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen": HermesToolParser,

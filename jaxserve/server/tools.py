@@ -224,6 +224,7 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
         if tool_parser is None:
             raise bad_request(
                 "tool_choice 'auto' needs the server started with --tool-call-parser "
+                "(this model's chat template does not show one tool-call format) "
                 f"({', '.join(sorted(TOOL_PARSERS))}); or use 'required' or a named function.",
                 "tool_choice")
         parser = TOOL_PARSERS[tool_parser]()

@@ -16,7 +16,7 @@ import pytest
 
 from jaxserve.server.output_parser import OutputParser
 from jaxserve.server.reasoning import REASONING_PARSERS
-from jaxserve.server.tool_parsers import TOOL_PARSERS
+from jaxserve.server.tool_parsers import TOOL_PARSERS, detect_tool_parser
 from tests.server.agent_models import (
     AGENT_ENGINE,
     ENGINE_SUPPORTS_STRUCTURED,
@@ -102,16 +102,33 @@ def test_bad_tool_requests_are_400s_naming_the_field(srv, kw, param):
     assert e.value.body["param"] == param, e.value.body
 
 
-def test_auto_needs_a_tool_call_parser(plain):
+def test_auto_needs_a_tool_call_parser(server):
+    """The plain tiny model's template shows no tool-call format, and no flag names one."""
     with pytest.raises(openai.BadRequestError) as e:
-        plain.client().chat.completions.create(model=plain.model, messages=USER, max_tokens=2,
-                                               tools=TOOLS)
+        server.client().chat.completions.create(model=server.model, messages=USER, max_tokens=2,
+                                                tools=TOOLS)
     assert e.value.body["param"] == "tool_choice"
     assert "--tool-call-parser" in e.value.body["message"]
-    # "none" needs no parser: the tools are still shown to the model
-    r = plain.client().chat.completions.create(model=plain.model, messages=USER, max_tokens=2,
-                                               tools=TOOLS, tool_choice="none")
+    # "none" needs no parser
+    r = server.client().chat.completions.create(model=server.model, messages=USER, max_tokens=2,
+                                                tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.tool_calls is None
+
+
+def test_the_parser_comes_from_the_template_when_unambiguous(plain):
+    """No --tool-call-parser, but the fixture template writes <tool_call>: hermes is used."""
+    assert plain.app.state.serving.tool_parser == "hermes"
+    r = plain.client().chat.completions.create(model=plain.model, messages=USER, max_tokens=4,
+                                               tools=TOOLS, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_detect_tool_parser():
+    assert detect_tool_parser("... <tool_call> ...") == "hermes"
+    assert detect_tool_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect_tool_parser("<|python_tag|>") == "llama3"
+    assert detect_tool_parser("<tool_call> [TOOL_CALLS]") is None  # ambiguous
+    assert detect_tool_parser(None) is None
 
 
 def test_bad_tool_call_arguments_in_history_are_a_400(srv):
