@@ -1,6 +1,7 @@
 """Grammar backends compared on the default model's tokenizer: compile time and mask time per token.
 
     python -m bench.structured [--fields 50] [--json out.json]
+    python -m bench.structured --itl [--streams 1 32]   # needs the engine to apply grammars
 
 For a schema with N fields of mixed types (strings with patterns, bounded numbers, enums, arrays,
 a nested object), each backend compiles the schema cold (no cache), then walks the tokens of one
@@ -122,11 +123,56 @@ def _us(times: list[float]) -> dict:
             "max": us[-1]}
 
 
+def itl(streams: list[int], steps: int = 32, reps: int = 3) -> dict:
+    """Median decode step time (= inter-token latency) on the default model, all rows constrained
+    by a JSON schema vs none, with every stream decoding."""
+    from jaxserve import LLM
+    from jaxserve.engine import LLMEngine
+    from jaxserve.model.default_model import default_model_path
+    from jaxserve.sampling_params import SamplingParams
+
+    if not hasattr(LLMEngine, "supports_structured_outputs"):
+        raise SystemExit("this engine does not apply structured-output grammars yet")
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+              "minItems": 200, "maxItems": 200}
+    llm = LLM(str(default_model_path()), max_num_seqs=max(streams), max_model_len=1024)
+    eng = llm.engine
+    out = {}
+    for n in streams:
+        runs: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
+        for rep in range(reps):  # alternate, so drifting machine load hits both alike
+            for label, so in (("unconstrained", None), ("json_schema", {"json": schema})):
+                p = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True,
+                                   structured_outputs=so)
+                for i in range(n):
+                    eng.add_request(f"{label}-{n}-{rep}-{i}", f"List numbers, run {i}:", p)
+                times = []
+                while eng.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    eng.step()
+                    if eng.scheduler.num_waiting == 0:
+                        times.append(time.perf_counter() - t0)
+                times = sorted(times[2:-2])  # steady decode: drop the ramp and the tail
+                runs[label].append(times[len(times) // 2] * 1e3)
+        for label, v in runs.items():
+            out[f"{label}@{n}"] = statistics.median(v)
+            print(f"{n:>3} streams {label:<14} ITL p50 {out[f'{label}@{n}']:.1f} ms "
+                  f"(runs: {', '.join(f'{x:.1f}' for x in v)})")
+        ratio = out[f"json_schema@{n}"] / out[f"unconstrained@{n}"] - 1
+        print(f"{n:>3} streams overhead {100 * ratio:+.1f} %")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fields", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--itl", action="store_true", help="ITL with a json_schema vs unconstrained")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     args = ap.parse_args()
+    if args.itl:
+        itl(args.streams)
+        return
     from jaxserve.model.default_model import default_model_path
     from jaxserve.tokenizer import Tokenizer
 
