@@ -174,9 +174,9 @@ class OpenAIServing:
             req,
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
-            output=plan.output,
         )
         spec, spec_param = T.structured_spec(req, plan.tool_call)
+        kind.output = plan.output_for(spec)
         params = P.to_sampling_params(
             req,
             defaults=self.defaults,

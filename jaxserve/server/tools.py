@@ -90,6 +90,8 @@ class ToolFields(BaseModel):
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None  # checked in plan(): one clear message
     parallel_tool_calls: bool = True
+    functions: Any = None  # OpenAI's deprecated form: a 400 pointing to `tools`
+    function_call: Any = None
 
 
 class CalledFunction(BaseModel):
@@ -194,9 +196,20 @@ class ToolPlan:
     output: OutputParser | None  # how to read the answer (None: plain content)
     skip_special_tokens: bool | None = None  # False where the parser needs special tokens
 
+    def output_for(self, spec: StructuredOutputs | None) -> OutputParser | None:
+        """A JSON grammar decodes the answer from its first token: it is all content, never a
+        thinking block (a regex or grammar may write one, and is still split)."""
+        out = self.output
+        if out is not None and spec is not None and spec.kind in ("json", "json_object"):
+            out = OutputParser(None, out.tools) if out.tools else None
+        return out
+
 
 def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan:
     """Resolve tools + tool_choice against the server's parsers; 400s name the field."""
+    for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, old) is not None:
+            raise bad_request(f"'{old}' is deprecated and not supported: use '{new}'.", old)
     tools = req.tools or []
     choice = req.tool_choice
     reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None

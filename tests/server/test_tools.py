@@ -92,6 +92,8 @@ def collect_stream(stream):
     ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(srv, kw, param):
     extra = {k: v for k, v in kw.items() if k not in ("tools", "tool_choice")}
@@ -260,6 +262,19 @@ def test_auto_parses_a_call_written_in_the_parsers_format(srv):
                      for c in m.message.tool_calls]
         assert finish == "tool_calls" and not content, (finish, content)
         _check_calls(calls, {"get_weather"})
+
+
+@needs_engine
+def test_json_answers_are_content_not_reasoning(srv):
+    """deepseek_r1 would read an answer without </think> as all thinking; a JSON grammar's
+    answer is content."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = srv.client().chat.completions.create(
+        model=srv.model, messages=USER, max_tokens=50, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).choices[0]
+    assert json.loads(m.message.content) in ({"ok": True}, {"ok": False})
+    assert not getattr(m.message, "reasoning_content", None)
 
 
 @needs_engine
