@@ -13,7 +13,7 @@ What an engine does with them:
   `.matcher(output_token_ids)`);
 - per step, before dispatch: `BitmaskFiller.fill([matcher or None per row], bitmask)` into an
   i32[S, ceil(V/32)] array; when it returns True, the sampler applies
-  `runtime.bitmask.apply_token_bitmask` to the logits before penalties' results are sampled;
+  `runtime.bitmask.apply_token_bitmask` to the logits (after penalties and bias, before sampling);
 - per sampled token: `ok = matcher.accept(token)` (skip EOS); when `matcher.is_terminated()`
   (or not ok, a bug) the sequence finishes with "stop", the token kept.
 """
