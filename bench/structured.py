@@ -1,6 +1,6 @@
 """Grammar backends compared on the default model's tokenizer: compile time and mask time per token.
 
-    python -m bench.structured [--fields 50] [--json out.json]
+    python -m bench.structured [--fields 50] [--out out.json]
     python -m bench.structured --itl [--streams 1 32]   # needs the engine to apply grammars
 
 For a schema with N fields of mixed types (strings with patterns, bounded numbers, enums, arrays,
@@ -163,15 +163,19 @@ def itl(streams: list[int], steps: int = 32, reps: int = 3) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    from bench.common import report
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--fields", type=int, default=50)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON")
     ap.add_argument("--itl", action="store_true", help="ITL with a json_schema vs unconstrained")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 32])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    model = {"name": "SmolLM2-135M-Instruct", "vocab_size": 49152}
     if args.itl:
-        itl(args.streams)
+        report("structured", argv, model=model, config={"itl": True, "streams": args.streams},
+               results=itl(args.streams), out=args.out)
         return
     from jaxserve.model.default_model import default_model_path
     from jaxserve.tokenizer import Tokenizer
@@ -197,9 +201,8 @@ def main() -> None:
         b = rows["llguidance"]["batch32_fill_us"]
         print(f"llguidance: one step's mask for 32 rows: mean {b['mean']:.0f} us, "
               f"p50 {b['p50']:.0f} us, max {b['max']:.0f} us")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"fields": args.fields, "tokens": len(tokens), "rows": rows}, f, indent=1)
+    report("structured", argv, model=model, config={"fields": args.fields, "tokens": len(tokens)},
+           results=rows, out=args.out)
 
 
 if __name__ == "__main__":
