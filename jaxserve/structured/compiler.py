@@ -54,14 +54,25 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], *,
                  max_workers: int = 2, timeout_s: float = 30.0):
         """`vocab_size` is the model's (logit rows); ids past the tokenizer's are never allowed."""
-        eos = sorted(set(eos_token_ids)) or [hf_tokenizer.eos_token_id]
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                      eos_token=eos)
+        self._hf = hf_tokenizer
+        self._eos = sorted(set(eos_token_ids)) or [hf_tokenizer.eos_token_id]
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary, built on first use (a few hundred ms for a 49k
+        vocabulary), so an engine that never sees a grammar does not pay for it at start-up."""
+        with self._tokenizer_lock:  # not the cache's lock: submit() never waits for this
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._tokenizer
 
     @classmethod
     def for_tokenizer(cls, tok, vocab_size: int, eos_token_ids=None, **kw) -> GrammarCompiler:
