@@ -203,14 +203,18 @@ def _check_calls(calls, names):
 @needs_engine
 @pytest.mark.parametrize("seed", range(4))
 def test_required_always_gives_a_valid_call(srv, seed):
-    r = srv.client().chat.completions.create(
-        model=srv.model, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=400,
-        seed=seed, temperature=1.0, parallel_tool_calls=False)
-    c = r.choices[0]
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "tool_choice": "required",
+          "max_tokens": 400, "seed": seed, "temperature": 1.0, "parallel_tool_calls": False}
+    c = srv.client().chat.completions.create(**kw).choices[0]
     assert c.finish_reason == "tool_calls"
     assert c.message.content is None
     assert len(c.message.tool_calls) == 1
     _check_calls(c.message.tool_calls, set(SCHEMAS))
+    content, _, streamed, finish = collect_stream(srv.client().chat.completions.create(
+        stream=True, **kw))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(x["name"], x["arguments"]) for x in streamed] == [
+        (x.function.name, x.function.arguments) for x in c.message.tool_calls]
 
 
 @needs_engine
