@@ -190,6 +190,21 @@ def test_auto_and_reasoning_split_the_models_own_text(srv):
     assert finish == r.choices[0].finish_reason
 
 
+def test_parsed_stream_still_carries_every_token_id(srv):
+    """return_token_ids with the output parser on: a delta held back by the parser still sends
+    its token ids, so the streamed ids add up to the whole answer's."""
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "temperature": 0, "max_tokens": 12,
+          "extra_body": {"return_token_ids": True, "chat_template_kwargs": {"think": True}}}
+    whole = srv.client().chat.completions.create(**kw)
+    want = whole.choices[0].model_extra["token_ids"]
+    assert len(want) == whole.usage.completion_tokens
+    got = []
+    for chunk in srv.client().chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got += (c.model_extra or {}).get("token_ids") or []
+    assert got == want
+
+
 # ---- grammar-enforced calls (need the engine's wiring) ------------------------------------------
 def _check_calls(calls, names):
     assert calls, "no tool call"

@@ -429,7 +429,7 @@ def test_chat_streaming(server, client):
 def test_structured_outputs_chat(server, client, extra, check):
     """Obeyed once the engine applies grammars; until then a 400 naming the field, never a
     silent unconstrained 200."""
-    kw = dict(model=server.model, messages=MSGS, max_completion_tokens=10, extra_body=extra)
+    kw = {"model": server.model, "messages": MSGS, "max_completion_tokens": 10, "extra_body": extra}
     if not ENGINE_SUPPORTS_STRUCTURED:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**kw)
