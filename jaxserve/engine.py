@@ -121,6 +121,8 @@ class LLMEngine:
         self._seqs: dict[str, _Seq] = {}  # core request id -> seq
         self._inflight: _Inflight | None = None  # the dispatched step not yet read
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
+        # Host time in step() other than waiting for the device, and that wait (bench/host_overhead.py).
+        self.timing = dict(host_s=0.0, device_wait_s=0.0, steps=0)
         cap_tokens = (self.num_blocks - 1) * config.block_size
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2f",
@@ -297,6 +299,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then process the one before it while the device
         runs (overlap: one step in flight; `async_scheduling=False` processes each step at once)."""
+        t0 = time.perf_counter()
+        wait0 = self.timing["device_wait_s"]
         outputs: dict[str, _Group] = {}
         if self._waiting_grammar:
             self._admit_compiled(outputs)
@@ -318,7 +322,11 @@ class LLMEngine:
             self._inflight = None
         elif new is not None and all(sr.request.is_finished for sr in new.sched.scheduled):
             self._inflight = None  # every row already stopped: nothing of it will be read
-        return [self._output(g) for g in outputs.values()]
+        result = [self._output(g) for g in outputs.values()]
+        t = self.timing
+        t["host_s"] += time.perf_counter() - t0 - (t["device_wait_s"] - wait0)
+        t["steps"] += 1
+        return result
 
     def _dispatch(self, sched: SchedulerOutput) -> _Inflight:
         now = time.time()
@@ -371,7 +379,9 @@ class LLMEngine:
     def _process(self, step: _Inflight, outputs: dict[str, _Group]) -> None:
         """Read a dispatched step's tokens and update its requests: token-level stops in the
         scheduler, then detokenization, stop strings and logprobs here."""
+        t0 = time.perf_counter()
         got = self.runner.fetch(step.result, step.key.s, step.want_logprobs)
+        self.timing["device_wait_s"] += time.perf_counter() - t0
         tokens = got[0]
         rows = [i for i, sr in enumerate(step.sched.scheduled) if sr.samples and not sr.request.is_finished]
         sampled = {step.sched.scheduled[i].request.request_id: int(tokens[i]) for i in rows}

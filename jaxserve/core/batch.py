@@ -27,6 +27,11 @@ PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on 
 MAX_LOGPROBS = 20  # top-N logprobs every executable can return (OpenAI's and vLLM's limit)
 MAX_EXTRA_ADJUSTMENTS = 512  # logit_bias + stop-token bans per request, on top of its tokens
 SMALL_ADJUSTMENTS = 512  # the narrow adjustment width: bias, bans, structured rows
+# Fewer buckets to compile: a lone sequence gets its own S=1 bucket from this many tokens (a
+# prefill chunk), and a step that adjusts logits pads to at least 8 (narrow) or 64 (wide) tokens;
+# padding rows cost little (native matmuls and attention skip them; on accelerators they are free).
+SINGLE_SEQ_MIN_TOKENS = 16
+ADJUST_MIN_TOKENS = (8, 64)
 
 
 def next_pow2(n: int) -> int:
@@ -189,23 +194,33 @@ class BatchBuilder:
         """The sequence width of a multi-sequence step of T bucket t."""
         return min(t, self.s_max)
 
+    def _t(self, num_tokens: int) -> int:
+        return next(b for b in self.t_buckets if b >= min(num_tokens, self.t_buckets[-1]))
+
+    def _min_tokens(self, w: int) -> int:
+        return ADJUST_MIN_TOKENS[0] if w == self.adjust_widths[0] else ADJUST_MIN_TOKENS[1]
+
     def bucket_for(self, num_tokens: int, num_seqs: int, adjustments: int = -1) -> BucketKey:
         """adjustments: the most sparse entries a row needs (-1: no row adjusts anything)."""
-        t = next(b for b in self.t_buckets if b >= num_tokens)
         if adjustments < 0:
-            return BucketKey(t, 1 if num_seqs == 1 else self.seq_bucket(t), 0)
+            t = self._t(num_tokens)
+            return BucketKey(t, 1 if num_seqs == 1 and t >= SINGLE_SEQ_MIN_TOKENS else self.seq_bucket(t), 0)
         w = next((w for w in self.adjust_widths if w >= adjustments), None)
         if w is None:
             raise ValueError(f"{adjustments} logit adjustments exceed the widest row ({self.max_adjustments})")
+        t = self._t(max(num_tokens, self._min_tokens(w)))
         return BucketKey(t, self.seq_bucket(t), w)
 
     def all_buckets(self) -> list[BucketKey]:
-        """Every bucket a step can use: (T, 1, 0), (T, S(T), 0) and (T, S(T), W) for each W."""
+        """Every bucket a step can use: (T, S(T), 0), (T, 1, 0) from SINGLE_SEQ_MIN_TOKENS, and
+        (T, S(T), W) for each width W from its minimum T."""
         keys = set()
         for t in self.t_buckets:
-            keys.add(BucketKey(t, 1, 0))
             keys.add(BucketKey(t, self.seq_bucket(t), 0))
-            keys.update(BucketKey(t, self.seq_bucket(t), w) for w in self.adjust_widths)
+            if t >= SINGLE_SEQ_MIN_TOKENS:
+                keys.add(BucketKey(t, 1, 0))
+            keys.update(BucketKey(t, self.seq_bucket(t), w) for w in self.adjust_widths
+                        if t >= min(self._min_tokens(w), self.t_buckets[-1]))
         return sorted(keys)
 
     def field_specs(self, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:

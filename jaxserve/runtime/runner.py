@@ -188,28 +188,39 @@ class ModelRunner:
         tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
         return StepResult(tokens, r.logprobs, r.top_ids, r.top_logprobs), layers
 
+    def _compile(self, key: BucketKey):
+        rep, kv = self._replicated, self.kv_sharding
+        jitted = jax.jit(
+            lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),
+            in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv),
+        )
+        flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
+        return jitted.lower(self.params, self.kv.layers, flat, self.last_tokens).compile()
+
     def executable(self, key: BucketKey):
         fn = self._compiled.get(key)
         if fn is None:
-            rep, kv = self._replicated, self.kv_sharding
-            jitted = jax.jit(
-                lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),
-                in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv),
-            )
-            flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
-            fn = jitted.lower(self.params, self.kv.layers, flat, self.last_tokens).compile()
-            self._compiled[key] = fn
+            fn = self._compiled[key] = self._compile(key)
             self.num_compiles += 1
         return fn
 
-    def precompile(self, progress=None) -> float:
-        """Compile every bucket now, so no request waits on a compile."""
+    def precompile(self, progress=None, workers: int | None = None) -> float:
+        """Compile every bucket now, so no request waits on a compile: in parallel, one XLA
+        compile per core (compiling releases the GIL), largest first."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         t0 = time.perf_counter()
-        buckets = self.all_buckets()
-        for i, key in enumerate(buckets):
-            self.executable(key)
-            if progress:
-                progress(i + 1, len(buckets), key)
+        todo = [k for k in sorted(self.all_buckets(), reverse=True) if k not in self._compiled]
+        total, done = len(self.all_buckets()), len(self.all_buckets()) - len(todo)
+        with ThreadPoolExecutor(max_workers=workers or min(len(todo) or 1, os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(self._compile, k): k for k in todo}
+            for f in as_completed(futures):
+                key = futures[f]
+                self._compiled[key] = f.result()
+                self.num_compiles += 1
+                done += 1
+                if progress:
+                    progress(done, total, key)
         return time.perf_counter() - t0
 
     def execute(self, batch: StepBatch | np.ndarray, key: BucketKey) -> StepResult:

@@ -23,7 +23,8 @@ def test_buckets_are_independent_in_tokens_and_sequences():
     small, full = b.adjust_widths
     assert (small, full) == (512, b.max_adjustments) == (512, 1024)
     assert b.bucket_for(40, 1, adjustments=3) == BucketKey(48, 16, small)  # bias, bans, grammars: narrow
-    assert b.bucket_for(40, 3, adjustments=600) == BucketKey(48, 16, full)  # long penalties: wide
+    assert b.bucket_for(40, 3, adjustments=600) == BucketKey(64, 16, full)  # long penalties: wide, T >= 64
+    assert b.bucket_for(1, 1, adjustments=0) == BucketKey(8, 8, small)  # padded to 8 tokens
     with pytest.raises(ValueError, match="exceed"):
         b.bucket_for(40, 3, adjustments=full + 1)
     assert set(b.all_buckets()) >= {b.bucket_for(n, s, a) for n in range(1, 65) for s in range(1, min(n, 16) + 1)

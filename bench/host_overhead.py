@@ -1,0 +1,76 @@
+"""Host time per engine step at N running requests: what the device does not hide.
+
+`jaxserve bench host_overhead --running 64,256 --out bench/out/host_overhead.json`
+
+N requests decode together (the default model unless --model; prompts of --prompt-len tokens,
+greedy, ignore_eos). Per steady decode step it reports the engine's host time (scheduling, the
+batch builder, dispatch, reading the tokens, stops, detokenization, outputs: everything in
+step() but the wait for the device), the wait, and the wall time, with one step in flight
+(--async-scheduling, the default) and without. Without overlap the device idles for all the host
+time; with it, only for what exceeds the device's step (wall - device step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from bench import common
+
+
+def run(llm, n: int, prompt_len: int, steps: int) -> dict:
+    from jaxserve import SamplingParams
+
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    p = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(n):
+        eng.add_request(f"h{n}-{i}", None, p, prompt_token_ids=[(7 * i + j) % (vocab - 10) + 5
+                                                                 for j in range(prompt_len)])
+    while eng.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running):
+        eng.step()  # prefill everyone
+    for _ in range(3):
+        eng.step()
+    t = eng.timing
+    h0, w0, s0, t0 = t["host_s"], t["device_wait_s"], t["steps"], time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall = time.perf_counter() - t0
+    k = t["steps"] - s0
+    for i in range(n):
+        eng.abort_request(f"h{n}-{i}")
+    while eng.has_unfinished_requests():
+        eng.step()
+    return {"running": n, "steps": k, "host_ms": 1e3 * (t["host_s"] - h0) / k,
+            "device_wait_ms": 1e3 * (t["device_wait_s"] - w0) / k, "wall_ms": 1e3 * wall / k}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jaxserve bench host_overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--running", default="64,256", help="comma-separated running-request counts")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per level")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from jaxserve import LLM
+
+    levels = [int(x) for x in args.running.split(",")]
+    rows, results = [], []
+    for overlap in (True, False):
+        llm = LLM(args.model, max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
+                  max_model_len=args.prompt_len + args.steps + 64, precompile=False, async_scheduling=overlap)
+        for n in levels:
+            r = run(llm, n, args.prompt_len, args.steps) | {"async_scheduling": overlap}
+            results.append(r)
+            rows.append((n, "on" if overlap else "off", r["host_ms"], r["device_wait_ms"], r["wall_ms"]))
+        del llm
+    print(common.table(rows, ("running", "overlap", "host ms/step", "device wait ms/step", "wall ms/step"),
+                       "Engine host time per decode step"))
+    common.report("host_overhead", argv, model={"model": args.model}, config=vars(args),
+                  results={"levels": results}, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
