@@ -18,6 +18,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include <immintrin.h>
 
 #include "parallel.h"
 #include "vec.h"
@@ -31,6 +34,7 @@ using jaxserve::kW;
 using jaxserve::v16;
 using i8x16 = int8_t __attribute__((vector_size(16)));
 using u8x16 = uint8_t __attribute__((vector_size(16)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
 using h16 = _Float16 __attribute__((vector_size(32)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
 
@@ -50,8 +54,38 @@ inline V Load(const T* p) {
   return v;
 }
 
+// 16 small integers -> floats, through int32 (gcc scalarizes a direct int8 -> float conversion,
+// and the signed widening too, where it can use an instruction for it).
+template <typename V>
+inline v16 Float(V q) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<V, i8x16>) {
+    __m128i b;
+    std::memcpy(&b, &q, sizeof(b));
+    const __m512i i = _mm512_cvtepi8_epi32(b);
+    i32x16 out;
+    std::memcpy(&out, &i, sizeof(out));
+    return __builtin_convertvector(out, v16);
+  }
+#endif
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16);
+}
+
+inline v16 Half(const _Float16* p) {
+#ifdef __F16C__  // gcc scalarizes the generic _Float16 conversion where the CPU lacks AVX512-FP16
+  v16 out;
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
+#else
+  return __builtin_convertvector(Load<h16>(p), v16);
+#endif
+}
+
 inline void Halves(const _Float16* p, v16 out[kNV]) {
-  for (int v = 0; v < kNV; ++v) out[v] = __builtin_convertvector(Load<h16>(p + v * kW), v16);
+  for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
 
 // The decoded weight as a value of its own: -ffast-math may not fold its scale into the FMAs (it
@@ -73,8 +107,8 @@ inline void Steps(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_
       v16 lo[kNV], hi[kNV];
       for (int v = 0; v < kNV; ++v) {
         const u8x16 b = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
-        lo[v] = __builtin_convertvector(b & 15, v16) * d[v] + m[v];
-        hi[v] = __builtin_convertvector(b >> 4, v16) * d[v] + m[v];
+        lo[v] = Float(b & 15) * d[v] + m[v];
+        hi[v] = Float(b >> 4) * d[v] + m[v];
         Opaque(lo[v]);
         Opaque(hi[v]);
       }
@@ -85,7 +119,7 @@ inline void Steps(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_
     for (int64_t k = k0; k < k1; ++k) {
       v16 w[kNV];
       for (int v = 0; v < kNV; ++v) {
-        w[v] = __builtin_convertvector(Load<i8x16>(p.q + k * kPanel + v * kW), v16);
+        w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
         if constexpr (F == kQ8) w[v] *= d[v];
         Opaque(w[v]);
       }
