@@ -156,6 +156,19 @@ def quantize_params(params: dict, scheme: str, tied_embeddings: bool = True) -> 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
 
 
+def has_quantized(params) -> bool:
+    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def place_params(params: dict, dtype, sharding) -> dict:
+    """Put a tree holding quantized weights on devices: float leaves cast to `dtype`, quantized ones
+    as they are (their scales stay float32 / float16 whatever the compute dtype)."""
+    def put(w):
+        return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)
+
+    return jax.tree.map(put, params, is_leaf=is_quantized)
+
+
 def weight_bytes(params) -> int:
     """Bytes of every array in the tree (quantized formats count their parts): what the weights
     hold in memory."""
