@@ -1,5 +1,5 @@
-"""Linear weights that stay quantized in memory: int8 per output channel (made at load time from
-float weights) and GGUF's Q8_0 / Q4_0 / Q4_1 blocks (kept as the file stores them).
+"""Linear weights that stay quantized in memory: int8 per output channel and GGUF's Q8_0 / Q4_0 /
+Q4_1 blocks, made at load time from float weights, or kept as a GGUF file stores them.
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
@@ -24,7 +24,8 @@ from jaxserve.errors import UserError
 
 PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
 BLOCK = 32  # weights per GGUF block, along K
-SCHEMES = ("int8",)  # what `quantize_params` makes from float weights
+SCHEMES = ("int8", "q8_0", "q4_0", "q4_1")  # what `quantize_params` makes from float weights
+QUANTIZATIONS = (*SCHEMES, "gguf")  # the engine's `quantization`; gguf: a GGUF's blocks as stored
 
 
 class Int8Weight(NamedTuple):
@@ -130,15 +131,33 @@ def from_gguf(raw: np.ndarray, type_name: str) -> QuantWeight:
                     np.ascontiguousarray(m))
 
 
+def quantize(w, scheme: str) -> QuantWeight:
+    """Float [K, N] kernel -> `scheme`'s format: int8, or a GGUF block type quantized as llama.cpp
+    does (`gguf.quants.quantize`)."""
+    if scheme == "int8":
+        return quantize_int8(w)
+    import gguf
+
+    raw = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T),
+                               gguf.GGMLQuantizationType[scheme.upper()])
+    return from_gguf(raw, scheme.upper())
+
+
 # ---- the parameter tree -------------------------------------------------------------------------
-def quantize_params(params: dict, scheme: str, tied_embeddings: bool = True) -> dict:
+def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> None:
+    """A UserError naming `name` and the choices unless it is one of them."""
+    if name not in choices:
+        raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
+                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time).",
+                        param="quantization")
+
+
+def quantize_params(params: dict, scheme: str) -> dict:
     """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
     panels: see the module docstring) by `scheme`'s format; leaves whose shape has no quantized
     layout stay as they are. Leaves already quantized (a GGUF's blocks) are kept. The float
     leaves are dropped: nothing here holds on to them."""
-    if scheme not in SCHEMES:
-        raise UserError(f"Unsupported quantization {scheme!r}; supported: {', '.join(SCHEMES)} "
-                        "(GGUF files keep their Q8_0/Q4_0/Q4_1 blocks as stored).", param="quantization")
+    check_quantization(scheme, SCHEMES)
 
     def convert(path, leaf):
         names = [getattr(k, "key", None) for k in path]
@@ -146,12 +165,12 @@ def quantize_params(params: dict, scheme: str, tied_embeddings: bool = True) -> 
             return leaf
         on_device = isinstance(leaf, jax.Array)
         if names[-1] == "kernel" and quantizable(leaf.shape):
-            w = quantize_int8(leaf)
+            w = quantize(leaf, scheme)
         elif names[-2:] == ["embed_tokens", "embedding"] and quantizable(leaf.T.shape):
-            w = quantize_int8(np.asarray(leaf).T)
+            w = quantize(np.asarray(leaf).T, scheme)
         else:
             return leaf
-        return Int8Weight(*map(jnp.asarray, w)) if on_device else w
+        return type(w)(*map(jnp.asarray, w)) if on_device else w
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
 

@@ -34,7 +34,10 @@ def make(fmt: str, k: int, n: int):
         return qw, ref
     raw = gguf_bytes(fmt, w.T)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(n, k).T
-    return quant.from_gguf(raw, fmt), ref.astype(np.float64)
+    qw = quant.quantize(w, fmt.lower())  # the same blocks, through quantize_params' path
+    for a, b in zip(qw, quant.from_gguf(raw, fmt)):
+        np.testing.assert_array_equal(a, b)
+    return qw, ref.astype(np.float64)
 
 
 def test_int8_round_trip():
@@ -138,6 +141,8 @@ def test_quantize_params_replaces_kernels_and_names_bad_schemes():
     assert out["layers_0"]["self_attn"]["k_proj"]["kernel"].shape == (64, 32)  # N = 32: no panels
     assert quant.weight_bytes(out) < before * 0.4
     assert quant.quantize_params(out, "int8")["layers_0"]["mlp"]["up_proj"]["kernel"] is up
-    with pytest.raises(UserError, match="'fp4'.*int8") as e:
+    q4 = quant.quantize_params(params, "q4_1")["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(q4, quant.Q4Weight) and q4.q.shape == (2, 32, 64)
+    with pytest.raises(UserError, match="'fp4'.*int8, q8_0, q4_0, q4_1") as e:
         quant.quantize_params(params, "fp4")
     assert e.value.param == "quantization"
