@@ -146,3 +146,17 @@ def test_quantize_params_replaces_kernels_and_names_bad_schemes():
     with pytest.raises(UserError, match="'fp4'.*int8, q8_0, q4_0, q4_1") as e:
         quant.quantize_params(params, "fp4")
     assert e.value.param == "quantization"
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 7, 13])
+def test_native_blocks_equal_the_float32_kernel_on_their_values(fmt, m):
+    """GGUF blocks decode exactly and are summed in the float32 packed kernel's order: the same bits."""
+    qw, _ = make(fmt, 192, 128)
+    wp = cpu_kernels.pack_kernel(quant.dequantize(qw))
+    x = RNG.standard_normal((m, 192)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(x, qw)),
+                                  np.asarray(jax.jit(cpu_kernels.cpu_matmul)(x, wp)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear_gated)(x, qw, qw)),
+                                  np.asarray(jax.jit(cpu_kernels.cpu_matmul_gated)(x, wp, wp)))

@@ -88,8 +88,9 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
   for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
 
-// The decoded weight as a value of its own: -ffast-math may not fold its scale into the FMAs (it
-// would do so for some MR and not others, and a row's result would depend on the batch).
+// A value the compiler must materialize as it is: -ffast-math may then neither fold a decoded
+// weight's scale into the FMAs (it did so for some MR and not others, so a row's result depended
+// on the batch) nor add two k steps' products together before adding them to the sum.
 inline void Opaque(v16& w) { asm("" : "+v"(w)); }
 
 // c[0:MR, 0:64] += x[0:MR, k] * W[k, 0:64] for k in [k0, k1) inside one block (one d, m).
@@ -113,6 +114,8 @@ inline void Steps(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_
         Opaque(hi[v]);
       }
       fma(k, lo);
+      for (int r = 0; r < MR; ++r)  // k's products summed before k + 1's, not the two added first
+        for (int v = 0; v < kNV; ++v) Opaque(c[r][v]);
       fma(k + 1, hi);
     }
   } else {
