@@ -54,9 +54,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: pallas on TPU/GPU; on CPU the native cpu kernels (attention, and for float32 "
                         "the matmul; built with g++), else xla")
     g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")
-    g.add_argument("--quantization", default=None,
-                   help="keep weights quantized: int8 (per output channel), q8_0, q4_0, q4_1 (GGUF's blocks) made at load "
-                        "from any checkpoint; gguf: a GGUF file's Q8_0/Q4_0/Q4_1 blocks as stored")
     g.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
                    help="KV cache storage (default: --dtype, but bfloat16 for a bfloat16 or quantized checkpoint run "
                         "in float32, e.g. the default model); bfloat16 halves KV memory, attention still in float32")

@@ -35,7 +35,6 @@ class EngineConfig:
     compilation_cache: bool = True
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     tensor_parallel_size: int = 1
-    quantization: str | None = None  # made at load from any checkpoint; gguf: a GGUF's blocks as stored
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -65,10 +64,6 @@ class EngineConfig:
             raise ValueError(
                 f"Invalid attention_backend={self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}."
             )
-        if self.quantization is not None:
-            from jaxserve.runtime.quant import check_quantization
-
-            check_quantization(self.quantization)
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in (None, *DTYPES):
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: choose one of {', '.join(DTYPES)}.")

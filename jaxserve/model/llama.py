@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime import quant
 from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
 from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, cpu_matmul_gated, packable
 
@@ -45,8 +44,7 @@ class Linear(nn.Module):
     """nn.Dense's parameters ("kernel" [K, N], optional "bias"). With `packed` (the native CPU
     matmul, runtime/cpu_kernels.py), kernels whose N is a multiple of 64 are held as panels
     [N / 64, K, 64] (`pack_kernel`, done by the runner at load time) and run by `cpu_matmul`.
-    `MLP` reads the gate and up kernels directly to run both in one gated call. A kernel given in
-    a quantized format (runtime/quant.py) is used as given, by `quant.linear`."""
+    `MLP` reads the gate and up kernels directly to run both in one gated call."""
 
     in_features: int
     features: int
@@ -61,27 +59,15 @@ class Linear(nn.Module):
     def setup(self):
         k, n = self.in_features, self.features
         shape = (n // PANEL, k, PANEL) if self.is_packed else (k, n)
-        self.kernel = _quantized(self, "kernel") or self.param("kernel", nn.initializers.lecun_normal(), shape,
-                                                               self.dtype)
+        self.kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
         if self.use_bias:
             self.bias = self.param("bias", nn.initializers.zeros, (n,), self.dtype)
 
     def __call__(self, x, num_rows=None):
         """num_rows (i32[1]): the real (non-padding) rows of x, all that the packed path computes."""
         x = x.astype(self.dtype)
-        if quant.is_quantized(self.kernel):
-            y = quant.linear(x, self.kernel, num_rows).astype(self.dtype)
-        else:
-            y = cpu_matmul(x, self.kernel, num_rows) if self.is_packed else jnp.dot(x, self.kernel)
+        y = cpu_matmul(x, self.kernel, num_rows) if self.is_packed else jnp.dot(x, self.kernel)
         return y + self.bias if self.use_bias else y
-
-
-def _quantized(module: nn.Module, name: str):
-    """The module's parameter `name` if it is given in a quantized format, else None (flax's
-    `param` would check it against the float shape)."""
-    if module.has_variable("params", name) and quant.is_quantized(w := module.get_variable("params", name)):
-        return w
-    return None
 
 
 class Embed(nn.Module):
@@ -97,20 +83,15 @@ class Embed(nn.Module):
     def setup(self):
         v, h = self.num_embeddings, self.features
         shape = (v // PANEL, h, PANEL) if self.packed else (v, h)
-        self.embedding = _quantized(self, "embedding") or self.param("embedding", nn.initializers.normal(1.0),
-                                                                     shape, self.dtype)
+        self.embedding = self.param("embedding", nn.initializers.normal(1.0), shape, self.dtype)
 
     def __call__(self, ids):
-        if quant.is_quantized(self.embedding):  # held as its LM head's panels, like `packed`
-            return quant.embed(self.embedding, ids).astype(self.dtype)
         if self.packed:
             return self.embedding[ids // PANEL, :, ids % PANEL]
         return jnp.take(self.embedding, ids, axis=0)
 
     def attend(self, x, num_rows=None):
         x = x.astype(self.dtype)
-        if quant.is_quantized(self.embedding):
-            return quant.linear(x, self.embedding, num_rows)
         return cpu_matmul(x, self.embedding, num_rows) if self.packed else jnp.dot(x, self.embedding.T)
 
 
@@ -161,9 +142,7 @@ class MLP(nn.Module):
         dense = lambda k, n, name: Linear(k, n, False, self.dtype, self.packed, name=name)  # noqa: E731
         h, i = self.cfg.hidden_size, self.cfg.intermediate_size
         gate, up = dense(h, i, "gate_proj"), dense(h, i, "up_proj")
-        if quant.is_quantized(gate.kernel) and quant.is_quantized(up.kernel):
-            act = quant.linear_gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows).astype(self.dtype)
-        elif gate.is_packed:  # SiLU-and-multiply inside the matmul, on each tile
+        if gate.is_packed:  # SiLU-and-multiply inside the matmul, on each tile
             act = cpu_matmul_gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows)
         else:
             act = nn.silu(gate(x, num_rows)) * up(x, num_rows)

@@ -44,21 +44,14 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
-    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1 matrices in their blocks (runtime/quant.py)."""
+def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
-    is_gguf = path.is_file() and path.suffix == ".gguf"
-    if quantization == "gguf" and not is_gguf:
-        from jaxserve.errors import UserError
-
-        raise UserError(f"quantization='gguf' keeps a GGUF file's blocks, but {str(path)!r} is not a .gguf "
-                        "file: use quantization='int8' for other checkpoints.", param="quantization")
-    if is_gguf:
+    if path.is_file() and path.suffix == ".gguf":
         from jaxserve.model.gguf_loader import load_gguf
 
-        hf_config, weights = load_gguf(path, keep_quantized=quantization == "gguf")
+        hf_config, weights = load_gguf(path)
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
         from jaxserve.model.orbax_io import open_orbax

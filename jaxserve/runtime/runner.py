@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.runtime import cpu_kernels, quant
+from jaxserve.runtime import cpu_kernels
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata, layer_attention
 from jaxserve.runtime.input_batch import StepInputs, next_pow2, token_buckets
@@ -51,7 +51,6 @@ class RunnerConfig:
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # default: dtype
-    quantization: str | None = None  # int8, q8_0, ...: quantize float weights here (runtime/quant.py)
 
 
 def pack_linear_kernels(params: dict, tied_embeddings: bool) -> dict:
@@ -116,20 +115,6 @@ class ModelRunner:
 
     def _place_params(self, params) -> dict:
         mc, mesh = self.source_config, self.mesh
-        quantize = self.cfg.quantization not in (None, "gguf")
-        if (quantize or quant.has_quantized(params)) and meshlib.tp_size(mesh) > 1:
-            from jaxserve.errors import UserError
-
-            raise UserError("Quantized weights run on one device for now: use tensor_parallel_size=1.",
-                            param="quantization")
-        if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
-            params = params.restore(meshlib.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
-        if quantize:
-            params = quant.quantize_params(params, self.cfg.quantization)
-        if quant.has_quantized(params):  # one device (above): every leaf as it is, floats in dtype
-            params = quant.place_params(params, self.dtype, meshlib.replicated(mesh))
-            self.param_shardings = jax.tree.map(lambda _: meshlib.replicated(mesh), params)
-            return params
         if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
             shapes = params.shapes()
             params = params.restore(meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)
