@@ -13,7 +13,7 @@ import random
 import sys
 import time
 
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import Request
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 
 
@@ -39,18 +39,17 @@ def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radi
         new()
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
         out = sched.schedule()  # warm-up: prefill everyone
+        sched.dispatched(out)
         sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled})
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: rng.randrange(32000) for s in out.scheduled})
+        sched.dispatched(out)
+        finished = sched.update_from_output(out, {s.request.request_id: rng.randrange(32000) for s in out.scheduled})
         times.append(time.perf_counter() - t0)
-        for s in out.scheduled:  # keep the population at N: replace finished ones (not timed)
-            r = s.request
-            if r.status == RequestStatus.RUNNING and r.num_output_tokens >= r.max_tokens:
-                sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
-                new()
+        for _ in finished:  # keep the population at N: replace finished ones (not timed)
+            new()
     times.sort()
     return {"running": num_running, "steps": steps, "prefix_cache": prefix_cache,
             "eviction": eviction, "policy": policy, "admission": admission,

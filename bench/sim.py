@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.workloads import WORKLOADS, WorkItem
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import Request
 from jaxserve.core.scheduler import ADMISSIONS, Scheduler, SchedulerConfig
 
 
@@ -100,17 +100,14 @@ def simulate(items: list[WorkItem], cfg: SimConfig, *, num_blocks: int = 512, bl
         t += cost.step_time(out.num_prefill_tokens, out.num_decode_tokens)
         steps += 1
         sampled = {s.request.request_id: rng.randrange(vocab_size) for s in out.scheduled if s.samples}
-        sched.update_from_output(out, sampled)
+        sched.dispatched(out)
         for s in out.scheduled:
             r = s.request
-            if r.status != RequestStatus.RUNNING or not s.samples:
-                continue
-            if r.request_id not in ttft_s:
+            if s.samples and r.request_id not in ttft_s:
                 ttft_s[r.request_id] = t - r.arrival_time
                 ttft_steps[r.request_id] = steps - arrive_step[r.request_id]
-            if r.num_output_tokens >= r.max_tokens or r.num_tokens >= max_model_len:
-                sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
-                e2e_s[r.request_id] = t - r.arrival_time
+        for r, _, _ in sched.update_from_output(out, sampled):  # max_tokens / max_model_len stops
+            e2e_s[r.request_id] = t - r.arrival_time
         for r in out.finished:
             e2e_s[r.request_id] = t - r.arrival_time
     if check_invariants:

@@ -1,19 +1,21 @@
 """The `jaxserve` command: generate, serve, bench, convert.
 
-Every error a user can cause ends in one line on stderr (`jaxserve: error: ...`) and exit code 2.
+Every error a user can cause (a `UserError`) ends in one line on stderr (`jaxserve: error: ...`) and
+exit code 2; any other exception is a bug and shows its traceback. The engine flags are generated
+from `EngineConfig`'s fields.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
 import sys
 
-from jaxserve.config import ADMISSIONS, ATTENTION_BACKENDS, DTYPES, EVICTIONS, PREFIX_CACHES, SCHEDULES, EngineConfig, parse_bytes
-
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError)
+from jaxserve.config import EngineConfig, parse_bytes
+from jaxserve.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,36 +32,42 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", "-m", default=None,
-                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--kv-cache-memory", type=_bytes_arg, default=None,
-                   help="KV cache budget, e.g. 2GiB (default: --memory-fraction of free device memory; 1GiB max on CPU)")
-    g.add_argument("--memory-fraction", type=float, default=0.9, help="fraction of free device memory for the KV cache")
-    g.add_argument("--prefix-cache", choices=PREFIX_CACHES, default="radix", help="prefix cache design (default radix)")
-    g.add_argument("--eviction", choices=EVICTIONS, default="lru", help="prefix cache eviction policy (default lru)")
-    g.add_argument("--schedule", choices=SCHEDULES, default="fcfs", help="admission order (default fcfs)")
-    order = g.add_mutually_exclusive_group()
-    order.add_argument("--prefill-first", dest="prefill_first", action="store_true", help="admit new prompts before decodes")
-    order.add_argument("--decode-first", dest="prefill_first", action="store_false", help="running requests first (default)")
-    g.add_argument("--admission", choices=ADMISSIONS, default="optimistic",
-                   help="optimistic (vLLM, default): admit while the prompt fits; conservative (SGLang): also "
-                        "reserve blocks for running requests' expected output, fewer preemptions")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                   help="default: pallas on TPU/GPU; on CPU the native cpu kernels (attention, and for float32 "
-                        "the matmul; built with g++), else xla")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on CPU, bfloat16 on TPU/GPU")
-    g.add_argument("--kv-cache-dtype", choices=DTYPES, default=None,
-                   help="KV cache storage (default: --dtype, but bfloat16 for a bfloat16 or quantized checkpoint run "
-                        "in float32, e.g. the default model); bfloat16 halves KV memory, attention still in float32")
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="shard the model over N devices")
-    g.add_argument("--no-precompile", dest="precompile", action="store_false",
-                   help="compile step shapes on first use instead of at start-up")
+def _field_type(f: dataclasses.Field):
+    ann = str(f.type)
+    if f.metadata.get("metavar") == "BYTES":
+        return _bytes_arg
+    for name, t in (("bool", bool), ("int", int), ("float", float)):
+        if ann.split(" ")[0] == name:
+            return t
+    return str
+
+
+def add_config_args(g, cls=EngineConfig, skip: tuple[str, ...] = ()) -> None:
+    """One flag per dataclass field: name, type, choices, help and default all come from the field,
+    so the config and the CLI cannot drift apart."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        aliases = [a for a in meta.get("aliases", ()) if not a.startswith("!")]
+        negatives = [a[1:] for a in meta.get("aliases", ()) if a.startswith("!")]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = meta.get("help", "") + ("" if default is None else f" (default: {default})")
+        kind = _field_type(f)
+        if kind is bool:
+            g.add_argument(flag, *aliases, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)
+            for neg in negatives:
+                g.add_argument(neg, dest=f.name, action="store_false", help=f"same as --no-{flag[2:]}")
+        else:
+            g.add_argument(flag, *aliases, dest=f.name, type=kind, default=default, choices=meta.get("choices"),
+                           metavar=meta.get("metavar"), help=help_text)
+
+
+def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    g = p.add_argument_group("model and engine (EngineConfig)")
+    add_config_args(g, skip=skip)
     g.add_argument("--verbose", "-v", action="store_true", help="log engine details to stderr")
     g.add_argument("--config", default=None, metavar="YAML",
                    help="read flag values from a YAML file (keys are flag names, e.g. max-num-seqs: 32); "
@@ -77,11 +85,11 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
         with open(path) as f:
             values = yaml.safe_load(f) or {}
     except FileNotFoundError:
-        raise FileNotFoundError(f"Config file {path!r} does not exist.") from None
+        raise UserError(f"Config file {path!r} does not exist.", param="config") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"Config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UserError(f"Config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(values, dict):
-        raise ValueError(f"Config file {path!r} must be a mapping of flag names to values.")
+        raise UserError(f"Config file {path!r} must be a mapping of flag names to values.")
     given = {a.split("=", 1)[0] for a in argv if a.startswith("-")}
     flags = {}
     for action in parser._actions:
@@ -92,27 +100,35 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
         name = str(key).replace("_", "-")
         action = flags.get(name)
         if action is None or name in ("config", "help"):
-            raise ValueError(f"Unknown key {key!r} in config file {path!r}: use flag names of "
+            raise UserError(f"Unknown key {key!r} in config file {path!r}: use flag names of "
                              f"`jaxserve {args.command} --help`, e.g. max-num-seqs.")
         if any(opt in given for opt in action.option_strings):
             continue
         try:
             if action.nargs == 0:  # a switch (store_true / store_false): `true` means the flag is given
                 if not isinstance(value, bool):
-                    raise ValueError("expected true or false")
-                value = action.const if value else not action.const
+                    raise UserError("expected true or false")
+                if isinstance(action, argparse.BooleanOptionalAction):
+                    value = value != name.startswith("no-")  # `no-precompile: true` means False
+                else:
+                    value = action.const if value else not action.const
             elif isinstance(value, str) and action.type not in (None, str):
                 value = action.type(value)  # e.g. "1GiB" -> bytes
         except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
-            raise ValueError(f"Invalid value {value!r} for {key!r} in config file {path!r}: {e}") from None
+            raise UserError(f"Invalid value {value!r} for {key!r} in config file {path!r}: {e}") from None
         if action.choices is not None and value not in action.choices:
-            raise ValueError(f"Invalid value {value!r} for {key!r} in config file {path!r}: "
+            raise UserError(f"Invalid value {value!r} for {key!r} in config file {path!r}: "
                              f"choose one of {', '.join(map(str, action.choices))}.")
         setattr(args, action.dest, value)
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     kw = {k: getattr(args, k) for k in EngineConfig.field_names() if hasattr(args, k)}
+    if getattr(args, "model_arg", None):  # `jaxserve serve MODEL`, as `vllm serve MODEL`
+        if kw.get("model") not in (None, args.model_arg):
+            raise UserError(f"Two models given: {args.model_arg!r} and --model {kw['model']!r}: pass one.",
+                            param="model")
+        kw["model"] = args.model_arg
     kw.update(overrides)
     return EngineConfig(**kw)
 
@@ -147,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
     prompts = [p for p in prompts if p.strip()]
     if not prompts:
-        raise ValueError('No prompt given: pass it as an argument (jaxserve generate "Hello") or on stdin.')
+        raise UserError('No prompt given: pass it as an argument (jaxserve generate "Hello") or on stdin.')
     stream = sys.stdout.isatty() if args.stream is None else args.stream
     engine = LLMEngine(engine_config(args, precompile=False))
     params = sampling_params(args, engine.loaded.generation_defaults)
@@ -183,7 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         if e.name != f"bench.{name}":
             raise
-        raise ValueError(f"Unknown benchmark {args.name!r}: see `jaxserve bench --help`.") from None
+        raise UserError(f"Unknown benchmark {args.name!r}: see `jaxserve bench --help`.") from None
     return int(mod.main(args.bench_args) or 0)
 
 
@@ -218,10 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default on a terminal)")
     s.add_argument("--no-stream", dest="stream", action="store_false", help="print the whole answer at the end")
     add_sampling_args(g)
-    add_engine_args(g)
+    add_engine_args(g, skip=("seed",))  # --seed is the sampling seed here
     g.set_defaults(func=cmd_generate, command_parser=g)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                    help="HF model directory or .gguf file (same as --model)")
     try:
         from jaxserve.server.app import add_serve_args
 
@@ -256,15 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except USER_ERRORS as e:
-        msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
-        print(f"jaxserve: error: {msg}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - known user-facing failures from dependencies
+    except Exception as e:
         from jaxserve.model.default_model import DefaultModelError
 
-        if isinstance(e, DefaultModelError):
-            print(f"jaxserve: error: {e}", file=sys.stderr)
+        if isinstance(e, (UserError, DefaultModelError)):  # anything else is a bug: its traceback shows
+            print(f"jaxserve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
             return 2
         raise
 

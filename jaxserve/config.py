@@ -1,76 +1,131 @@
-"""EngineConfig: every knob a user can set, validated up front with errors that name the fix."""
+"""EngineConfig: every knob a user can set, validated up front with errors that name the fix.
+
+One source of defaults: the scheduler's knobs are the fields of `core.scheduler.SchedulerConfig`
+(EngineConfig holds them as `scheduler`, and `scheduler_config()` adds what the engine derives:
+blocks, lengths, batch limits); the CLI's flags and `--help` are generated from these dataclass
+fields (`cli.add_config_args`), so nothing is written twice.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-PREFIX_CACHES = ("radix", "hash", "off")
-EVICTIONS = ("lru", "trunk")
-SCHEDULES = ("fcfs", "priority", "lpm")
-ADMISSIONS = ("optimistic", "conservative")
-ATTENTION_BACKENDS = ("xla", "pallas", "cpu")
+from jaxserve.core.scheduler import ADMISSIONS, EVICTIONS, POLICIES, PREFIX_CACHES, SchedulerConfig
+from jaxserve.errors import UserError
+
+ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = POLICIES
+
+# Scheduler fields the engine sets itself (from its own fields or the memory budget).
+DERIVED_SCHEDULER_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
+
+def _knob(default, help: str, *, choices=None, flag: str | None = None, aliases=(), metavar=None, **kw):
+    meta = {"help": help, "choices": choices, "flag": flag, "aliases": tuple(aliases), "metavar": metavar}
+    if callable(default) and not isinstance(default, type):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def _sched(name: str):
+    return next(f.default for f in fields(SchedulerConfig) if f.name == name)
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF dir, .gguf file, or None for the embedded default
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; default: memory_fraction of free device memory
-    memory_fraction: float = 0.9
-    num_blocks: int | None = None  # overrides the memory budget (tests, simulations)
-    prefix_cache: str = "radix"
-    eviction: str = "lru"
-    schedule: str = "fcfs"
-    prefill_first: bool = False
-    admission: str = "optimistic"  # conservative: reserve for running requests' growth (SGLang)
-    attention_backend: str | None = None  # default: cpu (native kernel, else xla) on CPU, pallas on TPU/GPU
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on accelerators
-    kv_cache_dtype: str | None = None  # default: dtype; bfloat16 for a bfloat16 checkpoint computed in float32
-    precompile: bool = True
-    compilation_cache: bool = True
-    seed: int = 0  # seeds the per-request seeds of requests that bring none
-    tensor_parallel_size: int = 1
+    model: str | None = _knob(None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+                              aliases=("-m",))
+    max_model_len: int | None = _knob(None, "longest prompt + output (default: the model's)")
+    max_num_seqs: int = _knob(_sched("max_num_seqs"), "sequences per step")
+    max_num_batched_tokens: int = _knob(_sched("max_num_batched_tokens"),
+                                        "token budget per step (prefills are chunked to fit)")
+    block_size: int = _knob(_sched("block_size"), "tokens per KV block (a power of two)")
+    kv_cache_memory: int | None = _knob(None, "KV cache budget, e.g. 2GiB (default: --gpu-memory-utilization of "
+                                        "the device's memory after weights; at most 1GiB on CPU)", metavar="BYTES")
+    gpu_memory_utilization: float = _knob(0.9, "fraction of device memory the engine may use (weights, "
+                                          "activations and KV cache)", aliases=("--memory-fraction",))
+    num_blocks: int | None = _knob(None, "KV blocks, overriding the memory budget (tests, simulations)")
+    prefix_cache: str = _knob(_sched("prefix_cache"), "prefix cache design", choices=PREFIX_CACHES)
+    eviction: str = _knob(_sched("eviction"), "prefix cache eviction: lru, or trunk (keep shared prefixes, drop "
+                          "leaf tips first)", choices=EVICTIONS)
+    schedule: str = _knob(_sched("policy"), "admission order (lpm: longest cached prefix first, with aging)",
+                          choices=SCHEDULES)
+    prefill_first: bool = _knob(_sched("prefill_first"), "admit new prompts before running decodes "
+                                "(--no-prefill-first / --decode-first: running requests first)",
+                                aliases=("!--decode-first",))
+    admission: str = _knob(_sched("admission"), "optimistic (vLLM): admit while the prompt fits; conservative "
+                           "(SGLang): also reserve blocks for running requests' expected output", choices=ADMISSIONS)
+    lpm_max_wait_steps: int = _knob(_sched("lpm_max_wait_steps"), "lpm aging: steps a request may be passed over")
+    lpm_max_queue: int = _knob(_sched("lpm_max_queue"), "lpm falls back to fcfs above this many waiting requests")
+    watermark: float = _knob(_sched("watermark"), "fraction of blocks admission keeps free for running requests")
+    init_new_token_ratio: float = _knob(_sched("init_new_token_ratio"),
+                                        "conservative admission: share of max_tokens expected still to come")
+    dedup_in_batch: bool = _knob(_sched("dedup_in_batch"),
+                                 "defer a request whose uncached prefix another request is computing")
+    hash_seed: int = _knob(_sched("hash_seed"), "seed of the prefix cache's block hashes")
+    attention_backend: str | None = _knob(None, "default: pallas on TPU/GPU; on CPU the native cpu kernels "
+                                          "(built with g++), else xla", choices=ATTENTION_BACKENDS)
+    dtype: str | None = _knob(None, "weights and activations (default: float32 on CPU, bfloat16 on TPU/GPU)",
+                              choices=DTYPES)
+    kv_cache_dtype: str | None = _knob(None, "KV cache storage (default: --dtype, but bfloat16 for a bfloat16 or "
+                                       "quantized checkpoint run in float32)", choices=DTYPES)
+    tensor_parallel_size: int = _knob(1, "shard the model over N devices", aliases=("--tp",))
+    async_scheduling: bool = _knob(True, "dispatch step n+1 before reading step n's tokens, so host work "
+                                   "overlaps the device")
+    precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")
+    compilation_cache: bool = _knob(True, "use JAX's persistent compilation cache")
+    seed: int = _knob(0, "seeds the per-request seeds of requests that bring none")
 
     def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> UserError:
+            return UserError(f"Invalid {name}={getattr(self, name)!r}: {rule}.", param=name)
+
         def positive(name: str, minimum: int = 1) -> None:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < minimum):
-                raise ValueError(f"Invalid {name}={v!r}: must be an integer >= {minimum}.")
+                raise bad(name, f"must be an integer >= {minimum}")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             positive(name)
         positive("num_blocks", 2)
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"Invalid block_size={self.block_size}: must be a power of two (e.g. 16).")
+            raise bad("block_size", "must be a power of two (e.g. 16)")
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         positive("kv_cache_memory")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"Invalid memory_fraction={self.memory_fraction!r}: must be in (0, 1].")
-        for name, allowed in (
-            ("prefix_cache", PREFIX_CACHES),
-            ("eviction", EVICTIONS),
-            ("schedule", SCHEDULES),
-            ("admission", ADMISSIONS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}.")
-        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(
-                f"Invalid attention_backend={self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}."
-            )
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in (None, *DTYPES):
-                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: choose one of {', '.join(DTYPES)}.")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise bad(f.name, f"choose one of {', '.join(choices)}")
+        try:
+            self.scheduler_config(num_blocks=2, max_model_len=2)  # the scheduler's own checks
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    @property
+    def memory_fraction(self) -> float:  # the older name of gpu_memory_utilization
+        return self.gpu_memory_utilization
+
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        own = {f.name for f in fields(SchedulerConfig)} - set(DERIVED_SCHEDULER_FIELDS) - {"policy"}
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len, policy=self.schedule,
+            **{name: getattr(self, name) for name in own},
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -81,5 +136,6 @@ def parse_bytes(text: str) -> int:
     """'2GiB', '512MiB', '1.5GB', '1000000' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m[2].lower() not in _UNITS:
-        raise ValueError(f"Invalid memory size {text!r}: use a number with an optional unit, e.g. 2GiB or 512MiB.")
+        raise UserError(f"Invalid memory size {text!r}: use a number with an optional unit, e.g. 2GiB or 512MiB.",
+                        param="kv_cache_memory")
     return int(float(m[1]) * _UNITS[m[2].lower()])

@@ -9,6 +9,7 @@ the prompt's cached blocks.
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import dataclasses
 import logging
 import random
@@ -19,11 +20,10 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from jaxserve.runtime.input_batch import build_sampling_arrays, build_step_inputs
-from jaxserve.runtime.sampler import SamplingMode
+from jaxserve.core.batch import BucketKey, RowSpec, Sampling
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
@@ -40,6 +40,21 @@ class _Seq:
     seed: int
     detok: IncrementalDetokenizer
     out: CompletionOutput
+    prompt_set: frozenset = frozenset()  # for the repetition penalty
+    counts: dict = field(default_factory=dict)  # output token counts, for penalties
+
+
+@dataclass(eq=False)
+class _Inflight:
+    """A dispatched step whose tokens the host has not read yet."""
+
+    sched: SchedulerOutput
+    seqs: list[_Seq]  # per row
+    result: object  # runner.StepResult (device arrays)
+    key: BucketKey
+    want_logprobs: bool
+    needs_tokens: bool  # a row's sampling needs its last token's value (penalties)
+    row_of: dict[str, int]  # request id -> row, for rows that sample
 
 
 @dataclass(eq=False)
@@ -60,7 +75,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         from jaxserve.model.loader import load_model
         from jaxserve.runtime import runner as rt
-        from jaxserve.runtime.attention import default_backend as default_attention_backend
 
         config = config or EngineConfig(**kwargs)
         self.config = config
@@ -82,31 +96,19 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                attention_backend=config.attention_backend or default_attention_backend(dtype, kv_dtype),
+                attention_backend=config.attention_backend,
                 dtype=dtype,
                 kv_cache_dtype=kv_dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
             ),
         )
         self.loaded.params = None  # host copy no longer needed
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=self.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                prefix_cache=config.prefix_cache,
-                eviction=config.eviction,
-                policy=config.schedule,
-                prefill_first=config.prefill_first,
-                admission=config.admission,
-            )
-        )
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=self.max_model_len))
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._groups: dict[str, _Group] = {}
         self._seqs: dict[str, _Seq] = {}  # core request id -> seq
+        self._inflight: _Inflight | None = None  # the dispatched step not yet read
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
         cap_tokens = (self.num_blocks - 1) * config.block_size
         log.info(
@@ -125,9 +127,9 @@ class LLMEngine:
                                           self.config.tensor_parallel_size)  # per device
         blocks = budget // per_block
         if blocks < 2:
-            raise ValueError(
+            raise UserError(
                 f"The KV cache budget of {budget / 2**20:.1f} MiB holds no block of {per_block / 2**20:.2f} MiB: "
-                "raise --kv-cache-memory or --memory-fraction."
+                "raise --kv-cache-memory or --gpu-memory-utilization."
             )
         return int(blocks)
 
@@ -149,32 +151,35 @@ class LLMEngine:
         """Queue a request. Raises ValueError (a message for the user) if it can never run."""
         params = params or SamplingParams()
         if request_id in self._groups:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+            raise UserError(f"Request id {request_id!r} is already in use.")
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
-                raise ValueError("The prompt must be a string or a list of token ids.")
+                raise UserError("The prompt must be a string or a list of token ids.")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
         for t in params.stop_token_ids + list((params.logit_bias or {}).keys()):
             if t >= self.model_config.vocab_size:
-                raise ValueError(f"Token id {t} is outside the vocabulary (size {self.model_config.vocab_size}).")
+                raise UserError(f"Token id {t} is outside the vocabulary (size {self.model_config.vocab_size}).")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, prompt_token_ids, params, metrics=RequestMetrics(arrival_time=now))
+        eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        prompt_set = frozenset(prompt_token_ids) if params.uses_penalties else frozenset()
         reqs = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(32)
-            req = Request(rid, list(prompt_token_ids), max_tokens, arrival_time=now, priority=priority, cache_salt=cache_salt)
+            req = Request(rid, list(prompt_token_ids), max_tokens, arrival_time=now, priority=priority,
+                          cache_salt=cache_salt, eos_token_ids=eos, stop_token_ids=frozenset(params.stop_token_ids))
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             )
             out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
-            group.seqs.append(_Seq(request_id, req, i, seed, detok, out))
+            group.seqs.append(_Seq(request_id, req, i, seed, detok, out, prompt_set))
             reqs.append(req)
         for req in reqs:
             self.scheduler.add_request(req)  # raises for requests the cache can never hold
@@ -185,13 +190,13 @@ class LLMEngine:
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise ValueError("The prompt is empty: send at least one token.")
+            raise UserError("The prompt is empty: send at least one token.")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"Prompt token id {bad} is outside the vocabulary (0..{vocab - 1}).")
+            raise UserError(f"Prompt token id {bad} is outside the vocabulary (0..{vocab - 1}).")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise UserError(
                 f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "shorten the prompt or start the engine with a larger --max-model-len."
             )
@@ -207,7 +212,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._inflight is not None
 
     @property
     def num_requests(self) -> int:
@@ -215,74 +220,99 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch the next step, then process the one before it while the device
+        runs (overlap: one step in flight; `async_scheduling=False` processes each step at once)."""
+        outputs: dict[str, _Group] = {}
+        if self._inflight is not None and self._inflight.needs_tokens:
+            self._process(self._inflight, outputs)  # its tokens feed the next step's sampling
+            self._inflight = None
         sched = self.scheduler.schedule()
-        touched: dict[str, _Group] = {}
         for req in sched.finished:  # ended by the scheduler (outgrew the whole KV cache)
             seq = self._seqs.get(req.request_id)
             if seq is not None and seq.group_id in self._groups:
                 self._finish(self._groups[seq.group_id], seq, req.status, None)
-                touched[seq.group_id] = self._groups[seq.group_id]
-        if not sched.scheduled:
-            return [self._output(g) for g in touched.values()]
+                outputs[seq.group_id] = self._groups[seq.group_id]
+        new = self._dispatch(sched) if sched.scheduled else None
+        if self._inflight is not None:
+            self._process(self._inflight, outputs)
+        self._inflight = new
+        if new is not None and not self.config.async_scheduling:
+            self._process(new, outputs)
+            self._inflight = None
+        elif new is not None and all(sr.request.is_finished for sr in new.sched.scheduled):
+            self._inflight = None  # every row already stopped: nothing of it will be read
+        return [self._output(g) for g in outputs.values()]
+
+    def _dispatch(self, sched: SchedulerOutput) -> _Inflight:
         now = time.time()
         # Decode rows (one new token) first: the XLA attention takes them in a loop of their own.
         scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        rows = [(s.request.token_ids, s.start, s.num_new_tokens, s.request.block_ids) for s in scheduled]
-        num_tokens = sched.num_batched_tokens
-        t, s_bucket = self.runner.bucket_for(num_tokens, len(rows))
-        inputs = build_step_inputs(
-            rows, t_bucket=t, s_bucket=s_bucket, block_size=self.config.block_size, max_blocks=self.runner.max_blocks
-        )
-        seqs = [self._seqs[s.request.request_id] for s in scheduled]
-        tensors, mode = self._sampling_inputs(seqs, s_bucket)
-        result = self.runner.execute(inputs, t, s_bucket, tensors, SamplingMode(**mode))
-        tokens, chosen_lp, top_ids, top_lps = self.runner.fetch(result)
-        self.counters["steps"] += 1
-        self.counters["computed_tokens"] += num_tokens
-
-        sampled = {}
-        for i, sr in enumerate(scheduled):
-            if sr.samples:
-                sampled[sr.request.request_id] = int(tokens[i])
-        self.scheduler.update_from_output(sched, sampled)
-
-        for i, sr in enumerate(scheduled):
-            seq = seqs[i]
-            group = self._groups.get(seq.group_id)
-            if group is None:
-                continue
+        prev = self._inflight.row_of if self._inflight is not None else {}
+        rows, seqs = [], []
+        for sr in scheduled:
+            req = sr.request
+            seq = self._seqs[req.request_id]
+            group = self._groups[seq.group_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-            if not sr.samples:
+            sampling = self._sampling(group.params, seq) if sr.samples else None
+            rows.append(RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
+                                prev.get(req.request_id, -1)))
+            seqs.append(seq)
+        batch, key = self.runner.builder.build(rows)
+        want_logprobs = any(r.sampling is not None and r.sampling.num_logprobs >= 0 for r in rows)
+        result = self.runner.execute(batch, key)
+        sched.scheduled = scheduled  # row order
+        self.scheduler.dispatched(sched)
+        self.counters["steps"] += 1
+        self.counters["computed_tokens"] += sched.num_batched_tokens
+        return _Inflight(
+            sched, seqs, result, key, want_logprobs,
+            needs_tokens=any(r.sampling is not None and r.sampling.uses_penalties for r in rows),
+            row_of={sr.request.request_id: i for i, sr in enumerate(scheduled) if sr.samples},
+        )
+
+    def _sampling(self, p: SamplingParams, seq: _Seq) -> Sampling:
+        req = seq.req
+        n_out = req.num_output_tokens
+        bias = dict(p.logit_bias or {})
+        if n_out < p.min_tokens:
+            for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids):
+                bias[t] = -np.inf
+        return Sampling(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+            step=n_out, num_logprobs=-1 if p.logprobs is None else p.logprobs,
+            presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
+            bias=bias, prompt_tokens=seq.prompt_set if p.uses_penalties else frozenset(),
+            output_counts=seq.counts if p.uses_penalties else {},
+        )
+
+    def _process(self, step: _Inflight, outputs: dict[str, _Group]) -> None:
+        """Read a dispatched step's tokens and update its requests: token-level stops in the
+        scheduler, then detokenization, stop strings and logprobs here."""
+        got = self.runner.fetch(step.result, step.key.s, step.want_logprobs)
+        tokens = got[0]
+        rows = [i for i, sr in enumerate(step.sched.scheduled) if sr.samples and not sr.request.is_finished]
+        sampled = {step.sched.scheduled[i].request.request_id: int(tokens[i]) for i in rows}
+        stops = {id(r): (st, reason) for r, st, reason in self.scheduler.update_from_output(step.sched, sampled)}
+        for i in rows:
+            seq = step.seqs[i]
+            group = self._groups.get(seq.group_id)
+            if group is None or seq.out.finished:
                 continue
+            tok = int(tokens[i])
             lp = None
             if seq.out.logprobs is not None:
                 n = group.params.logprobs
-                lp = TokenLogprob(int(tokens[i]), float(chosen_lp[i]),
+                _, chosen, top_ids, top_lps = got
+                lp = TokenLogprob(tok, float(chosen[i]),
                                   [(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
-            self._append(group, seq, int(tokens[i]), lp)
-            touched[group.request_id] = group
-        return [self._output(g) for g in touched.values()]
+            self._append(group, seq, tok, lp, stops.get(id(seq.req)))
+            outputs[group.request_id] = group
 
-    def _sampling_inputs(self, seqs: list[_Seq], s_bucket: int):
-        params, seeds, steps, banned, prompts, outs = [], [], [], [], [], []
-        for seq in seqs:
-            p = self._groups[seq.group_id].params
-            req = seq.req
-            params.append(p)
-            seeds.append(seq.seed)
-            steps.append(req.num_output_tokens)
-            ban = []
-            if req.num_output_tokens < p.min_tokens:
-                ban = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-            banned.append(ban)
-            prompts.append(req.prompt_token_ids if p.uses_penalties else [])
-            outs.append(req.output_token_ids if p.uses_penalties else [])
-        return build_sampling_arrays(params, seeds, steps, banned, prompts, outs, s_bucket)
-
-    def _append(self, group: _Group, seq: _Seq, token: int, lp: TokenLogprob | None) -> None:
-        """Record a sampled token (already appended to the core request) and check stop conditions."""
-        p, req, out = group.params, seq.req, seq.out
+    def _append(self, group: _Group, seq: _Seq, token: int, lp: TokenLogprob | None, stop) -> None:
+        """Record a sampled token; `stop` is the scheduler's token-level verdict (status, reason)."""
+        p, out = group.params, seq.out
         now = time.time()
         m = group.metrics
         m.first_token_time = m.first_token_time or now
@@ -290,28 +320,20 @@ class LLMEngine:
         self.counters["generation_tokens"] += 1
         out.token_ids.append(token)
         out.delta_token_ids.append(token)
+        if p.uses_penalties:
+            seq.counts[token] = seq.counts.get(token, 0) + 1
         if lp is not None:
             out.logprobs.append(lp)
             out.delta_logprobs.append(lp)
             out.cumulative_logprob += lp.logprob
-        status, stop_reason = None, None
-        n_out = req.num_output_tokens
-        # EOS and stop tokens cannot be sampled before min_tokens (they are banned on device).
-        if token in self.eos_token_ids and not p.ignore_eos:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in p.stop_token_ids:
-            status, stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if status is None:
-            delta = seq.detok.add(token)
-            out.delta_text += delta
-            if seq.detok.stopped and n_out >= p.min_tokens:
-                status, stop_reason = RequestStatus.FINISHED_STOPPED, seq.detok.stop_str
-        if status is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self._finish(group, seq, status, stop_reason)
-        else:
-            out.text = seq.detok.text
+        if stop is not None and stop[0] == RequestStatus.FINISHED_STOPPED:
+            self._finish(group, seq, *stop)  # EOS or a stop token: never part of the text
+            return
+        out.delta_text += seq.detok.add(token)
+        if seq.detok.stopped and len(out.token_ids) >= p.min_tokens:
+            self._finish(group, seq, RequestStatus.FINISHED_STOPPED, seq.detok.stop_str)
+        elif stop is not None:
+            self._finish(group, seq, *stop)
 
     def _finish(self, group: _Group, seq: _Seq, status: RequestStatus, stop_reason) -> None:
         out = seq.out
@@ -326,24 +348,28 @@ class LLMEngine:
             group.metrics.finished_time = time.time()
 
     def _output(self, group: _Group) -> RequestOutput:
+        """A snapshot for the consumer (the server's event loop may read it a step later). An
+        unfinished output carries only this step's deltas (token_ids and logprobs lists are
+        empty; `logprobs` is [] rather than None when asked for), so a request's host work stays
+        linear in its length; the final output carries everything."""
+        finished = group.finished
         outs = []
         for s in group.seqs:
             o = s.out
+            done = o.finished
             outs.append(CompletionOutput(
-                index=o.index, text=o.text, token_ids=list(o.token_ids), cumulative_logprob=o.cumulative_logprob,
-                logprobs=list(o.logprobs) if o.logprobs is not None else None, finish_reason=o.finish_reason,
-                stop_reason=o.stop_reason, delta_text=o.delta_text, delta_token_ids=o.delta_token_ids,
-                delta_logprobs=o.delta_logprobs,
+                index=o.index, text=o.text if done else "", token_ids=list(o.token_ids) if done else [],
+                cumulative_logprob=o.cumulative_logprob,
+                logprobs=(list(o.logprobs) if done else []) if o.logprobs is not None else None,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason, delta_text=o.delta_text,
+                delta_token_ids=o.delta_token_ids, delta_logprobs=o.delta_logprobs,
             ))
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
-        finished = group.finished
         if finished:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:
                 self._seqs.pop(s.req.request_id, None)
         cached = max((s.req.num_cached_tokens for s in group.seqs), default=0)
-        # A snapshot of the metrics: the engine keeps updating its own copy while consumers (the
-        # server's event loop) may read this output a step later.
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              max(cached, 0), dataclasses.replace(group.metrics))
 

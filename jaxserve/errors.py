@@ -22,3 +22,7 @@ class UserError(ValueError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A path the user gave (a model, a config file) does not exist or is incomplete."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import time
 from typing import Sequence
 
@@ -73,7 +74,7 @@ class LLM:
             list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
         )
         if len(params) != len(items):
-            raise ValueError(f"Got {len(params)} sampling params for {len(items)} prompts: pass one, or one per prompt.")
+            raise UserError(f"Got {len(params)} sampling params for {len(items)} prompts: pass one, or one per prompt.")
         engine = self.engine
         ids = []
         try:

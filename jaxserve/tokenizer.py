@@ -12,6 +12,7 @@ chat template are GGUF metadata, and a `tokenizers.Tokenizer` is rebuilt from th
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import json
 import os
 import pathlib
@@ -70,7 +71,7 @@ def _gguf_backend(md: dict, path: str) -> tuple[_TkTokenizer, dict[str, Any]]:
     kind = md.get("tokenizer.ggml.model")
     tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
     if not tokens:
-        raise ValueError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens missing)")
+        raise UserError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens missing)")
     types = md.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     merges_md = md.get("tokenizer.ggml.merges")
 
@@ -121,7 +122,7 @@ def _gguf_backend(md: dict, path: str) -> tuple[_TkTokenizer, dict[str, Any]]:
         default_add_bos = True
         keep_control = lambda t: True  # noqa: E731
     else:
-        raise ValueError(f"{path}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        raise UserError(f"{path}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
 
     special = [AddedToken(t, normalized=False, special=True)
                for t, ty in zip(tokens, types) if ty == _CONTROL and keep_control(t)]
@@ -195,7 +196,7 @@ class Tokenizer:
             return cls.from_gguf(p)
         if p.is_dir():
             return cls.from_hf_dir(p)
-        raise ValueError(f"Tokenizer path not found: {p}")
+        raise UserError(f"Tokenizer path not found: {p}")
 
     @classmethod
     def from_gguf(cls, path: os.PathLike | str, metadata: dict | None = None) -> "Tokenizer":
@@ -220,12 +221,12 @@ class Tokenizer:
 
         p = pathlib.Path(path)
         if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
-            raise ValueError(f"{p}: no tokenizer.json or tokenizer_config.json in the model directory")
+            raise UserError(f"{p}: no tokenizer.json or tokenizer_config.json in the model directory")
         try:
             hf = AutoTokenizer.from_pretrained(str(p))
         except Exception as e:  # e.g. a tokenizer class needing sentencepiece: use tokenizer.json
             if not (p / "tokenizer.json").is_file():
-                raise ValueError(f"{p}: cannot load the tokenizer: {e}") from None
+                raise UserError(f"{p}: cannot load the tokenizer: {e}") from None
             cfg = _read_json(p / "tokenizer_config.json")
             kw = {k: v for k, v in cfg.items() if k in (
                 "bos_token", "eos_token", "unk_token", "pad_token", "chat_template",
@@ -266,7 +267,7 @@ class Tokenizer:
         adding special tokens (as transformers does).
         """
         if not self.has_chat_template:
-            raise ValueError(f"The tokenizer of {self.name_or_path or 'this model'} has no chat template")
+            raise UserError(f"The tokenizer of {self.name_or_path or 'this model'} has no chat template")
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text

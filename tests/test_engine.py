@@ -212,19 +212,6 @@ def test_abort_frees_blocks(tiny_llm):
     assert_all_blocks_free(tiny_llm)
 
 
-def test_steady_state_steps_never_recompile(tiny_model):
-    llm = LLM(tiny_model("llama"), **{**ENGINE_KW, "precompile": True})
-    runner = llm.engine.runner
-    compiled = runner.num_compiles
-    assert compiled == len(runner.all_buckets())
-    prompts = mixed_prompts(llm.engine.model_config.vocab_size, n=24, seed=7)
-    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
-    sampler_compiles = runner.sampler_cache_size()
-    llm.generate(prompts[::-1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert runner.num_compiles == compiled, "a step shape outside the precompiled buckets was compiled"
-    assert runner.sampler_cache_size() == sampler_compiles
-
-
 def test_chat_applies_the_template(tiny_llm):
     msgs = [{"role": "user", "content": "Hi!"}]
     out = tiny_llm.chat(msgs, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]

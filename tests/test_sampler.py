@@ -10,23 +10,25 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime import sampler
-from jaxserve.runtime.sampler import SamplingMode, SamplingTensors, sample
+from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.runtime.sampler import sample
 
 ROWS = 4096
 
 
-def tensors(n: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingTensors:
-    full = lambda v, dt=np.float32: np.full(n, v, dt)  # noqa: E731
-    empty = lambda dt=np.int32: np.zeros((n, 0), dt)  # noqa: E731
-    return SamplingTensors(full(temperature), full(top_k, np.int32), full(top_p), full(min_p),
-                           np.arange(n, dtype=np.uint32), full(0, np.int32), full(0.0), full(0.0), full(1.0),
-                           empty(), empty(), empty(), empty(np.float32))
+def tensors(n: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> StepBatch:
+    """A batch of n sampling rows, each with its own seed."""
+    builder = BatchBuilder(max_num_batched_tokens=1, max_num_seqs=n, block_size=16, max_model_len=16, vocab_size=600)
+    b = builder.empty(BucketKey(1, n, 0))
+    b.temperature[:], b.top_k[:], b.top_p[:], b.min_p[:] = temperature, top_k, top_p, min_p
+    b.seed_lo[:] = np.arange(n, dtype=np.uint32)
+    return b
 
 
-def frequencies(logits_row: np.ndarray, t: SamplingTensors, truncation: bool) -> np.ndarray:
+def frequencies(logits_row: np.ndarray, t: StepBatch, truncation: bool) -> np.ndarray:
+    """Empirical token frequencies over the batch's rows (truncation: the rows ask for it)."""
     logits = jnp.broadcast_to(jnp.asarray(logits_row, jnp.float32), (ROWS, logits_row.size))
-    mode = SamplingMode(all_greedy=False, truncation=truncation)
-    tokens = np.asarray(jax.jit(sample, static_argnums=2)(logits, t, mode).tokens)
+    tokens = np.asarray(jax.jit(sample)(logits, t).tokens)
     return np.bincount(tokens, minlength=logits_row.size) / ROWS
 
 
@@ -83,3 +85,30 @@ def test_draw_never_picks_a_zero_weight():
     w = jnp.asarray(np.tile([0.0, 1.0, 0.0, 0.0, 3.0] + [0.0] * 300, (5, 1)), jnp.float32)
     u = jnp.asarray([[0.0, 0.0], [0.999999, 0.999999], [0.5, 0.25], [0.5, 0.26], [0.1, 0.9]], jnp.float32)
     assert set(np.asarray(sampler.draw(w, u)).tolist()) <= {1, 4}
+
+
+def test_adjustments_match_the_penalty_rules():
+    """Repetition on tokens seen in prompt or output, frequency and presence on output counts, then
+    the bias; every other logit untouched."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 40)).astype(np.float32) * 3
+    builder = BatchBuilder(max_num_batched_tokens=1, max_num_seqs=2, block_size=16, max_model_len=16, vocab_size=40)
+    b = builder.empty(BucketKey(1, 2, 8))
+    b.repetition[:] = [1.5, 1.0]
+    b.frequency[:] = [0.5, 0.0]
+    b.presence[:] = [0.25, 0.0]
+    b.adj_ids[0, :4] = [3, 7, 9, 12]
+    b.adj_out_counts[0, :4] = [2, 0, 1, 0]
+    b.adj_in_prompt[0, :4] = [0, 1, 1, 0]
+    b.adj_bias[0, :4] = [0, 0, 1.0, -np.inf]
+    b.adj_ids[1, :1] = [5]
+    b.adj_bias[1, :1] = [10.0]
+    got = np.asarray(jax.jit(sampler.apply_adjustments)(jnp.asarray(logits), b))
+    want = logits.copy()
+    for tok, count, in_prompt, bias in [(3, 2, 0, 0), (7, 0, 1, 0), (9, 1, 1, 1.0), (12, 0, 0, -np.inf)]:
+        x = want[0, tok]
+        if count or in_prompt:
+            x = x / 1.5 if x > 0 else x * 1.5
+        want[0, tok] = x - 0.5 * count - 0.25 * (count > 0) + bias
+    want[1, 5] += 10.0
+    np.testing.assert_allclose(got, want, rtol=1e-6)

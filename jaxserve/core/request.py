@@ -46,6 +46,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_step: int = -1
     wait_steps: int = 0  # steps spent waiting while others were admitted (lpm aging)
+    # Token-level stops, checked by the scheduler as each sampled token lands (stop strings are
+    # the engine's: they need text).
+    eos_token_ids: frozenset = frozenset()  # empty with ignore_eos
+    stop_token_ids: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -73,3 +77,20 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def stop_for(self, index: int, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
+        """Whether the token at `index` of token_ids (just sampled) ends the request: (status,
+        stop_reason), else None. EOS and stop tokens are banned on the device before min_tokens."""
+        token = self.token_ids[index]
+        if token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if index + 1 - len(self.prompt_token_ids) >= self.max_tokens or index + 1 >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    @property
+    def reached_length(self) -> bool:
+        """All tokens it may produce are sampled (the last may still be in flight)."""
+        return self.num_output_tokens >= self.max_tokens

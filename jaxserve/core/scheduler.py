@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.errors import UserError
+
+from .batch import PENDING
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
 from .request import Request, RequestStatus
@@ -62,7 +65,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, fix: str) -> None:
             if not ok:
-                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {fix}")
+                raise UserError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {fix}")
 
         need(self.num_blocks >= 2, "num_blocks", "need at least 2 (block 0 is the reserved null block)")
         need(self.block_size >= 1, "block_size", "must be a positive number of tokens, e.g. 16")
@@ -139,18 +142,18 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         cfg = self.config
         if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+            raise UserError(f"request id {req.request_id!r} is already in the scheduler")
         if req.num_tokens < 1:
-            raise ValueError(f"request {req.request_id!r} has an empty prompt; send at least one token")
+            raise UserError(f"request {req.request_id!r} has an empty prompt; send at least one token")
         if req.num_tokens >= cfg.max_model_len:
-            raise ValueError(
+            raise UserError(
                 f"request {req.request_id!r}: the prompt has {req.num_tokens} tokens but max_model_len "
                 f"is {cfg.max_model_len}, which must leave room for at least one generated token; "
                 "shorten the prompt or raise max_model_len"
             )
         capacity = cfg.num_blocks - 1
         if cdiv(req.num_tokens + 1, cfg.block_size) > capacity:
-            raise ValueError(
+            raise UserError(
                 f"request {req.request_id!r}: {req.num_tokens} prompt tokens need "
                 f"{cdiv(req.num_tokens + 1, cfg.block_size)} KV blocks but the whole cache has "
                 f"{capacity} ({capacity * cfg.block_size} tokens); shorten the prompt or give the "
@@ -222,6 +225,8 @@ class Scheduler:
             if req.status != running or req.request_id in skip:
                 continue  # preempted earlier in this loop, or admitted this step already
             num_tokens = len(req.token_ids)
+            if req.reached_length or num_tokens >= self.config.max_model_len:
+                continue  # its last token is in flight: it ends when that lands
             num_new = min(num_tokens - req.num_computed_tokens, budget[0])
             if num_new <= 0:
                 continue  # waiting for the engine to append its sampled token
@@ -326,19 +331,43 @@ class Scheduler:
         self.finish_request(req, RequestStatus.FINISHED_LENGTH)
         out.finished.append(req)
 
-    # ---- after the step -----------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+    # ---- after the step ---------------------------------------------------------------------
+    def dispatched(self, out: SchedulerOutput) -> None:
+        """The step's batch is built and on its way: its tokens count as computed, and each row
+        that samples holds a PENDING token until `update_from_output` brings the real one. The
+        next step can be scheduled at once (overlap)."""
         for s in out.scheduled:
             req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # finished or aborted since
-            assert req.num_computed_tokens == s.start, "update_from_output applied twice?"
+            assert req.num_computed_tokens == s.start, "dispatched() applied twice?"
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(req)
             if s.samples:
+                req.append_token(PENDING)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, RequestStatus, int | None]]:
+        """A dispatched step's sampled tokens land: each replaces its PENDING placeholder, newly
+        full blocks are cached, and token-level stops (EOS, stop ids, max_tokens,
+        max_model_len) finish requests here. Returns (request, status, stop_reason) of those."""
+        finished = []
+        max_len = self.config.max_model_len
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue  # aborted, or stopped by a token of an earlier step
+            if s.samples:
+                index = s.num_tokens  # where dispatched() put the placeholder
                 tok = sampled.get(req.request_id)
-                if tok is not None:
-                    req.append_token(tok)
+                if tok is None:
+                    continue
+                req.token_ids[index] = tok
+            if req.status == RequestStatus.RUNNING:
+                self.kv.commit(req)
+            if s.samples:
+                stop = req.stop_for(index, max_len)
+                if stop is not None:
+                    del req.token_ids[index + 1:]  # a token sampled after the stop never counts
+                    self.finish_request(req, stop[0])
+                    finished.append((req, *stop))
+        return finished
 
     # ---- numbers ------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -6,6 +6,7 @@ config to a model.
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import math
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = hf.get("architectures") or [model_type]
-            raise ValueError(
+            raise UserError(
                 f"Unsupported model architecture {archs[0]!r} (model_type={model_type!r}) in {source}. "
                 f"jaxserve supports: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
             )
@@ -109,7 +110,7 @@ class ModelConfig:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             return np.where(medium, smoothed, scaled)
-        raise ValueError(
+        raise UserError(
             f"Unsupported rope_scaling type {kind!r}: jaxserve supports default, linear and llama3."
         )
 

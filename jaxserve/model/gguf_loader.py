@@ -13,6 +13,7 @@ converted without it (they use NEOX-style RoPE in llama.cpp), so they are left a
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import os
 import struct
 from dataclasses import dataclass
@@ -90,13 +91,13 @@ class GGUFFile:
         try:
             self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
-            raise ValueError(f"Cannot read GGUF file {self.path}: {e}") from None
+            raise UserError(f"Cannot read GGUF file {self.path}: {e}") from None
         buf = self.data
         if bytes(buf[:4]) != GGUF_MAGIC:
-            raise ValueError(f"{self.path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+            raise UserError(f"{self.path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
         version = int(buf[4:8].view("<u4")[0])
         if version < 2:
-            raise ValueError(f"{self.path}: GGUF version {version} is not supported (need >= 2)")
+            raise UserError(f"{self.path}: GGUF version {version} is not supported (need >= 2)")
         n_tensors, n_kv = (int(x) for x in buf[8:24].view("<u8"))
         self._raw = memoryview(buf)
         pos = 24
@@ -116,7 +117,7 @@ class GGUFFile:
                 pos += 4 + 8 * ndim + 12
                 infos.append((name, gtype, tuple(reversed(dims)), off))
         except struct.error:
-            raise ValueError(f"{self.path}: truncated or corrupt GGUF header") from None
+            raise UserError(f"{self.path}: truncated or corrupt GGUF header") from None
         align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         start = (pos + align - 1) // align * align
         self.tensors: dict[str, TensorInfo] = {}
@@ -150,23 +151,23 @@ class GGUFFile:
                 v, pos = self._value(pos, itype)
                 out.append(v)
             return out, pos
-        raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype}")
+        raise UserError(f"{self.path}: unknown GGUF metadata value type {vtype}")
 
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes, shaped (rows..., bytes per row)."""
         if info.ggml_type not in GGML_TYPES:
-            raise ValueError(
+            raise UserError(
                 f"{self.path}: tensor {info.name!r} has unsupported GGUF quantization type "
                 f"{_type_name(info.ggml_type)}; supported: {', '.join(n for n, *_ in GGML_TYPES.values())}"
             )
         _, blk, bb = GGML_TYPES[info.ggml_type]
         row = info.shape[-1]
         if row % blk:
-            raise ValueError(f"{self.path}: tensor {info.name!r} row length {row} is not a multiple "
+            raise UserError(f"{self.path}: tensor {info.name!r} row length {row} is not a multiple "
                              f"of the {info.type_name} block size {blk}")
         flat = self.data[info.offset:info.offset + info.nbytes]
         if flat.size != info.nbytes:
-            raise ValueError(f"{self.path}: tensor {info.name!r} runs past the end of the file")
+            raise UserError(f"{self.path}: tensor {info.name!r} runs past the end of the file")
         return flat.reshape(*info.shape[:-1], row // blk * bb)
 
     def dequantize(self, name: str) -> np.ndarray:
@@ -244,7 +245,7 @@ def gguf_config(g: GGUFFile) -> dict:
     md = g.metadata
     arch = md.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{g.path}: unsupported GGUF architecture {arch!r}; "
+        raise UserError(f"{g.path}: unsupported GGUF architecture {arch!r}; "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
     model_type, hf_arch = ARCHITECTURES[arch]
 
@@ -296,13 +297,13 @@ def gguf_config(g: GGUFFile) -> dict:
         if stype == "yarn" and orig:
             rope_scaling["original_max_position_embeddings"] = int(orig)
     elif stype not in (None, "none", "linear", "yarn"):
-        raise ValueError(f"{g.path}: unsupported rope scaling type {stype!r}")
+        raise UserError(f"{g.path}: unsupported rope scaling type {stype!r}")
     if "rope_freqs.weight" in g.tensors:
         freqs = g.dequantize("rope_freqs.weight").astype(np.float64)
         if not np.allclose(freqs, 1.0):
             rope_scaling = _llama3_rope_scaling(freqs, head_dim, theta)
             if rope_scaling is None:
-                raise ValueError(f"{g.path}: rope_freqs.weight does not match a llama3 rope scaling")
+                raise UserError(f"{g.path}: rope_freqs.weight does not match a llama3 rope scaling")
     if rope_scaling is not None:
         cfg["rope_scaling"] = rope_scaling
     return cfg
@@ -341,7 +342,7 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
     quantized format of their [in, out] kernel (no float copy is made of them)."""
     path = str(path)
     if not os.path.isfile(path):
-        raise ValueError(f"GGUF file not found: {path}")
+        raise UserError(f"GGUF file not found: {path}")
     g = GGUFFile(path)
     cfg = gguf_config(g)
     arch = g.metadata["general.architecture"]
@@ -353,7 +354,7 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
         try:
             hf = hf_tensor_name(name)
         except KeyError:
-            raise ValueError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}") from None
+            raise UserError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}") from None
         if hf is None:
             continue
         heads = None
@@ -368,5 +369,5 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
         weights[hf] = w if heads is None else unpermute_qk(w, heads)
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
     if missing:
-        raise ValueError(f"{path}: missing tensors {missing}")
+        raise UserError(f"{path}: missing tensors {missing}")
     return cfg, weights

@@ -2,8 +2,8 @@
 
 One forward serves a ragged batch: T new tokens from any mix of prefill chunks and decodes. Each
 layer writes its K/V into its own cache arrays (donated by the caller, so updated in place) and
-attends through the configured attention backend. Only the rows in `logits_indices` reach the
-LM head.
+attends through `ops.attention`. Only the rows in `logits_indices` reach the LM head. Every
+backend-specific operation comes in as a callable of `ModelOps` (runtime/backend.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime.attention import AttentionFn, AttentionMetadata
-from jaxserve.runtime.cpu_kernels import PANEL, cpu_matmul, cpu_matmul_gated, packable
+from jaxserve.runtime.attention import AttentionMetadata
+from jaxserve.runtime.backend import ModelOps
 
 
 def real_tokens(md: AttentionMetadata):
@@ -40,71 +40,63 @@ def apply_rope(x, cos, sin):
     return out.astype(x.dtype)
 
 
+def _weight(mod: nn.Module, name: str, shape, dtype, init):
+    """A parameter in whatever format the backend prepared it (a float array, or packed panels:
+    runtime/backend.py); the declared float shape only initialises a fresh model."""
+    if mod.has_variable("params", name):
+        return mod.get_variable("params", name)
+    return mod.param(name, init, shape, dtype)
+
+
 class Linear(nn.Module):
-    """nn.Dense's parameters ("kernel" [K, N], optional "bias"). With `packed` (the native CPU
-    matmul, runtime/cpu_kernels.py), kernels whose N is a multiple of 64 are held as panels
-    [N / 64, K, 64] (`pack_kernel`, done by the runner at load time) and run by `cpu_matmul`.
-    `MLP` reads the gate and up kernels directly to run both in one gated call."""
+    """nn.Dense's parameters ("kernel" [K, N], optional "bias"), multiplied by `ops.linear`."""
 
     in_features: int
     features: int
     use_bias: bool
     dtype: Any
-    packed: bool = False
-
-    @property
-    def is_packed(self) -> bool:
-        return self.packed and packable((self.in_features, self.features))
+    ops: ModelOps
 
     def setup(self):
         k, n = self.in_features, self.features
-        shape = (n // PANEL, k, PANEL) if self.is_packed else (k, n)
-        self.kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
+        self.kernel = _weight(self, "kernel", (k, n), self.dtype, nn.initializers.lecun_normal())
         if self.use_bias:
             self.bias = self.param("bias", nn.initializers.zeros, (n,), self.dtype)
 
     def __call__(self, x, num_rows=None):
-        """num_rows (i32[1]): the real (non-padding) rows of x, all that the packed path computes."""
-        x = x.astype(self.dtype)
-        y = cpu_matmul(x, self.kernel, num_rows) if self.is_packed else jnp.dot(x, self.kernel)
+        """num_rows (i32[1]): the real (non-padding) rows of x, all that a native kernel computes."""
+        y = self.ops.linear(x.astype(self.dtype), self.kernel, num_rows).astype(self.dtype)
         return y + self.bias if self.use_bias else y
 
 
 class Embed(nn.Module):
-    """nn.Embed's parameter ("embedding" [V, H]). With `packed` (a tied table whose V is a multiple
-    of 64) the table is held once, as the LM head's panels of its transpose [V / 64, H, 64], so
-    `attend` runs `cpu_matmul`; token rows are gathered from the panels."""
+    """nn.Embed's parameter ("embedding" [V, H]); `attend` is the tied LM head."""
 
     num_embeddings: int
     features: int
     dtype: Any
-    packed: bool = False
+    ops: ModelOps
 
     def setup(self):
-        v, h = self.num_embeddings, self.features
-        shape = (v // PANEL, h, PANEL) if self.packed else (v, h)
-        self.embedding = self.param("embedding", nn.initializers.normal(1.0), shape, self.dtype)
+        shape = (self.num_embeddings, self.features)
+        self.embedding = _weight(self, "embedding", shape, self.dtype, nn.initializers.normal(1.0))
 
     def __call__(self, ids):
-        if self.packed:
-            return self.embedding[ids // PANEL, :, ids % PANEL]
-        return jnp.take(self.embedding, ids, axis=0)
+        return self.ops.embed(self.embedding, ids).astype(self.dtype)
 
     def attend(self, x, num_rows=None):
-        x = x.astype(self.dtype)
-        return cpu_matmul(x, self.embedding, num_rows) if self.packed else jnp.dot(x, self.embedding.T)
+        return self.ops.lm_head(x.astype(self.dtype), self.embedding, num_rows)
 
 
 class Attention(nn.Module):
     cfg: ModelConfig
-    attn_fn: AttentionFn
     dtype: Any
-    packed: bool = False
+    ops: ModelOps
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows):
         c = self.cfg
-        dense = lambda k, n, name, bias: Linear(k, n, bias, self.dtype, self.packed, name=name)  # noqa: E731
+        dense = lambda k, n, name, bias: Linear(k, n, bias, self.dtype, self.ops, name=name)  # noqa: E731
         t, q_dim, kv_dim = x.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = dense(c.hidden_size, q_dim, "q_proj", c.attention_bias)(x, rows).reshape(t, c.num_heads, c.head_dim)
         k = dense(c.hidden_size, kv_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
@@ -113,7 +105,7 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o, k_pages, v_pages = self.attn_fn(
+        o, k_pages, v_pages = self.ops.attention(
             q, k, v, kv[0], kv[1], md, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
         )
         out = dense(q_dim, c.hidden_size, "o_proj", False)(o.reshape(t, q_dim), rows)
@@ -135,34 +127,30 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     cfg: ModelConfig
     dtype: Any
-    packed: bool = False
+    ops: ModelOps
 
     @nn.compact
     def __call__(self, x, num_rows=None):
-        dense = lambda k, n, name: Linear(k, n, False, self.dtype, self.packed, name=name)  # noqa: E731
+        dense = lambda k, n, name: Linear(k, n, False, self.dtype, self.ops, name=name)  # noqa: E731
         h, i = self.cfg.hidden_size, self.cfg.intermediate_size
         gate, up = dense(h, i, "gate_proj"), dense(h, i, "up_proj")
-        if gate.is_packed:  # SiLU-and-multiply inside the matmul, on each tile
-            act = cpu_matmul_gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows)
-        else:
-            act = nn.silu(gate(x, num_rows)) * up(x, num_rows)
+        act = self.ops.gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows).astype(self.dtype)
         return dense(i, h, "down_proj")(act, num_rows)
 
 
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
-    attn_fn: AttentionFn
     dtype: Any
-    packed: bool = False
+    ops: ModelOps
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, md, rows):
         c = self.cfg
-        h, kv = Attention(c, self.attn_fn, self.dtype, self.packed, name="self_attn")(
+        h, kv = Attention(c, self.dtype, self.ops, name="self_attn")(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md, rows
         )
         x = x + h
-        x = x + MLP(c, self.dtype, self.packed, name="mlp")(
+        x = x + MLP(c, self.dtype, self.ops, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x), rows
         )
         return x, kv
@@ -170,9 +158,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     cfg: ModelConfig
-    attn_fn: AttentionFn
+    ops: ModelOps  # from the backend (runtime/backend.py): linear, gated MLP, embed, LM head, attention
     dtype: Any = jnp.float32
-    packed: bool = False  # linear kernels as panels for the native CPU matmul (see Linear)
 
     @nn.compact
     def __call__(
@@ -185,20 +172,17 @@ class LlamaForCausalLM(nn.Module):
         inv_freq,  # f32[D/2]
     ):
         c = self.cfg
-        tied_packed = self.packed and c.tie_word_embeddings and packable((c.hidden_size, c.vocab_size))
-        embed = Embed(c.vocab_size, c.hidden_size, self.dtype, tied_packed, name="embed_tokens")
+        embed = Embed(c.vocab_size, c.hidden_size, self.dtype, self.ops, name="embed_tokens")
         x = embed(input_ids)
         cos, sin = rope_tables(positions, inv_freq)
-        rows = real_tokens(md)  # once per step, for every packed matmul
+        rows = real_tokens(md)  # once per step, for every native matmul
         new_caches = []
         for i in range(c.num_layers):
-            x, kv = DecoderLayer(c, self.attn_fn, self.dtype, self.packed, name=f"layers_{i}")(
-                x, cos, sin, kv_caches[i], md, rows
-            )
+            x, kv = DecoderLayer(c, self.dtype, self.ops, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md, rows)
             new_caches.append(kv)
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
         if c.tie_word_embeddings:
             logits = embed.attend(x, md.num_seqs)
         else:
-            logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.packed, name="lm_head")(x, md.num_seqs)
+            logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.ops, name="lm_head")(x, md.num_seqs)
         return logits.astype(jnp.float32), new_caches

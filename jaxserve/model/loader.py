@@ -6,6 +6,7 @@ Orbax directory (`jaxserve convert` output) is returned unread, for the runner t
 
 from __future__ import annotations
 
+from jaxserve.errors import MissingFileError, UserError
 import json
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ def resolve_model_path(model: str | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"Model path {str(path)!r} does not exist. Pass a Hugging Face model directory "
             "(config.json + *.safetensors) or a .gguf file; omit --model for the embedded default."
         )
@@ -60,7 +61,7 @@ def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
     elif path.is_dir():
         hf_config, weights, gen = _load_hf_dir(path)
     else:
-        raise ValueError(
+        raise UserError(
             f"Cannot load {str(path)!r}: expected a directory with config.json and *.safetensors, "
             "or a .gguf file."
         )
@@ -91,7 +92,7 @@ def _replace(cfg: ModelConfig, **kw) -> ModelConfig:
 def _load_hf_dir(path: Path) -> tuple[dict, dict, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise FileNotFoundError(f"{str(path)!r} has no config.json: it is not a Hugging Face model directory.")
+        raise MissingFileError(f"{str(path)!r} has no config.json: it is not a Hugging Face model directory.")
     hf_config = json.loads(cfg_file.read_text())
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -99,7 +100,7 @@ def _load_hf_dir(path: Path) -> tuple[dict, dict, dict]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"No *.safetensors weights in {str(path)!r}. Only safetensors checkpoints are supported "
             "(convert PyTorch .bin files with `transformers` first)."
         )
@@ -115,7 +116,7 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     if not file.exists():
-        raise FileNotFoundError(f"Weight file {str(file)!r} named in the index is missing.")
+        raise MissingFileError(f"Weight file {str(file)!r} named in the index is missing.")
     out = {}
     with safe_open(str(file), framework="flax") as f:  # flax: handles bfloat16 too
         for name in f.keys():

@@ -19,6 +19,7 @@ runner casts to its compute dtype on restore.
 
 from __future__ import annotations
 
+from jaxserve.errors import MissingFileError, UserError
 import json
 import shutil
 import time
@@ -90,10 +91,10 @@ def open_orbax(path) -> tuple[dict, OrbaxCheckpoint, dict]:
     path = Path(path)
     meta = _read_json(path / MARKER)
     if meta.get("format") != FORMAT or int(meta.get("version", 0)) > VERSION:
-        raise ValueError(f"{str(path)!r} is not a jaxserve Orbax checkpoint this version can read "
+        raise UserError(f"{str(path)!r} is not a jaxserve Orbax checkpoint this version can read "
                          f"(marker {MARKER}: {meta.get('format')!r} v{meta.get('version')}).")
     if not (path / "config.json").is_file() or not (path / PARAMS_DIR).is_dir():
-        raise FileNotFoundError(f"{str(path)!r} is incomplete: config.json or {PARAMS_DIR}/ is missing; "
+        raise MissingFileError(f"{str(path)!r} is incomplete: config.json or {PARAMS_DIR}/ is missing; "
                                 "run `jaxserve convert` again.")
     return _read_json(path / "config.json"), OrbaxCheckpoint(path, meta), _read_json(path / "generation_config.json")
 
@@ -158,9 +159,9 @@ def convert_model(src, dst) -> dict:
     src_path = resolve_model_path(None if src in (None, "default") else str(src))
     dst = Path(dst).expanduser()
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"The destination {str(dst)!r} already exists and is not empty: choose a new directory.")
+        raise UserError(f"The destination {str(dst)!r} already exists and is not empty: choose a new directory.")
     if is_orbax_dir(src_path):
-        raise ValueError(f"{str(src_path)!r} is already a jaxserve Orbax checkpoint.")
+        raise UserError(f"{str(src_path)!r} is already a jaxserve Orbax checkpoint.")
     if src_path.is_file() and src_path.suffix == ".gguf":
         from jaxserve.model.gguf_loader import load_gguf
 
@@ -170,7 +171,7 @@ def convert_model(src, dst) -> dict:
         hf_config, weights, _ = _load_hf_dir(src_path)
         kind = "hf"
     else:
-        raise ValueError(f"Cannot convert {str(src_path)!r}: expected an HF model directory or a .gguf file.")
+        raise UserError(f"Cannot convert {str(src_path)!r}: expected an HF model directory or a .gguf file.")
     cfg = ModelConfig.from_hf(hf_config, source=str(src_path))
     params = hf_to_params(weights, cfg, dtype=np.float32)
     del weights

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import re
 
 import numpy as np
@@ -79,4 +80,4 @@ def _check_complete(params: dict, cfg: ModelConfig) -> None:
             node = node[key]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"The checkpoint is missing weights the model needs: {shown}.")
+        raise UserError(f"The checkpoint is missing weights the model needs: {shown}.")

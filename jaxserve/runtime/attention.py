@@ -3,9 +3,9 @@
 A *kernel* has the signature of `pallas_kernels.reference.ragged_paged_attention`: q[T, Hq, D]
 against one layer's pages [num_blocks, block_size, Hkv, D], with a ragged batch described by
 seq_lens / query_start_loc / block_tables / num_seqs. A *backend* (what the model calls, see
-`layer_attention`) pairs a kernel with a KV write. The engine picks one by name
+`layer_attention`) pairs a kernel with a KV write. The backend (backend.py) picks one by name once
 (`--attention-backend`): `pallas` is the kernel path on TPU/GPU, `cpu` a native kernel and write
-for XLA:CPU (cpu_kernels.py), `xla` the portable fallback that runs anywhere.
+for XLA:CPU (cpu_kernels.py, the `cpu-tiled` KV layout), `xla` the portable fallback.
 """
 
 from __future__ import annotations
@@ -173,22 +173,6 @@ BACKENDS = ("xla", "pallas", "cpu")
 log = logging.getLogger(__name__)
 
 
-def default_backend(dtype: str = "float32", kv_dtype: str | None = None) -> str:
-    """`pallas` on TPU/GPU; on CPU the native `cpu` kernel (float32 compute, float32 or bfloat16
-    KV) when it builds here, else `xla`."""
-    if jax.default_backend() != "cpu":
-        return "pallas"
-    if dtype != "float32" or (kv_dtype or dtype) not in ("float32", "bfloat16"):
-        return "xla"  # what the native kernel does not cover
-    from jaxserve.runtime import cpu_kernels
-
-    why = cpu_kernels.available()
-    if why is None:
-        return "cpu"
-    log.warning("Native CPU attention unavailable (%s); using the slower 'xla' backend.", why)
-    return "xla"
-
-
 def get_backend(name: str) -> KernelFn:
     """The attention kernel of a backend."""
     if name == "xla":
@@ -203,16 +187,6 @@ def get_backend(name: str) -> KernelFn:
     if name == "cpu":
         from jaxserve.runtime import cpu_kernels
 
-        if jax.default_backend() != "cpu":
-            raise ValueError(
-                f"Attention backend 'cpu' runs on CPU only, not on {jax.default_backend()}: use pallas or xla."
-            )
-        why = cpu_kernels.available()
-        if why is not None:
-            raise ValueError(
-                f"Attention backend 'cpu' cannot be built here ({why}): install g++ (or set $CXX), "
-                "or use --attention-backend xla."
-            )
         return cpu_kernels.cpu_ragged_paged_attention
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 

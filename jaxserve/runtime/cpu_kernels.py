@@ -6,7 +6,8 @@ The C++ sources (`csrc/*.cc`) are compiled on first use with the system C++ comp
 else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's CPU
 (-march=native), into one library cached under `$JAXSERVE_CACHE_DIR/kernels`, keyed by the
 sources, the flags, jaxlib's version and the CPU. Where no compiler works, `available()` says why
-and the engine uses XLA's own ops (the `xla` attention backend, XLA's dot) instead.
+and the backend (backend.py) chooses XLA's own ops (the `xla` attention backend, XLA's dot)
+instead; the functions here are the calls themselves and check nothing at trace time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.default_model import cache_dir
-from jaxserve.runtime.attention import write_kv, xla_ragged_paged_attention
 
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
@@ -106,12 +106,6 @@ def available() -> str | None:
         return _state["error"]
 
 
-def native(compute_dtype, k_pages_dtype, v_pages_dtype) -> bool:
-    """Whether the native kernels run these dtypes: float32 q/k/v, float32 or bfloat16 pages."""
-    return (compute_dtype == jnp.float32 and k_pages_dtype == v_pages_dtype
-            and k_pages_dtype in (jnp.float32, jnp.bfloat16) and available() is None)
-
-
 def to_cpu_layout(k_pages, v_pages):
     """Pages in the engine's [nb, bs, Hkv, D] layout -> this backend's (same shape; K blocks hold
     [Hkv, D, bs], V blocks [Hkv, bs, D]: see csrc/paged_attention.cc). For tests and tools."""
@@ -125,14 +119,9 @@ def cpu_ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, **unused,
 ):
-    """`xla_ragged_paged_attention` over pages written by `cpu_write_kv`. Runs natively for float32
-    q with float32 or bfloat16 pages (otherwise, or without a compiler, both functions fall back
-    to XLA and the engine's layout)."""
-    if not native(q.dtype, k_pages.dtype, v_pages.dtype):
-        return xla_ragged_paged_attention(
-            q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        )
+    """`xla_ragged_paged_attention` over pages written by `cpu_write_kv` (the `cpu-tiled` KV
+    layout): float32 q, float32 or bfloat16 pages. The backend checks dtypes once
+    (backend.resolve_backend); this is the call itself."""
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     return jax.ffi.ffi_call("jaxserve_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
         q, k_pages, v_pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
@@ -142,13 +131,12 @@ def cpu_ragged_paged_attention(
 
 
 def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Same as `write_kv` (the XLA scatter, rounding to the pages' dtype), in place through
+    """`write_kv` (rounding to the pages' dtype) into the `cpu-tiled` layout, in place through
     aliased outputs."""
-    if not native(k.dtype, k_pages.dtype, v_pages.dtype) or v.dtype != k.dtype:
-        return write_kv(k_pages, v_pages, k, v, slot_mapping)
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     return jax.ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},
-                            vmap_method="sequential")(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))
+                            vmap_method="sequential")(k_pages, v_pages, k.astype(jnp.float32),
+                                                      v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
 
 
 PANEL = 64  # columns per packed weight panel (csrc/matmul.cc)
@@ -171,27 +159,15 @@ def unpack_kernel(wp):
     return jnp.transpose(wp, (1, 0, 2)).reshape(k, panels * PANEL)
 
 
-def native_float32(dtype) -> bool:
-    """Whether float32 work in this dtype runs natively here: on a CPU backend with the library
-    built (the linear layers' `cpu_matmul`, `argmax_rows`)."""
-    return jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and available() is None
-
-
 def _rows(x, num_rows):
     return jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
-
-
-def _native_matmul(x, *wps) -> bool:
-    return x.ndim == 2 and all(wp.dtype == x.dtype for wp in wps) and native_float32(x.dtype)
 
 
 def cpu_matmul(x, wp, num_rows=None):
     """`x @ W` for float32 x[M, K] and W packed by `pack_kernel`. Each output row is summed in k
     order with FMAs whatever the batch is, so a row's result does not depend on the other rows.
     With `num_rows` (an int or i32[1]: the step's real tokens) only the first num_rows rows are
-    computed and the rest come out zero. Falls back to XLA's dot where the library is missing."""
-    if not _native_matmul(x, wp):
-        return x @ unpack_kernel(wp).astype(x.dtype)
+    computed and the rest come out zero."""
     out = jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * PANEL), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, _rows(x, num_rows))
 
@@ -199,17 +175,12 @@ def cpu_matmul(x, wp, num_rows=None):
 def cpu_matmul_gated(x, wp_gate, wp_up, num_rows=None):
     """`silu(x @ W_gate) * (x @ W_up)` (the gated MLP's first half) in one native call: SiLU and the
     product are applied to each tile as it is computed. Rows as in `cpu_matmul`."""
-    if not _native_matmul(x, wp_gate, wp_up):
-        return jax.nn.silu(cpu_matmul(x, wp_gate, num_rows)) * cpu_matmul(x, wp_up, num_rows)
     out = jax.ShapeDtypeStruct((x.shape[0], wp_gate.shape[0] * PANEL), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_matmul_gated", out, vmap_method="sequential")(
         x, wp_gate, wp_up, _rows(x, num_rows))
 
 
 def argmax_rows(x):
-    """Index of each row's largest value (the first among ties) of float32 x[S, V] as int32[S]:
-    natively on CPU where the library is built, else XLA's TopK(1) (faster than its argmax)."""
-    if x.ndim == 2 and native_float32(x.dtype):
-        out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
-        return jax.ffi.ffi_call("jaxserve_argmax", out, vmap_method="sequential")(x)
-    return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
+    """Index of each row's largest value (the first among ties) of float32 x[S, V] as int32[S]."""
+    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call("jaxserve_argmax", out, vmap_method="sequential")(x.astype(jnp.float32))

@@ -23,6 +23,7 @@ Weights are placed shard by shard: each device receives only its slice of the ho
 
 from __future__ import annotations
 
+from jaxserve.errors import UserError
 import dataclasses
 import functools
 
@@ -44,7 +45,7 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     """A ("data", "model") mesh over the first dp * tp visible devices (all processes' devices)."""
     tp, dp = int(tensor_parallel_size), int(data_parallel_size)
     if tp < 1 or dp < 1:
-        raise ValueError(f"Invalid mesh size data={dp}, model={tp}: both must be >= 1.")
+        raise UserError(f"Invalid mesh size data={dp}, model={tp}: both must be >= 1.")
     devices = list(jax.devices() if devices is None else devices)
     need = tp * dp
     if need > len(devices):
@@ -53,12 +54,12 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
             hint = (f" On CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={need} "
                     "to split the host into that many devices.")
         what = f"tensor_parallel_size={tp}" + (f" x data_parallel_size={dp}" if dp > 1 else "")
-        raise ValueError(
+        raise UserError(
             f"{what} needs {need} devices, but only "
             f"{len(devices)} {devices[0].platform if devices else ''} device(s) are visible.{hint}"
         )
     if jax.process_count() > 1 and need != len(devices):
-        raise ValueError(
+        raise UserError(
             f"Multi-host runs need the mesh to cover every device: {need} requested, "
             f"{len(devices)} devices over {jax.process_count()} processes."
         )
@@ -101,7 +102,7 @@ def check_layout(cfg: ModelConfig, tp: int) -> None:
     """Raise a ValueError naming the valid sizes when the model cannot be split tp ways."""
     problem = _layout_problem(cfg, tp)
     if problem:
-        raise ValueError(
+        raise UserError(
             f"Cannot shard this model over tensor_parallel_size={tp}: {problem}. "
             f"Valid tensor parallel sizes for it: {', '.join(map(str, valid_tp_sizes(cfg)))}."
         )

@@ -1,12 +1,18 @@
-"""The device side of a step: weights and per-layer KV arrays on devices, one compiled forward per
-token bucket, on-device sampling.
+"""The device side of a step: weights and per-layer KV arrays on devices, one ahead-of-time
+compiled executable per bucket holding forward, logits rows and sampling.
 
-The forward is compiled ahead of time per (T, S) bucket and kept in a dict, so a steady-state step
-can never silently recompile: `num_compiles` only grows when a new shape is met.
+    StepBatch.pack() -> i32 buffer --one transfer--> executable[BucketKey](params, kv, buffer,
+        last_tokens) -> (StepResult, kv)   # kv donated: updated in place
 
-Tensor parallelism (`tensor_parallel_size` > 1): params, KV caches and the compiled forward are laid
-out on a ("data", "model") mesh by `jaxserve.runtime.mesh`; the forward is compiled with explicit
-in/out shardings (batch inputs, logits and sampled tokens replicated).
+Executables live in a dict keyed by `BucketKey`, so a steady-state step can never silently
+recompile: `num_compiles` only grows when a new bucket is met (and `precompile` meets them all).
+The previous step's sampled tokens stay on the device (`last_tokens`, i32[s_max]); a row whose
+last token is still pending on the host reads it from there (`StepBatch.prev_index`), which lets
+the engine dispatch step n+1 before it has read step n.
+
+Tensor parallelism (`tensor_parallel_size` > 1): params, KV caches and the executables are laid
+out on a ("data", "model") mesh by `jaxserve.runtime.mesh`; the batch, logits and sampled tokens
+are replicated.
 """
 
 from __future__ import annotations
@@ -15,19 +21,20 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch, field_specs, packed_size
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.llama import LlamaForCausalLM
-from jaxserve.runtime import cpu_kernels
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime.attention import AttentionMetadata, layer_attention
-from jaxserve.runtime.input_batch import StepInputs, next_pow2, token_buckets
-from jaxserve.runtime.sampler import SampleResult, SamplingMode, SamplingTensors, sample
+from jaxserve.runtime.attention import AttentionMetadata
+from jaxserve.runtime.backend import Backend, resolve_backend
+from jaxserve.runtime.sampler import sample
 
 log = logging.getLogger("jaxserve")
 
@@ -47,25 +54,35 @@ class RunnerConfig:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    attention_backend: str = "xla"
+    attention_backend: str | None = None  # None: the best that runs here (backend.resolve_backend)
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # default: dtype
 
 
-def pack_linear_kernels(params: dict, tied_embeddings: bool) -> dict:
-    """What `LlamaForCausalLM(packed=True)` holds as panels, packed: every linear layer's [K, N]
-    kernel with N % 64 == 0, and a tied embedding table [V, H] as its transpose (the LM head)."""
+class KVCaches(NamedTuple):
+    """Per-layer (k_pages, v_pages), with the layout they hold (backend.KV_LAYOUTS)."""
 
-    def pack(path, leaf):
-        names = [getattr(k, "key", None) for k in path]
-        if names[-1] == "kernel" and cpu_kernels.packable(leaf.shape):
-            return cpu_kernels.pack_kernel(leaf)
-        if tied_embeddings and names[-2:] == ["embed_tokens", "embedding"] and cpu_kernels.packable(leaf.T.shape):
-            return cpu_kernels.pack_kernel(leaf.T)
-        return leaf
+    layers: list
+    layout: str
 
-    return jax.tree_util.tree_map_with_path(pack, params)
+
+class StepResult(NamedTuple):
+    tokens: jax.Array  # i32[s_max] sampled tokens (rows past S are 0); the next step's last_tokens
+    logprobs: jax.Array  # f32[S]
+    top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
+
+
+def unpack_batch(flat, key: BucketKey, max_blocks: int) -> StepBatch:
+    """The inverse of StepBatch.pack(), inside the trace (slices and bitcasts: no copies)."""
+    out, off = [], 0
+    for _, shape, dt in field_specs(key, max_blocks):
+        n = int(np.prod(shape))
+        x = flat[off:off + n].reshape(shape)
+        out.append(x if dt == "int32" else jax.lax.bitcast_convert_type(x, jnp.dtype(dt)))
+        off += n
+    return StepBatch(*out)
 
 
 def dtype_size(dtype: str) -> int:
@@ -73,44 +90,43 @@ def dtype_size(dtype: str) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, params, cfg: RunnerConfig, mesh=None):
+    def __init__(self, model_cfg: ModelConfig, params, cfg: RunnerConfig, mesh=None, backend: Backend | None = None):
         """params: a numpy tree (placed shard by shard) or a lazy checkpoint with
         `restore(shardings, dtype)` (an Orbax checkpoint, restored straight onto the mesh)."""
         self.cfg = cfg
         self.dtype = jnp.dtype(cfg.dtype)
+        self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype or cfg.dtype)
         self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
         tp = meshlib.tp_size(self.mesh)
+        self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, str(self.kv_dtype), tp)
         self.source_config = model_cfg
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
-        # The `cpu` backend also runs the linear layers natively, on weights packed once here.
-        self.packed = cfg.attention_backend == "cpu" and tp == 1 and cpu_kernels.native_float32(self.dtype)
-        self.model = LlamaForCausalLM(
-            model_cfg, meshlib.shard_attention(layer_attention(cfg.attention_backend), self.mesh), self.dtype,
-            self.packed,
-        )
+        ops = self.backend.ops(lambda attend: meshlib.shard_attention(attend, self.mesh))
+        self.model = LlamaForCausalLM(model_cfg, ops, self.dtype)
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
-        if self.packed:
-            self.params = pack_linear_kernels(self.params, model_cfg.tie_word_embeddings)
+        if self.backend.native_linear:
+            self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
         self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
         shape = (cfg.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype or cfg.dtype)
         zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
-        self.kv_caches = [(zeros(), zeros()) for _ in range(model_cfg.num_layers)]
-        self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
-        self.t_buckets = token_buckets(cfg.max_num_batched_tokens)
-        self.s_max = next_pow2(cfg.max_num_seqs)
-        rep, kv = self._replicated, self.kv_sharding
-        self._forward = jax.jit(
-            self._forward_impl, donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep, rep, rep, rep), out_shardings=(rep, kv),
+        self.kv = KVCaches([(zeros(), zeros()) for _ in range(model_cfg.num_layers)], self.backend.kv_layout)
+        self.builder = BatchBuilder(
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            block_size=cfg.block_size, max_model_len=cfg.max_model_len, vocab_size=model_cfg.vocab_size,
         )
-        self._sample = jax.jit(sample, static_argnums=(2,), in_shardings=(rep, rep), out_shardings=rep)
-        self._compiled: dict[tuple[int, int], object] = {}
+        self.max_blocks = self.builder.max_blocks
+        self.s_max = self.builder.s_max
+        self.last_tokens = jax.device_put(np.zeros(self.s_max, np.int32), self._replicated)
+        self._argmax = self.backend.argmax()
+        rep, kv = self._replicated, self.kv_sharding
+        self._jitted: dict[BucketKey, object] = {}
+        self._shardings = (self.param_shardings, kv, rep, rep, rep)
+        self._compiled: dict[BucketKey, object] = {}
         self.num_compiles = 0
 
     def _place_params(self, params) -> dict:
@@ -128,64 +144,84 @@ class ModelRunner:
     def tensor_parallel_size(self) -> int:
         return meshlib.tp_size(self.mesh)
 
+    @property
+    def kv_caches(self) -> list:
+        return self.kv.layers
+
     # ---- shapes -------------------------------------------------------------------------------
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        t = next(b for b in self.t_buckets if b >= num_tokens)
-        s = min(max(next(b for b in self.t_buckets if b >= num_seqs), min(t, self.s_max)), self.s_max)
-        return t, s
+    def all_buckets(self) -> list[BucketKey]:
+        return self.builder.all_buckets()
 
-    def all_buckets(self) -> list[tuple[int, int]]:
-        return sorted({self.bucket_for(t, 1) for t in self.t_buckets})
+    # ---- the step -----------------------------------------------------------------------------
+    def _forward(self, params, layers, b: StepBatch, last_tokens):
+        ids = jnp.where(b.prev_index >= 0, last_tokens[jnp.maximum(b.prev_index, 0)], b.input_ids)
+        md = AttentionMetadata(b.slot_mapping, b.seq_lens, b.query_start_loc, b.block_tables, b.num_seqs)
+        return self.model.apply({"params": params}, ids, b.positions, layers, md, b.logits_indices, self.inv_freq)
 
-    # ---- forward ------------------------------------------------------------------------------
-    def _forward_impl(self, params, kv_caches, input_ids, positions, md, logits_indices, inv_freq):
-        return self.model.apply({"params": params}, input_ids, positions, kv_caches, md, logits_indices, inv_freq)
+    def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
+        b = unpack_batch(flat, key, self.max_blocks)
+        logits, layers = self._forward(params, layers, b, last_tokens)
+        r = sample(logits, b, self._argmax, adjust=key.w > 0)
+        tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
+        return StepResult(tokens, r.logprobs, r.top_ids, r.top_logprobs), layers
 
-    def _arg_specs(self, t: int, s: int):
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        md = AttentionMetadata(i32(t), i32(s), i32(s + 1), i32(s, self.max_blocks), i32(1))
-        return i32(t), i32(t), md, i32(s)
-
-    def compiled_forward(self, t: int, s: int):
-        key = (t, s)
+    def executable(self, key: BucketKey):
         fn = self._compiled.get(key)
         if fn is None:
-            ids, pos, md, li = self._arg_specs(t, s)
-            fn = self._forward.lower(self.params, self.kv_caches, ids, pos, md, li, self.inv_freq).compile()
+            rep, kv = self._replicated, self.kv_sharding
+            jitted = jax.jit(
+                lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),
+                in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv),
+            )
+            flat = jax.ShapeDtypeStruct((packed_size(key, self.max_blocks),), jnp.int32)
+            fn = jitted.lower(self.params, self.kv.layers, flat, self.last_tokens).compile()
             self._compiled[key] = fn
             self.num_compiles += 1
         return fn
 
     def precompile(self, progress=None) -> float:
-        """Compile every (T, S) bucket now, so no request waits on a compile."""
+        """Compile every bucket now, so no request waits on a compile."""
         t0 = time.perf_counter()
         buckets = self.all_buckets()
-        for i, (t, s) in enumerate(buckets):
-            self.compiled_forward(t, s)
+        for i, key in enumerate(buckets):
+            self.executable(key)
             if progress:
-                progress(i + 1, len(buckets), (t, s))
+                progress(i + 1, len(buckets), key)
         return time.perf_counter() - t0
 
-    def execute(self, inputs: StepInputs, t: int, s: int, tensors: dict, mode: SamplingMode):
-        """Run one step. Returns a SampleResult of device arrays (not yet synced)."""
-        fwd = self.compiled_forward(t, s)
-        md = AttentionMetadata(
-            inputs.slot_mapping, inputs.seq_lens, inputs.query_start_loc, inputs.block_tables, inputs.num_seqs
-        )
-        ids, pos, md, li = meshlib.to_global(  # no-op in one process
-            (inputs.input_ids, inputs.positions, md, inputs.logits_indices), self._replicated
-        )
-        logits, self.kv_caches = fwd(self.params, self.kv_caches, ids, pos, md, li, self.inv_freq)
-        return self._sample(logits, meshlib.to_global(SamplingTensors(**tensors), self._replicated), mode)
+    def execute(self, batch: StepBatch | np.ndarray, key: BucketKey) -> StepResult:
+        """Dispatch one step (returns at once: device arrays, not synced). `batch` may already be
+        packed (multi-host followers receive the buffer)."""
+        fn = self.executable(key)
+        flat = batch.pack() if isinstance(batch, StepBatch) else batch
+        flat = meshlib.to_global(flat, self._replicated)  # no-op in one process
+        result, layers = fn(self.params, self.kv.layers, flat, self.last_tokens)
+        self.kv = KVCaches(layers, self.kv.layout)
+        self.last_tokens = result.tokens
+        return result
 
     @staticmethod
-    def fetch(result: SampleResult) -> tuple[np.ndarray, ...]:
+    def fetch(result: StepResult, s: int, logprobs: bool) -> tuple[np.ndarray, ...]:
+        """The step's tokens (and logprobs when asked) on the host; blocks until the step ran."""
+        parts = tuple(result) if logprobs else (result.tokens,)
         if jax.process_count() > 1:  # replicated over processes: read the local copy
-            return tuple(meshlib.to_host(x) for x in result)
-        return tuple(np.asarray(x) for x in jax.device_get(tuple(result)))
+            host = tuple(meshlib.to_host(x) for x in parts)
+        else:
+            host = tuple(np.asarray(x) for x in jax.device_get(parts))
+        return (host[0][:s], *host[1:])
 
-    def sampler_cache_size(self) -> int:
-        return self._sample._cache_size()
+    # ---- for tests and tools: logits of a batch, no sampling ------------------------------------
+    def forward_logits(self, batch: StepBatch, key: BucketKey):
+        """Raw logits f32[S, V] of a batch, through a separate (lazily jitted) forward."""
+        fn = self._jitted.get(key)
+        if fn is None:
+            def f(p, layers, flat, last):
+                return self._forward(p, layers, unpack_batch(flat, key, self.max_blocks), last)
+
+            fn = self._jitted[key] = jax.jit(f, donate_argnums=(1,))
+        logits, layers = fn(self.params, self.kv.layers, batch.pack(), self.last_tokens)
+        self.kv = KVCaches(layers, self.kv.layout)
+        return logits
 
 
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1) -> int:

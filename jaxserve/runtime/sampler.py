@@ -1,10 +1,12 @@
-"""On-device sampling for the rows that sample this step.
+"""On-device sampling for the rows that sample this step, inside the step's executable.
 
-Per-row parameters arrive as arrays; what costs extra work (top-k/top-p/min-p, token counts for
-penalties, logit bias, top-N logprobs) is switched on by a static `SamplingMode`, so a plain
-greedy or plain random batch never pays for it. Each row draws two uniforms from its own key,
-fold_in(seed, output index), so a seeded request samples the same tokens whatever else is in the
-batch.
+Per-row parameters arrive as arrays in the StepBatch. What costs extra work (random draws,
+top-k/top-p/min-p, top-N logprobs) runs under a `lax.cond` on whether any row of this step needs
+it, so one executable per bucket serves every mix of requests and a parameter at its neutral value
+costs nothing. Penalties and logit bias are sparse per-row entries whose width is part of the
+bucket (0 when no row uses them). Each row draws two uniforms from its own key,
+fold_in(fold_in(key(seed_lo), seed_hi), output index), so a seeded request samples the same tokens
+whatever else is in the batch.
 
 Sampling is an exact inverse-CDF draw in two levels (a block of 256 tokens by block mass, then a
 token inside it), not Gumbel noise over the whole vocabulary: on CPU that noise cost 67 ms per
@@ -15,72 +17,39 @@ batch take the exact full-vocabulary path (a sort, which costs ~0.6 s at 64 rows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxserve.runtime.cpu_kernels import argmax_rows
-
-
-class SamplingMode(NamedTuple):
-    """Static (compile-time) switches; each distinct value compiles once."""
-
-    all_greedy: bool = True
-    truncation: bool = False  # any row uses top-k / top-p / min-p
-    penalty_widths: tuple[int, int] = (0, 0)  # padded (output ids, prompt ids) widths; (0, 0) = off
-    bias_width: int = 0  # padded logit-bias entries per row (also carries min_tokens EOS bans)
-    num_logprobs: int = -1  # -1: none; N >= 0: sampled logprob plus top-N
-
-
-class SamplingTensors(NamedTuple):
-    temperature: np.ndarray  # f32[S] (0 = greedy)
-    top_k: np.ndarray  # i32[S] (0 = off)
-    top_p: np.ndarray  # f32[S]
-    min_p: np.ndarray  # f32[S]
-    seeds: np.ndarray  # u32[S]
-    steps: np.ndarray  # i32[S] output index of the token being sampled
-    presence: np.ndarray  # f32[S]
-    frequency: np.ndarray  # f32[S]
-    repetition: np.ndarray  # f32[S]
-    output_ids: np.ndarray  # i32[S, Lo] (-1 pad)
-    prompt_ids: np.ndarray  # i32[S, Lp] (-1 pad)
-    bias_ids: np.ndarray  # i32[S, A] (-1 pad)
-    bias_values: np.ndarray  # f32[S, A]
+from jaxserve.core.batch import MAX_LOGPROBS
 
 
 class SampleResult(NamedTuple):
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S] logprob of the sampled token (raw model distribution)
-    top_ids: jax.Array  # i32[S, N]
-    top_logprobs: jax.Array  # f32[S, N]
+    top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
 
 
-def _counts(ids, vocab):
-    """Per-row token counts from padded id lists: f32[S, V]."""
-    s = ids.shape[0]
-    rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
-    return jnp.zeros((s, vocab), jnp.float32).at[rows, jnp.maximum(ids, 0)].add((ids >= 0).astype(jnp.float32))
+def apply_adjustments(logits, b):
+    """Penalties and logit bias from the row's sparse entries (adj_ids unique per row, -1 pad):
+    repetition on tokens seen in the prompt or output, frequency and presence on output counts,
+    then the bias (-inf bans)."""
+    s, vocab = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], b.adj_ids.shape)
+    ids = jnp.where(b.adj_ids >= 0, b.adj_ids, vocab)  # out of range: dropped by the scatter
+    cur = logits.at[rows, ids].get(mode="fill", fill_value=0.0)
+    count = b.adj_out_counts
+    seen = (count > 0) | (b.adj_in_prompt > 0)
+    rep = b.repetition[:, None]
+    new = jnp.where(seen, jnp.where(cur > 0, cur / rep, cur * rep), cur)
+    new = new - b.frequency[:, None] * count - b.presence[:, None] * (count > 0) + b.adj_bias
+    return logits.at[rows, ids].set(new, mode="drop")
 
 
-def apply_penalties(logits, t: SamplingTensors):
-    vocab = logits.shape[-1]
-    out_counts = _counts(t.output_ids, vocab)
-    seen = (out_counts + _counts(t.prompt_ids, vocab)) > 0
-    rep = t.repetition[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - t.frequency[:, None] * out_counts
-    return logits - t.presence[:, None] * (out_counts > 0)
-
-
-def apply_bias(logits, t: SamplingTensors):
-    s = logits.shape[0]
-    rows = jnp.broadcast_to(jnp.arange(s)[:, None], t.bias_ids.shape)
-    return logits.at[rows, jnp.maximum(t.bias_ids, 0)].add(jnp.where(t.bias_ids >= 0, t.bias_values, 0.0))
-
-
-def keep_threshold(sorted_desc, probs, t: SamplingTensors, vocab: int):
+def keep_threshold(sorted_desc, probs, t, vocab: int):
     """The smallest logit top-k / top-p / min-p keep, per row [S, 1], from the row's leading
     logits in descending order and their probabilities (over the whole vocabulary). The top
     token is always kept; callers keep every logit >= the threshold (ties included)."""
@@ -92,7 +61,7 @@ def keep_threshold(sorted_desc, probs, t: SamplingTensors, vocab: int):
     return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
 
 
-def truncation_mask(scaled, t: SamplingTensors):
+def truncation_mask(scaled, t):
     """Keep-mask for top-k, top-p and min-p over the whole vocabulary (a full sort)."""
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     return scaled >= keep_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), t, scaled.shape[-1])
@@ -120,7 +89,7 @@ def draw(weights, u):
     return b * BLOCK + _first_above(cum_inner, u[:, 1] * cum_inner[:, -1])
 
 
-def _truncated_draw(scaled, t: SamplingTensors, u):
+def _truncated_draw(scaled, t, u):
     """Sample under top-k/top-p/min-p: on each row's top CANDIDATES logits when that is exact for
     every row (the kept set ends inside them), else with truncation_mask over the vocabulary."""
     vocab = scaled.shape[-1]
@@ -145,35 +114,51 @@ def _truncated_draw(scaled, t: SamplingTensors, u):
     return jax.lax.cond(exact, on_candidates, on_vocabulary)
 
 
-def sample(logits, t: SamplingTensors, mode: SamplingMode) -> SampleResult:
-    """logits: f32[S, V] raw model output for the sampling rows."""
-    s = logits.shape[0]
+def greedy_argmax(x):
+    """Index of each row's largest value (the first among ties): XLA's TopK(1), faster than its
+    argmax on CPU. Backends may pass a native one."""
+    return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
+
+
+def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False) -> SampleResult:
+    """logits: f32[S, V] raw model output for the sampling rows; b: the step's batch (StepBatch of
+    device arrays). What costs extra work runs only when some row of this step asks for it,
+    decided on device (lax.cond), so one executable serves every mix of requests; only the
+    adjustment width (`adjust`) is part of the bucket."""
+    s, vocab = logits.shape
     raw = logits
-    if mode.penalty_widths != (0, 0):
-        logits = apply_penalties(logits, t)
-    if mode.bias_width:
-        logits = apply_bias(logits, t)
-    greedy_tokens = argmax_rows(logits)
-    if mode.all_greedy:
-        tokens = greedy_tokens
-    else:
-        temp = jnp.where(t.temperature > 0, t.temperature, 1.0)[:, None]
+    if adjust:
+        logits = apply_adjustments(logits, b)
+    greedy_tokens = argmax(logits)
+
+    def random_tokens():
+        temp = jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
         scaled = logits / temp
 
-        def uniforms(seed, step):
-            return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (2,), jnp.float32)
+        def uniforms(lo, hi, step):  # all 64 bits of the seed count
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), step)
+            return jax.random.uniform(key, (2,), jnp.float32)
 
-        u = jax.vmap(uniforms)(t.seeds, t.steps)
-        if mode.truncation:
-            sampled = _truncated_draw(scaled, t, u)
-        else:
-            sampled = draw(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u)
-        tokens = jnp.where(t.temperature > 0, sampled, greedy_tokens)
-    if mode.num_logprobs < 0:
-        zeros = jnp.zeros((s,), jnp.float32)
-        return SampleResult(tokens, zeros, jnp.zeros((s, 0), jnp.int32), jnp.zeros((s, 0), jnp.float32))
-    logp = jax.nn.log_softmax(raw, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, mode.num_logprobs) if mode.num_logprobs else (
-        jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32))
-    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+        u = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
+        truncating = (b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)
+        sampled = jax.lax.cond(
+            jnp.any(truncating & (b.temperature > 0)),
+            lambda: _truncated_draw(scaled, b, u),
+            lambda: draw(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u),
+        )
+        return jnp.where(b.temperature > 0, sampled, greedy_tokens)
+
+    tokens = jax.lax.cond(jnp.any(b.temperature > 0), random_tokens, lambda: greedy_tokens)
+    k = min(MAX_LOGPROBS, vocab)
+
+    def with_logprobs():
+        logp = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logp, k)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def without():
+        return jnp.zeros((s,), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(b.num_logprobs >= 0), with_logprobs, without)
+    return SampleResult(tokens, chosen, top_ids, top_lp)

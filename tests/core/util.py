@@ -1,4 +1,4 @@
-"""A tiny engine loop for scheduler tests: fake sampled tokens, finish on max_tokens."""
+"""A tiny engine loop for scheduler tests: fake sampled tokens; the scheduler finishes at max_tokens."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ def step(sched: Scheduler, rng: random.Random, vocab: int = 5, check: bool = Tru
     assert not {r.request_id for r in out.preempted} & set(ids), "preempted and scheduled"
     for s in out.scheduled:
         assert len(s.request.block_ids) * sched.config.block_size >= s.start + s.num_new_tokens
-    sched.update_from_output(out, {i: rng.randrange(vocab) for i in ids})
-    for s in out.scheduled:
-        r = s.request
-        if r.status == RequestStatus.RUNNING and r.num_output_tokens >= r.max_tokens:
-            sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+    sched.dispatched(out)
+    finished = sched.update_from_output(out, {i: rng.randrange(vocab) for i in ids})
+    for r, status, _ in finished:  # the scheduler ends requests at max_tokens itself
+        assert status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
     if check:
         sched.kv.check_invariants()
     return out

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.attention import AttentionMetadata
-from jaxserve.runtime.input_batch import build_step_inputs
+from jaxserve.core.batch import RowSpec, Sampling
 from jaxserve.runtime.runner import ModelRunner, RunnerConfig
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
@@ -29,13 +28,8 @@ def hf_logits(path, ids):
 
 
 def run_logits(runner: ModelRunner, ids, start, n, blocks):
-    t, s = runner.bucket_for(n, 1)
-    inp = build_step_inputs([(ids, start, n, blocks)], t_bucket=t, s_bucket=s, block_size=BS,
-                            max_blocks=runner.max_blocks)
-    md = AttentionMetadata(inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, inp.num_seqs)
-    logits, runner.kv_caches = runner.compiled_forward(t, s)(
-        runner.params, runner.kv_caches, inp.input_ids, inp.positions, md, inp.logits_indices, runner.inv_freq)
-    return np.asarray(logits)[0]
+    batch, key = runner.builder.build([RowSpec(ids, start, n, blocks, Sampling())])
+    return np.asarray(runner.forward_logits(batch, key))[0]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -9,11 +9,8 @@ import pytest
 
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import mesh as ml
-from jaxserve.runtime.attention import AttentionMetadata
-from jaxserve.runtime.input_batch import build_sampling_arrays, build_step_inputs
+from jaxserve.core.batch import RowSpec, Sampling
 from jaxserve.runtime.runner import ModelRunner, RunnerConfig
-from jaxserve.runtime.sampler import SamplingMode, SamplingTensors
-from jaxserve.sampling_params import SamplingParams
 
 BS = 16
 TINY = dict(heads=8, kv_heads=2)  # 8 q heads allow TP=8; 2 kv heads: TP 4 and 8 replicate kv heads
@@ -30,20 +27,16 @@ def greedy_run(runner: ModelRunner, prompts, steps: int):
     Returns logits [steps+1, 2, V] and tokens [steps+1, 2]."""
     seqs, starts = [list(p) for p in prompts], [0, 0]
     blocks = [[3, 9, 5], [12, 1, 7]]  # not contiguous
-    greedy = [SamplingParams(temperature=0.0)] * 2
     all_logits, all_tokens = [], []
     for step in range(steps + 1):
-        rows = [(s, st, len(s) - st, b) for s, st, b in zip(seqs, starts, blocks)]
-        t, s = runner.bucket_for(sum(r[2] for r in rows), 2)
-        inp = build_step_inputs(rows, t_bucket=t, s_bucket=s, block_size=BS, max_blocks=runner.max_blocks)
-        md = AttentionMetadata(inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, inp.num_seqs)
-        logits, runner.kv_caches = runner.compiled_forward(t, s)(
-            runner.params, runner.kv_caches, inp.input_ids, inp.positions, md, inp.logits_indices, runner.inv_freq)
-        tensors, mode = build_sampling_arrays(greedy, [0, 0], [step] * 2, [[], []], [[], []], [[], []], s)
-        result = runner._sample(logits, SamplingTensors(**tensors), SamplingMode(**mode))
-        assert result.tokens.sharding.is_fully_replicated  # sampled tokens replicated for the host
+        rows = [RowSpec(s, st, len(s) - st, b, Sampling(step=step)) for s, st, b in zip(seqs, starts, blocks)]
+        batch, key = runner.builder.build(rows)
+        logits = runner.forward_logits(batch, key)  # writes the same K/V the step writes again
         assert logits.sharding.is_fully_replicated
-        tokens = runner.fetch(result)[0][:2]
+        result = runner.execute(batch, key)
+        assert result.tokens.sharding.is_fully_replicated  # sampled tokens replicated for the host
+        tokens = runner.fetch(result, key.s, False)[0][:2]
+        np.testing.assert_array_equal(tokens, np.asarray(logits)[:2].argmax(-1))
         all_logits.append(np.asarray(logits)[:2])
         all_tokens.append(tokens)
         starts = [len(x) for x in seqs]
@@ -101,7 +94,7 @@ def test_collectives_are_megatron(tiny_model):
 
     lm = load_model(tiny_model("llama", **TINY))
     runner = make_runner(lm, 4)
-    hlo = runner.compiled_forward(8, 2).as_text()
+    hlo = runner.executable(runner.builder.bucket_for(8, 2)).as_text()
     ops = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\(", hlo)
     assert ops.count("all-reduce") == 2 * lm.config.num_layers + 1, ops
     assert ops.count("all-gather") == 1 and len(ops) == 2 * lm.config.num_layers + 2, ops

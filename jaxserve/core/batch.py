@@ -1,0 +1,265 @@
+"""The step contract, host side: a scheduler plan in, one `StepBatch` out (numpy, no jax).
+
+    Scheduler.schedule() -> [RowSpec per scheduled row] -> BatchBuilder.build() -> StepBatch
+    StepBatch.pack() -> one int32 buffer -> one device transfer -> the bucket's executable
+
+A batch's shapes are fixed by its `BucketKey` (T tokens, S sequences, W adjustment entries per
+row); everything that varies per step is a value. T and S are chosen independently: S is 1 for a
+step of one sequence (a lone prefill or a single stream), else the T bucket's sequence width.
+Every 32-bit field travels in one buffer, so a step is one host-to-device copy and a multi-host
+leader broadcasts exactly that buffer.
+
+Overlap: a row whose last token is still being sampled by the step in flight carries the token id
+PENDING and `prev_index` = its row in that step; the executable takes the token from the previous
+step's device output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on the host
+MAX_LOGPROBS = 20  # top-N logprobs every executable can return (OpenAI's and vLLM's limit)
+MAX_EXTRA_ADJUSTMENTS = 512  # logit_bias + stop-token bans per request, on top of its tokens
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
+    """Step sizes that compile: powers of two from `smallest`, plus the midpoints 24, 48, 96, ...
+    (padding a step costs at most a third, not half), capped by `max_tokens` (always included)."""
+    out, t = [], smallest
+    while t < max_tokens:
+        out.append(t)
+        if t >= 16 and t * 3 // 2 < max_tokens:
+            out.append(t * 3 // 2)
+        t *= 2
+    return out + [max(max_tokens, smallest)]
+
+
+class BucketKey(NamedTuple):
+    t: int  # token rows
+    s: int  # sequence rows (logits rows)
+    w: int  # sparse logit adjustments per row (0: none in this step)
+
+
+class StepBatch(NamedTuple):
+    """One step's inputs; shapes fixed by the bucket. Padding tokens write to the null block 0;
+    padding sequences have no tokens and sample nothing."""
+
+    input_ids: np.ndarray  # i32[T] (PENDING: take prev_tokens[prev_index])
+    prev_index: np.ndarray  # i32[T] row of the previous step's tokens, or -1
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T] flat KV slot each token writes
+    seq_lens: np.ndarray  # i32[S] context length incl. this step's tokens (0 for padding)
+    query_start_loc: np.ndarray  # i32[S+1]
+    block_tables: np.ndarray  # i32[S, max_blocks]
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S]
+    temperature: np.ndarray  # f32[S] (0 = greedy)
+    top_k: np.ndarray  # i32[S] (0 = off)
+    top_p: np.ndarray  # f32[S]
+    min_p: np.ndarray  # f32[S]
+    seed_lo: np.ndarray  # u32[S] low half of the row's 64-bit seed
+    seed_hi: np.ndarray  # u32[S] high half
+    steps: np.ndarray  # i32[S] output index of the token being sampled
+    num_logprobs: np.ndarray  # i32[S] top-N logprobs wanted (-1: none)
+    presence: np.ndarray  # f32[S]
+    frequency: np.ndarray  # f32[S]
+    repetition: np.ndarray  # f32[S]
+    adj_ids: np.ndarray  # i32[S, W] token ids to adjust (-1 pad); unique per row
+    adj_out_counts: np.ndarray  # f32[S, W] times the token was generated
+    adj_in_prompt: np.ndarray  # f32[S, W] 1 if the token is in the prompt
+    adj_bias: np.ndarray  # f32[S, W] added last (logit_bias; -inf bans EOS before min_tokens)
+
+    def pack(self) -> np.ndarray:
+        """All fields as one flat int32 buffer (floats and unsigned ints by bit pattern)."""
+        return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.int32) for a in self])
+
+
+def field_specs(key: BucketKey, max_blocks: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each StepBatch field for a bucket, in pack order."""
+    t, s, w = key
+    dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w)}
+    return [(name, dims[d], dt) for name, d, dt in _FIELDS]
+
+
+_FIELDS = (
+    ("input_ids", "T", "int32"), ("prev_index", "T", "int32"), ("positions", "T", "int32"),
+    ("slot_mapping", "T", "int32"), ("seq_lens", "S", "int32"), ("query_start_loc", "S+1", "int32"),
+    ("block_tables", "SB", "int32"), ("num_seqs", "1", "int32"), ("logits_indices", "S", "int32"),
+    ("temperature", "S", "float32"), ("top_k", "S", "int32"), ("top_p", "S", "float32"),
+    ("min_p", "S", "float32"), ("seed_lo", "S", "uint32"), ("seed_hi", "S", "uint32"),
+    ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("presence", "S", "float32"),
+    ("frequency", "S", "float32"), ("repetition", "S", "float32"), ("adj_ids", "SW", "int32"),
+    ("adj_out_counts", "SW", "float32"), ("adj_in_prompt", "SW", "float32"),
+    ("adj_bias", "SW", "float32"),
+)
+assert tuple(f[0] for f in _FIELDS) == StepBatch._fields
+
+
+def packed_size(key: BucketKey, max_blocks: int) -> int:
+    return sum(int(np.prod(shape)) for _, shape, _ in field_specs(key, max_blocks))
+
+
+@dataclass(slots=True)
+class Sampling:
+    """What one row samples with (the subset of SamplingParams the device sees)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0  # 64-bit
+    step: int = 0  # output index of the token this row samples
+    num_logprobs: int = -1
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: dict[int, float] = field(default_factory=dict)  # incl. -inf bans
+    prompt_tokens: frozenset | set = frozenset()  # for the repetition penalty
+    output_counts: dict[int, int] = field(default_factory=dict)  # for all three penalties
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.bias) or self.uses_penalties
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+    def adjustments(self) -> dict[int, tuple[float, float, float]]:
+        """token -> (output count, in prompt, bias), only where the logit changes."""
+        out: dict[int, tuple[float, float, float]] = {}
+        if self.uses_penalties:
+            for tok, n in self.output_counts.items():
+                out[tok] = (float(n), 0.0, 0.0)
+            if self.repetition != 1.0:
+                for tok in self.prompt_tokens:
+                    n = out.get(tok, (0.0, 0.0, 0.0))[0]
+                    out[tok] = (n, 1.0, 0.0)
+        for tok, b in self.bias.items():
+            n, p, _ = out.get(tok, (0.0, 0.0, 0.0))
+            out[tok] = (n, p, b)
+        return out
+
+
+@dataclass(slots=True)
+class RowSpec:
+    """One scheduled row: compute tokens [start, start + num_new) of `token_ids`."""
+
+    token_ids: list[int]
+    start: int
+    num_new: int
+    block_ids: list[int]
+    sampling: Sampling | None = None  # None: this row does not sample (a prefill chunk)
+    prev_index: int = -1  # the row of the step in flight that samples token_ids[-1] (PENDING)
+
+
+class BatchBuilder:
+    """Chooses the bucket and fills a StepBatch. Jax-free, so it is unit-tested on its own."""
+
+    def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                 max_model_len: int, vocab_size: int):
+        self.t_buckets = token_buckets(max_num_batched_tokens)
+        self.s_max = next_pow2(max_num_seqs)
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        # Every token a request holds (its prompt and output) plus its bias entries fits a row.
+        self.max_adjustments = next_pow2(min(max_model_len, vocab_size) + MAX_EXTRA_ADJUSTMENTS)
+
+    # ---- buckets ----------------------------------------------------------------------------
+    def seq_bucket(self, t: int) -> int:
+        """The sequence width of a multi-sequence step of T bucket t."""
+        return min(t, self.s_max)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, adjusts: bool = False) -> BucketKey:
+        t = next(b for b in self.t_buckets if b >= num_tokens)
+        s = 1 if num_seqs == 1 and not adjusts else max(self.seq_bucket(t), min(num_seqs, self.s_max))
+        return BucketKey(t, s, self.max_adjustments if adjusts else 0)
+
+    def all_buckets(self) -> list[BucketKey]:
+        """Every bucket a step can use: (T, 1, 0), (T, S(T), 0) and (T, S(T), W)."""
+        keys = set()
+        for t in self.t_buckets:
+            keys.add(BucketKey(t, 1, 0))
+            keys.add(BucketKey(t, self.seq_bucket(t), 0))
+            keys.add(BucketKey(t, self.seq_bucket(t), self.max_adjustments))
+        return sorted(keys)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey]:
+        """Decode rows should come first (the xla attention takes them in a loop of their own)."""
+        num_tokens = sum(r.num_new for r in rows)
+        adjusts = any(r.sampling is not None and r.sampling.adjusts for r in rows)
+        key = self.bucket_for(num_tokens, len(rows), adjusts)
+        t, s, w = key
+        bs = self.block_size
+        b = self.empty(key)
+        n = 0
+        for i, r in enumerate(rows):
+            end = r.start + r.num_new
+            ids = r.token_ids[r.start:end]
+            b.input_ids[n:n + r.num_new] = ids
+            if ids[-1] == PENDING:
+                assert r.prev_index >= 0 and end == len(r.token_ids), "a pending token is always last"
+                b.prev_index[n + r.num_new - 1] = r.prev_index
+            assert PENDING not in ids[:-1], "only a row's last token can be pending"
+            pos = np.arange(r.start, end, dtype=np.int32)
+            blocks = np.asarray(r.block_ids, np.int32)
+            b.positions[n:n + r.num_new] = pos
+            b.slot_mapping[n:n + r.num_new] = blocks[pos // bs] * bs + pos % bs
+            b.seq_lens[i] = end
+            b.block_tables[i, :len(blocks)] = blocks
+            n += r.num_new
+            b.query_start_loc[i + 1] = n
+            b.logits_indices[i] = n - 1
+            if r.sampling is not None:
+                self._fill_sampling(b, i, r.sampling, w)
+        b.query_start_loc[len(rows) + 1:] = n
+        b.num_seqs[0] = len(rows)
+        return b, key
+
+    def empty(self, key: BucketKey) -> StepBatch:
+        t, s, w = key
+        z = lambda shape, dt=np.int32, v=0: np.full(shape, v, dt)  # noqa: E731
+        return StepBatch(
+            input_ids=z(t), prev_index=z(t, v=-1), positions=z(t), slot_mapping=z(t),
+            seq_lens=z(s), query_start_loc=z(s + 1), block_tables=z((s, self.max_blocks)),
+            num_seqs=z(1), logits_indices=z(s), temperature=z(s, np.float32),
+            top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
+            seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),
+            presence=z(s, np.float32), frequency=z(s, np.float32), repetition=z(s, np.float32, 1.0),
+            adj_ids=z((s, w), v=-1), adj_out_counts=z((s, w), np.float32),
+            adj_in_prompt=z((s, w), np.float32), adj_bias=z((s, w), np.float32),
+        )
+
+    @staticmethod
+    def _fill_sampling(b: StepBatch, i: int, p: Sampling, w: int) -> None:
+        b.temperature[i] = p.temperature
+        b.top_k[i] = p.top_k
+        b.top_p[i] = p.top_p
+        b.min_p[i] = p.min_p
+        seed = p.seed & 0xFFFFFFFFFFFFFFFF
+        b.seed_lo[i] = seed & 0xFFFFFFFF
+        b.seed_hi[i] = seed >> 32
+        b.steps[i] = p.step
+        b.num_logprobs[i] = p.num_logprobs
+        b.presence[i] = p.presence
+        b.frequency[i] = p.frequency
+        b.repetition[i] = p.repetition
+        if w and p.adjusts:
+            adj = p.adjustments()
+            if len(adj) > w:
+                raise ValueError(f"{len(adj)} logit adjustments exceed the row width {w}")
+            k = len(adj)
+            b.adj_ids[i, :k] = list(adj)
+            vals = np.asarray(list(adj.values()), np.float32).reshape(k, 3)
+            b.adj_out_counts[i, :k] = vals[:, 0]
+            b.adj_in_prompt[i, :k] = vals[:, 1]
+            b.adj_bias[i, :k] = vals[:, 2]

@@ -1,0 +1,164 @@
+"""The backend: every device-side choice, made once when the engine is built.
+
+`resolve_backend` decides the platform, the attention implementation, the KV layout and whether
+the linear layers, the tied LM head and greedy argmax run natively; native libraries are built
+here, never inside a trace. The model never sees a flag: it receives `ModelOps`, the callables
+it needs, and weights carry their own format (a float array, or `PackedWeight` panels for the
+native CPU matmul), so each op dispatches on what it is given, not on a setting.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.errors import UserError
+
+log = logging.getLogger("jaxserve")
+
+ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
+KV_LAYOUTS = ("paged", "cpu-tiled")  # [nb, bs, Hkv, D] | K blocks [Hkv, D, bs], V blocks [Hkv, bs, D]
+
+
+class PackedWeight(NamedTuple):
+    """A linear layer's [K, N] kernel as 64-column panels [N/64, K, 64] (csrc/matmul.cc)."""
+
+    panels: jax.Array
+
+
+def _dot_linear(x, w, num_rows=None):
+    return jnp.dot(x, w.astype(x.dtype))
+
+
+def _dot_gated(linear):
+    def gated(x, w_gate, w_up, num_rows=None):
+        return jax.nn.silu(linear(x, w_gate, num_rows)) * linear(x, w_up, num_rows)
+
+    return gated
+
+
+def _embed_lookup(table, ids):
+    if isinstance(table, PackedWeight):  # the tied table held as LM-head panels [V/64, H, 64]
+        from jaxserve.runtime.cpu_kernels import PANEL
+
+        return table.panels[ids // PANEL, :, ids % PANEL]
+    return jnp.take(table, ids, axis=0)
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """What the model calls. `linear(x, w, num_rows)`: num_rows (i32[1]) are the step's real
+    rows, all that a native kernel computes; `lm_head(x, table, num_rows)` is a tied embedding's
+    transpose product; `attention(q, k, v, k_pages, v_pages, md, **kw) -> (out, k_pages, v_pages)`
+    writes this step's K/V and attends."""
+
+    linear: Callable
+    gated: Callable  # silu(x @ W_gate) * (x @ W_up)
+    embed: Callable
+    lm_head: Callable
+    attention: Callable
+
+
+@dataclass(frozen=True)
+class Backend:
+    platform: str  # cpu | gpu | tpu
+    attention: str  # cpu | xla | pallas
+    kv_layout: str
+    native_linear: bool  # packed float32 matmul (csrc/matmul.cc)
+    native_argmax: bool
+    reason: str  # why this was chosen (logged once)
+
+    def describe(self) -> str:
+        linear = "native packed matmul" if self.native_linear else "XLA dot"
+        return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
+                f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
+
+    def ops(self, attention_wrapper: Callable = lambda f: f) -> ModelOps:
+        from jaxserve.runtime.attention import layer_attention
+
+        attend = attention_wrapper(layer_attention(self.attention))
+        if not self.native_linear:
+            return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
+                            lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend)
+        from jaxserve.runtime import cpu_kernels as ck
+
+        def linear(x, w, num_rows=None):
+            if isinstance(w, PackedWeight):
+                return ck.cpu_matmul(x.astype(jnp.float32), w.panels, num_rows)
+            return _dot_linear(x, w)
+
+        def gated(x, w_gate, w_up, num_rows=None):
+            if isinstance(w_gate, PackedWeight) and isinstance(w_up, PackedWeight):
+                return ck.cpu_matmul_gated(x.astype(jnp.float32), w_gate.panels, w_up.panels, num_rows)
+            return _dot_gated(linear)(x, w_gate, w_up, num_rows)
+
+        def lm_head(x, table, num_rows=None):
+            if isinstance(table, PackedWeight):
+                return ck.cpu_matmul(x.astype(jnp.float32), table.panels, num_rows)
+            return jnp.dot(x, table.T.astype(x.dtype))
+
+        return ModelOps(linear, gated, _embed_lookup, lm_head, attend)
+
+    def argmax(self) -> Callable:
+        from jaxserve.runtime.sampler import greedy_argmax
+
+        if self.native_argmax:
+            from jaxserve.runtime.cpu_kernels import argmax_rows
+
+            return argmax_rows
+        return greedy_argmax
+
+    def prepare_params(self, params: dict, tied_embeddings: bool) -> dict:
+        """Weights in the formats this backend's ops read: packed panels for the native matmul
+        (every linear kernel whose N is a multiple of 64, and a tied embedding as its transpose)."""
+        if not self.native_linear:
+            return params
+        from jaxserve.runtime import cpu_kernels as ck
+
+        def pack(path, leaf):
+            names = [getattr(k, "key", None) for k in path]
+            if names[-1] == "kernel" and ck.packable(leaf.shape):
+                return PackedWeight(ck.pack_kernel(leaf))
+            if tied_embeddings and names[-2:] == ["embed_tokens", "embedding"] and ck.packable(leaf.T.shape):
+                return PackedWeight(ck.pack_kernel(leaf.T))
+            return leaf
+
+        return jax.tree_util.tree_map_with_path(pack, params)
+
+
+def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_parallel_size: int = 1) -> Backend:
+    """Decide once what runs. An explicit choice that cannot run is a UserError naming the fix;
+    the default picks the best that runs here and says why."""
+    platform = jax.default_backend()
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if requested is not None and requested not in ATTENTION_BACKENDS:
+        raise UserError(f"Unknown attention backend {requested!r}: choose one of {', '.join(ATTENTION_BACKENDS)}.",
+                        param="attention_backend")
+    if platform != "cpu":
+        if requested == "cpu":
+            raise UserError(f"Attention backend 'cpu' runs on CPU only, not on {platform}: use pallas or xla.",
+                            param="attention_backend")
+        name = requested or "pallas"
+        return Backend(platform, name, "paged", False, False,
+                       "requested" if requested else f"default on {platform}")
+    native_dtypes = dtype == "float32" and kv_dtype in ("float32", "bfloat16")
+    if requested in (None, "cpu"):
+        from jaxserve.runtime import cpu_kernels
+
+        why = None if native_dtypes else (
+            f"the native kernels compute in float32 with float32 or bfloat16 KV, not {dtype} with {kv_dtype} KV")
+        why = why or cpu_kernels.available()  # builds the library now, outside any trace
+        if why is None:
+            native_linear = tensor_parallel_size == 1
+            reason = "native CPU kernels built" + ("" if native_linear else "; XLA dot under tensor parallelism")
+            return Backend("cpu", "cpu", "cpu-tiled", native_linear, True, reason)
+        if requested == "cpu":
+            raise UserError(f"Attention backend 'cpu' cannot run here ({why}): install g++ (or set $CXX), "
+                            "use --dtype float32, or use --attention-backend xla.", param="attention_backend")
+        log.warning("Native CPU kernels unavailable (%s); using the slower 'xla' backend.", why)
+        return Backend("cpu", "xla", "paged", False, False, f"native kernels unavailable: {why}")
+    return Backend("cpu", requested, "paged", False, False, "requested")

@@ -1,0 +1,81 @@
+"""The jax-free batch builder: bucket choice (T and S independent), row layout, padding, sampling
+arrays of fixed width per bucket, and the single packed buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.core.batch import (
+    PENDING, BatchBuilder, BucketKey, RowSpec, Sampling, StepBatch, field_specs, packed_size,
+)
+
+
+def builder(**kw) -> BatchBuilder:
+    args = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=4, max_model_len=64, vocab_size=100)
+    return BatchBuilder(**{**args, **kw})
+
+
+def test_buckets_are_independent_in_tokens_and_sequences():
+    b = builder()
+    assert b.bucket_for(40, 1) == BucketKey(48, 1, 0)  # one long prefill: one logits row
+    assert b.bucket_for(40, 5) == BucketKey(48, 16, 0)
+    assert b.bucket_for(3, 3) == BucketKey(4, 4, 0)
+    assert b.bucket_for(1, 1) == BucketKey(1, 1, 0)
+    assert b.bucket_for(40, 1, adjusts=True) == BucketKey(48, 16, b.max_adjustments)
+    assert set(b.all_buckets()) >= {b.bucket_for(n, s, a) for n in range(1, 65) for s in range(1, min(n, 16) + 1)
+                                    for a in (False, True)}
+    assert len(b.all_buckets()) == len(set(b.all_buckets()))
+
+
+def test_rows_padding_and_slots():
+    b = builder()
+    rows = [RowSpec([9, 8, 7, 6, 5], 4, 1, [3, 2], Sampling(temperature=0.5, seed=2**63 + 5, step=1)),
+            RowSpec([1, 2, 3, 4, 5, 6], 0, 6, [7, 8], None)]
+    batch, key = b.build(rows)
+    assert key == BucketKey(8, 8, 0)
+    assert batch.input_ids.tolist() == [5, 1, 2, 3, 4, 5, 6, 0]
+    assert batch.positions.tolist() == [4, 0, 1, 2, 3, 4, 5, 0]
+    assert batch.slot_mapping.tolist() == [2 * 4 + 0, 28, 29, 30, 31, 32, 33, 0]  # padding -> null block
+    assert batch.query_start_loc.tolist() == [0, 1, 7, 7, 7, 7, 7, 7, 7]
+    assert batch.seq_lens.tolist()[:3] == [5, 6, 0] and batch.num_seqs.tolist() == [2]
+    assert batch.logits_indices.tolist()[:2] == [0, 6]
+    assert batch.block_tables[0, :2].tolist() == [3, 2] and batch.block_tables[2].sum() == 0
+    assert batch.temperature[0] == np.float32(0.5) and batch.temperature[1] == 0  # a prefill chunk samples nothing
+    assert int(batch.seed_lo[0]) == 5 and int(batch.seed_hi[0]) == 2**31  # all 64 bits of the seed
+    assert batch.prev_index.tolist() == [-1] * 8
+
+
+def test_pending_token_reads_the_previous_step():
+    batch, _ = builder().build([RowSpec([4, 5, PENDING], 2, 1, [1], Sampling(), prev_index=3)])
+    assert batch.input_ids[0] == PENDING and batch.prev_index.tolist() == [3]
+    with pytest.raises(AssertionError):
+        builder().build([RowSpec([4, PENDING, 6], 0, 3, [1], None)])
+
+
+def test_adjustments_are_sparse_unique_and_fixed_width():
+    b = builder()
+    s = Sampling(temperature=0, repetition=1.2, frequency=0.5, prompt_tokens={4, 5}, output_counts={5: 2, 9: 1},
+                 bias={9: 3.0, 11: -np.inf})
+    batch, key = b.build([RowSpec([4, 5, 5, 9, 5], 4, 1, [1, 2], s)])
+    assert key.w == b.max_adjustments and batch.adj_ids.shape == (key.s, key.w)
+    got = {int(t): (c, p, bias) for t, c, p, bias in zip(batch.adj_ids[0], batch.adj_out_counts[0],
+                                                           batch.adj_in_prompt[0], batch.adj_bias[0]) if t >= 0}
+    assert got == {4: (0, 1, 0), 5: (2, 1, 0), 9: (1, 0, 3.0), 11: (0, 0, -np.inf)}
+    assert (batch.adj_ids[1:] == -1).all()
+    plain, key0 = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(repetition=1.0, temperature=1.0))])
+    assert key0.w == 0 and plain.adj_ids.shape == (1, 0)  # neutral values cost nothing
+
+
+def test_pack_is_one_int32_buffer_in_field_order():
+    b = builder()
+    batch, key = b.build([RowSpec([1, 2, 3], 0, 3, [1], Sampling(temperature=0.25, top_p=0.5))])
+    flat = batch.pack()
+    assert flat.dtype == np.int32 and flat.size == packed_size(key, b.max_blocks)
+    off = 0
+    for (name, shape, dt), value in zip(field_specs(key, b.max_blocks), batch):
+        n = int(np.prod(shape))
+        assert value.shape == shape and value.dtype == np.dtype(dt), name
+        np.testing.assert_array_equal(flat[off:off + n].view(dt).reshape(shape), value)
+        off += n
+    assert StepBatch._fields[0] == "input_ids"
