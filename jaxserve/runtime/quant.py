@@ -14,6 +14,7 @@ packed path does; `embed` gathers and decodes token rows from them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -195,11 +196,14 @@ def weight_bytes(params) -> int:
 
 
 # ---- the ops ------------------------------------------------------------------------------------
-def _native(x, *ws) -> bool:
-    from jaxserve.runtime import cpu_kernels
+def _native(native: bool | None, x, *ws) -> bool:
+    """Whether the native kernel runs this call: where the backend said so (None: where the library
+    is built, on a CPU backend), for float32 x[M, K] and weights of one format."""
+    if native is None:
+        from jaxserve.runtime import cpu_kernels
 
-    return x.ndim == 2 and x.dtype == jnp.float32 and cpu_kernels.native_float32(x.dtype) and all(
-        type(w) is type(ws[0]) for w in ws)
+        native = cpu_kernels.native_float32(jnp.float32)
+    return native and x.ndim == 2 and x.dtype == jnp.float32 and all(type(w) is type(ws[0]) for w in ws)
 
 
 def _operands(w):
@@ -216,24 +220,25 @@ def _rows(x, num_rows):
     return jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
 
 
-def linear(x, w, num_rows=None):
+def linear(x, w, num_rows=None, native: bool | None = None):
     """x f32[M, K] @ W -> f32[M, N] for any weight format (a plain [K, N] array too). With
     `num_rows` (i32[1] or int: the step's real tokens) the native kernel computes only those rows
-    and the rest come out zero; each row is summed in the same order whatever the batch."""
+    and the rest come out zero; each row is summed in the same order whatever the batch. `native`:
+    the backend's choice (see `_native`); elsewhere W is dequantized inside the computation."""
     if not is_quantized(w):
         return x @ w.astype(x.dtype)
-    if not _native(x, w):
+    if not _native(native, x, w):
         return x.astype(jnp.float32) @ dequantize(w)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul", out, vmap_method="sequential")(
         x, *_operands(w), _rows(x, num_rows), fmt=np.int32(_FMT[type(w)]))
 
 
-def linear_gated(x, w_gate, w_up, num_rows=None):
+def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
     """silu(x @ W_gate) * (x @ W_up), the gated MLP's first half, in one native call where both
     weights share a format (SiLU and the product applied to each tile as it is computed)."""
-    if not (is_quantized(w_gate) and _native(x, w_gate, w_up)):
-        return jax.nn.silu(linear(x, w_gate, num_rows)) * linear(x, w_up, num_rows)
+    if not (is_quantized(w_gate) and _native(native, x, w_gate, w_up)):
+        return jax.nn.silu(linear(x, w_gate, num_rows, native)) * linear(x, w_up, num_rows, native)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w_gate)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul_gated", out, vmap_method="sequential")(
         x, *_operands(w_gate), *_operands(w_up), _rows(x, num_rows), fmt=np.int32(_FMT[type(w_gate)]))
@@ -253,3 +258,27 @@ def embed(w, ids):
     b = w.q[p, :, c]  # [T, H / 2]
     q = jnp.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(jnp.float32)
     return q * d + jnp.repeat(w.m[p, :, c].astype(jnp.float32), BLOCK, axis=1)
+
+
+def quantized_ops(ops, native: bool):
+    """A backend's `ModelOps` (runtime/backend.py) that also take weights in these formats: the
+    native kernels where `native` (the backend's choice for the linear layers), else dequantized
+    inside the computation; every other weight goes to `ops` as before."""
+
+    def lin(x, w, num_rows=None):
+        return linear(x, w, num_rows, native) if is_quantized(w) else ops.linear(x, w, num_rows)
+
+    def gated(x, w_gate, w_up, num_rows=None):
+        if is_quantized(w_gate) and type(w_gate) is type(w_up):
+            return linear_gated(x, w_gate, w_up, num_rows, native)
+        if is_quantized(w_gate) or is_quantized(w_up):  # formats differ (a GGUF may mix types)
+            return jax.nn.silu(lin(x, w_gate, num_rows)) * lin(x, w_up, num_rows)
+        return ops.gated(x, w_gate, w_up, num_rows)
+
+    def lookup(table, ids):
+        return embed(table, ids) if is_quantized(table) else ops.embed(table, ids)
+
+    def lm_head(x, table, num_rows=None):
+        return linear(x, table, num_rows, native) if is_quantized(table) else ops.lm_head(x, table, num_rows)
+
+    return dataclasses.replace(ops, linear=lin, gated=gated, embed=lookup, lm_head=lm_head)
