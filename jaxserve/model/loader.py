@@ -45,14 +45,19 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
+def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
+    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1 matrices in their blocks (runtime/quant.py)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
-    if path.is_file() and path.suffix == ".gguf":
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if quantization == "gguf" and not is_gguf:
+        raise UserError(f"quantization='gguf' keeps a GGUF file's blocks, but {str(path)!r} is not a .gguf file: "
+                        "use int8, q8_0, q4_0 or q4_1 for other checkpoints.", param="quantization")
+    if is_gguf:
         from jaxserve.model.gguf_loader import load_gguf
 
-        hf_config, weights = load_gguf(path)
+        hf_config, weights = load_gguf(path, keep_quantized=quantization == "gguf")
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
         from jaxserve.model.orbax_io import open_orbax

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import QUANTIZATIONS
 from jaxserve.errors import UserError
 
 PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
 BLOCK = 32  # weights per GGUF block, along K
-SCHEMES = ("int8", "q8_0", "q4_0", "q4_1")  # what `quantize_params` makes from float weights
-QUANTIZATIONS = (*SCHEMES, "gguf")  # the engine's `quantization`; gguf: a GGUF's blocks as stored
+SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf")  # what `quantize_params` makes
 
 
 class Int8Weight(NamedTuple):
