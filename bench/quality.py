@@ -48,11 +48,12 @@ def text_logprobs(runner, ids: list[int]) -> np.ndarray:
     """float64 [n, V] log-probabilities of the next token after each of `ids`, in one forward: token
     i is sequence i, of length i + 1, and all n share one block table, so each attends to tokens
     0..i (this step writes every K/V before attending) and every row reaches the LM head."""
+    import jax
+
     from jaxserve.runtime.attention import AttentionMetadata
-    from jaxserve.runtime.input_batch import next_pow2
 
     n, bs = len(ids), runner.cfg.block_size
-    t = next_pow2(n)
+    t = 1 << (n - 1).bit_length()  # one compile per power of two
     blocks = np.arange(1, -(-n // bs) + 1, dtype=np.int32)  # block 0 is the null block
     if len(blocks) >= runner.cfg.num_blocks or len(blocks) > runner.max_blocks:
         raise ValueError(f"the text's {n} tokens need {len(blocks)} KV blocks: raise num_blocks/max_model_len")
@@ -62,9 +63,9 @@ def text_logprobs(runner, ids: list[int]) -> np.ndarray:
     table[:n, :len(blocks)] = blocks
     md = AttentionMetadata(pad(blocks[pos // bs] * bs + pos % bs), pad(pos + 1),
                            np.minimum(np.arange(t + 1), n).astype(np.int32), table, np.asarray([n], np.int32))
-    fwd = runner.compiled_forward(t, t)
-    logits, runner.kv_caches = fwd(runner.params, runner.kv_caches, pad(ids), pad(pos), md, pad(pos),
-                                   runner.inv_freq)
+    fwd = jax.jit(lambda params, layers, ids, pos, md: runner.model.apply(
+        {"params": params}, ids, pos, layers, md, pos, runner.inv_freq)[0])  # no donation: the engine's
+    logits = fwd(runner.params, runner.kv_caches, pad(ids), pad(pos), md)  # pages stay as they were
     x = np.asarray(logits[:n], np.float64)
     x -= x.max(axis=1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
