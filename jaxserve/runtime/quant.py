@@ -202,7 +202,7 @@ def _native(native: bool | None, x, *ws) -> bool:
     if native is None:
         from jaxserve.runtime import cpu_kernels
 
-        native = cpu_kernels.native_float32(jnp.float32)
+        native = jax.default_backend() == "cpu" and cpu_kernels.available() is None
     return native and x.ndim == 2 and x.dtype == jnp.float32 and all(type(w) is type(ws[0]) for w in ws)
 
 

@@ -37,18 +37,31 @@ def evaluate(llm: LLM, ids: list[int], ref_tokens=None) -> dict:
     return result
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])  # untied and tied embeddings
-def reference(request, tiny_model):
-    path = tiny_model(request.param, hidden=128, heads=4, kv_heads=2)
-    llm = LLM(path, **ENGINE_KW)
-    ids = llm.get_tokenizer().encode(quality_text())[:ENGINE_KW["max_model_len"]]
-    return path, ids, evaluate(llm, ids)
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """reference(arch) -> (model path, text ids, the float32 model's measures), once per arch."""
+    made: dict = {}
+
+    def get(arch: str):
+        if arch not in made:
+            path = tiny_model(arch, hidden=128, heads=4, kv_heads=2)
+            llm = LLM(path, **ENGINE_KW)
+            ids = llm.get_tokenizer().encode(quality_text())[:ENGINE_KW["max_model_len"]]
+            made[arch] = path, ids, evaluate(llm, ids)
+        return made[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("scheme,budget,ppl_tol,agree", [
-    ("int8", 0.30, 0.02, 0.90), ("q8_0", 0.30, 0.02, 0.90), ("q4_0", 0.17, 0.10, None), ("q4_1", 0.17, 0.10, None)])
-def test_quantized_tiny_model(reference, scheme, budget, ppl_tol, agree):
-    path, ids, ref = reference
+BUDGETS = {"int8": (0.30, 0.02, 0.90), "q8_0": (0.30, 0.02, 0.90), "q4_0": (0.17, 0.10, None),
+           "q4_1": (0.17, 0.10, None)}  # weights / float32, perplexity tolerance, greedy agreement
+
+
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_1"),
+                                         ("qwen2", "int8"), ("qwen2", "q4_1")])  # qwen2: tied embeddings
+def test_quantized_tiny_model(reference, arch, scheme):
+    path, ids, ref = reference(arch)
+    budget, ppl_tol, agree = BUDGETS[scheme]
     llm = LLM(path, quantization=scheme, **ENGINE_KW)
     params = llm.engine.runner.params
     kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]
