@@ -98,7 +98,7 @@ def test_native_matmul_matches_float64(fmt, m, rows):
     np.testing.assert_allclose(y[:real], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.all(y[real:] == 0)
     # the XLA fallback (dequantize inside the computation) agrees
-    fallback = np.asarray(jax.jit(lambda x, w: x @ quant.dequantize(w))(x, qw))
+    fallback = np.asarray(jax.jit(lambda x, w: quant.linear(x, w, native=False))(x, qw))
     np.testing.assert_allclose(fallback[:real], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -122,6 +122,8 @@ def test_native_gated(fmt):
     g, u = x[:7].astype(np.float64) @ g_ref, x[:7].astype(np.float64) @ u_ref
     want = g / (1 + np.exp(-g)) * u
     np.testing.assert_allclose(y[:7], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    fallback = np.asarray(jax.jit(lambda x, a, b: quant.linear_gated(x, a, b, native=False))(x, wg, wu))
+    np.testing.assert_allclose(fallback[:7], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.all(y[7:] == 0)
 
 

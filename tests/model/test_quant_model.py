@@ -75,6 +75,18 @@ def test_quantized_tiny_model(reference, arch, scheme):
         assert got["greedy"] >= agree
 
 
+def test_xla_backend_dequantizes_inside_the_computation(reference):
+    """Without the native linear layers (the xla backend) the same weights give the same model."""
+    path, ids, _ = reference("llama")
+    native = evaluate(LLM(path, quantization="q4_1", **ENGINE_KW), ids)
+    llm = LLM(path, quantization="q4_1", attention_backend="xla", **ENGINE_KW)
+    assert not llm.engine.runner.backend.native_linear
+    assert quant.has_quantized(llm.engine.runner.params)
+    got = evaluate(llm, ids, native["tokens"])
+    assert got["bytes"] == native["bytes"]
+    assert abs(got["perplexity"] / native["perplexity"] - 1) < 1e-3 and got["greedy"] >= 0.95
+
+
 def test_errors_name_the_scheme(tiny_model):
     with pytest.raises(UserError, match="'fp4'.*int8, q8_0, q4_0, q4_1, gguf") as e:
         LLM(tiny_model("llama"), quantization="fp4", **ENGINE_KW)
