@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after each timed run, run the workload again (prefix cache reset) with every step "
                         "synced and print time per step bucket (where the time goes)")
     p.add_argument("--out", default=None, help="write JSON here")
-    add_engine_args(p)
+    add_engine_args(p, skip=("seed",))  # --seed is the workload's
     return p
 
 
@@ -137,13 +137,13 @@ def step_profile(llm, items) -> list[dict]:
     runner = llm.engine.runner
     execute, stats = runner.execute, {}
 
-    def timed(inputs, t, s, tensors, mode):
+    def timed(batch, key):
         t0 = time.perf_counter()
-        out = jax.block_until_ready(execute(inputs, t, s, tensors, mode))
-        st = stats.setdefault((t, s), [0, 0.0, 0])
+        out = jax.block_until_ready(execute(batch, key))
+        st = stats.setdefault((key.t, key.s), [0, 0.0, 0])
         st[0] += 1
         st[1] += time.perf_counter() - t0
-        st[2] += int(inputs.query_start_loc[int(inputs.num_seqs[0])])
+        st[2] += int(batch.query_start_loc[int(batch.num_seqs[0])])
         return out
 
     llm.reset_prefix_cache()

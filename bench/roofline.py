@@ -98,7 +98,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int =
     gflop = 2.0 * m * k * n / 1e9
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     out = {"xla": gflop / _time(f, a, b, repeats=repeats, min_time=min_time), "native": None}
-    if cpu_kernels.native_float32(dtype) and cpu_kernels.packable(b.shape):
+    if jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.available() is None \
+            and cpu_kernels.packable(b.shape):
         g = jax.jit(cpu_kernels.cpu_matmul)
         out["native"] = gflop / _time(g, a, cpu_kernels.pack_kernel(b), repeats=repeats, min_time=min_time)
     return out

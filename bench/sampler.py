@@ -27,35 +27,36 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jaxserve.runtime.sampler import SamplingMode, SamplingTensors, sample
+    from jaxserve.core.batch import BatchBuilder, BucketKey
+    from jaxserve.runtime.sampler import sample
 
     n = args.rows
+    builder = BatchBuilder(max_num_batched_tokens=1, max_num_seqs=n, block_size=16, max_model_len=16,
+                           vocab_size=args.vocab)
 
-    def tensors(temperature, top_k=0, top_p=1.0):
-        full = lambda v, dt=np.float32: np.full(n, v, dt)  # noqa: E731
-        empty = lambda dt=np.int32: np.zeros((n, 0), dt)  # noqa: E731
-        return SamplingTensors(full(temperature), full(top_k, np.int32), full(top_p), full(0.0),
-                               np.arange(n, dtype=np.uint32), full(0, np.int32), full(0.0), full(0.0), full(1.0),
-                               empty(), empty(), empty(), empty(np.float32))
+    def tensors(temperature, top_k=0, top_p=1.0, logprobs=-1):
+        b = builder.empty(BucketKey(1, n, 0))
+        b.temperature[:], b.top_k[:], b.top_p[:], b.num_logprobs[:] = temperature, top_k, top_p, logprobs
+        b.seed_lo[:] = np.arange(n, dtype=np.uint32)
+        return b
 
     base = jax.random.normal(jax.random.PRNGKey(0), (n, args.vocab))
-    cases = [
-        ("greedy", base * 7.5, tensors(0.0), SamplingMode()),
-        ("temperature 0.7", base * 7.5, tensors(0.7), SamplingMode(all_greedy=False)),
-        ("temperature 0.7, top_p 0.9, peaked", base * 7.5, tensors(0.7, top_p=0.9),
-         SamplingMode(all_greedy=False, truncation=True)),
-        ("temperature 1, top_k 50", base * 7.5, tensors(1.0, top_k=50), SamplingMode(all_greedy=False, truncation=True)),
-        ("temperature 1, top_p 0.95, flat", base, tensors(1.0, top_p=0.95),
-         SamplingMode(all_greedy=False, truncation=True)),
+    cases = [  # one compiled sampler serves every case (what each row asks is decided on device)
+        ("greedy", base * 7.5, tensors(0.0)),
+        ("greedy, logprobs 5", base * 7.5, tensors(0.0, logprobs=5)),
+        ("temperature 0.7", base * 7.5, tensors(0.7)),
+        ("temperature 0.7, top_p 0.9, peaked", base * 7.5, tensors(0.7, top_p=0.9)),
+        ("temperature 1, top_k 50", base * 7.5, tensors(1.0, top_k=50)),
+        ("temperature 1, top_p 0.95, flat", base, tensors(1.0, top_p=0.95)),
     ]
-    fn = jax.jit(sample, static_argnums=2)
+    fn = jax.jit(sample)
     results = []
-    for name, logits, t, mode in cases:
-        jax.block_until_ready(fn(logits, t, mode))
+    for name, logits, t in cases:
+        jax.block_until_ready(fn(logits, t))
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(logits, t, mode))
+            jax.block_until_ready(fn(logits, t))
             times.append(time.perf_counter() - t0)
         results.append({"case": name, "ms": 1e3 * statistics.median(times)})
     print(common.table([(r["case"], r["ms"]) for r in results], ("case", "ms per step"),

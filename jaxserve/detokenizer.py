@@ -22,7 +22,7 @@ text wins (ties: the one starting first), whatever the token boundaries.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 _PROMPT_CONTEXT = 6  # prompt tokens used to seed the decode window (vLLM uses 5)
 _REPLACEMENT = "\ufffd"
@@ -72,14 +72,19 @@ class IncrementalDetokenizer:
         return self._append(delta, final=False)
 
     def flush(self) -> str:
-        """At finish: emit everything still held back (incomplete bytes decode as U+FFFD here)."""
+        """At finish: emit everything still held back.
+
+        Tokens held back here end in an incomplete UTF-8 character (cut by max_tokens or a stop
+        token); its bytes would decode as U+FFFD, which is not text the model wrote, so it is
+        dropped (vLLM's output does not end in it either).
+        """
         if self.stopped or self.finished:
             return ""
         self.finished = True
         delta = ""
         if self._read_offset < len(self._ids):
             new_text = self._decode(self._ids[self._prefix_offset:])
-            delta = new_text[len(self._prefix_text):]
+            delta = new_text[len(self._prefix_text):].rstrip(_REPLACEMENT)
             self._read_offset = len(self._ids)
         return self._append(delta, final=True)
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from jaxserve.errors import UserError
 
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # vLLM's range (a torch.long)
 
 
 @dataclass(slots=True)
@@ -36,36 +41,42 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM: -1 means no seed
+            self.seed = None
         self._validate()
 
     def _validate(self) -> None:
-        def bad(field_name: str, value, rule: str) -> ValueError:
-            return ValueError(f"Invalid {field_name}={value!r}: {rule}.")
+        def bad(field_name: str, value, rule: str) -> UserError:
+            return UserError(f"Invalid {field_name}={value!r}: {rule}.", param=field_name)
 
-        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"must be an integer between 1 and {MAX_N}")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", self.temperature,
+                      f"must be in [0, {MAX_TEMPERATURE}] (0 means greedy)")
+        if self.n > 1 and self.temperature == 0:  # vLLM: n copies of one greedy answer are a mistake
+            raise bad("n", self.n, "must be 1 when using greedy sampling (temperature=0); "
+                      "raise temperature for different answers")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", self.top_k, "must be -1 or 0 (disabled) or a positive integer")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", self.seed, f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids >= 0")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", self.logprobs, f"must be an integer between 0 and {MAX_LOGPROBS}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -76,7 +87,7 @@ class SamplingParams:
             raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables it)")
         if self.logit_bias:
             for k, v in self.logit_bias.items():
-                if not isinstance(k, int) or k < 0:
+                if not _is_int(k) or k < 0:
                     raise bad("logit_bias", k, "keys must be token ids >= 0")
                 if not _is_num(v) or not -100 <= v <= 100:
                     raise bad("logit_bias", v, "values must be in [-100, 100]")
@@ -95,4 +106,9 @@ class SamplingParams:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    """A finite real number (not a bool, NaN or infinity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

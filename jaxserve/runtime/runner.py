@@ -126,9 +126,7 @@ class ModelRunner:
         self.s_max = self.builder.s_max
         self.last_tokens = jax.device_put(np.zeros(self.s_max, np.int32), self._replicated)
         self._argmax = self.backend.argmax()
-        rep, kv = self._replicated, self.kv_sharding
-        self._jitted: dict[BucketKey, object] = {}
-        self._shardings = (self.param_shardings, kv, rep, rep, rep)
+        self._jitted: dict[BucketKey, object] = {}  # forward_logits
         self._compiled: dict[BucketKey, object] = {}
         self.num_compiles = 0
 
@@ -176,7 +174,9 @@ class ModelRunner:
     def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
         b = unpack_batch(flat, key, self.max_blocks)
         logits, layers = self._forward(params, layers, b, last_tokens)
-        r = sample(logits, b, self._argmax, adjust=key.w > 0)
+        if self.tensor_parallel_size > 1:  # sample on every device alike: no collectives in the sampler
+            logits = jax.lax.with_sharding_constraint(logits, self._replicated)
+        r = sample(logits, b, self._argmax, adjust=key.w > 0, keep_topk=self.tensor_parallel_size == 1)
         tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
         return StepResult(tokens, r.logprobs, r.top_ids, r.top_logprobs), layers
 
@@ -233,8 +233,11 @@ class ModelRunner:
             def f(p, layers, flat, last):
                 return self._forward(p, layers, unpack_batch(flat, key, self.max_blocks), last)
 
-            fn = self._jitted[key] = jax.jit(f, donate_argnums=(1,))
-        logits, layers = fn(self.params, self.kv.layers, batch.pack(), self.last_tokens)
+            rep, kv = self._replicated, self.kv_sharding
+            fn = self._jitted[key] = jax.jit(f, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
+                                             out_shardings=(rep, kv))
+        flat = meshlib.to_global(batch.pack(), self._replicated)
+        logits, layers = fn(self.params, self.kv.layers, flat, self.last_tokens)
         self.kv = KVCaches(layers, self.kv.layout)
         return logits
 

@@ -89,14 +89,17 @@ def draw(weights, u):
     return b * BLOCK + _first_above(cum_inner, u[:, 1] * cum_inner[:, -1])
 
 
-def _truncated_draw(scaled, t, u):
+def _truncated_draw(scaled, t, u, keep_topk: bool):
     """Sample under top-k/top-p/min-p: on each row's top CANDIDATES logits when that is exact for
     every row (the kept set ends inside them), else with truncation_mask over the vocabulary."""
     vocab = scaled.shape[-1]
     c = min(CANDIDATES, vocab)
     # The barrier keeps XLA:CPU's TopK (11 ms at 64 rows): without it, next to the fallback's sort,
-    # top_k is rewritten into a full sort that runs on every step (0.6 s).
-    vals, ids = jax.lax.optimization_barrier(jax.lax.top_k(scaled, c))  # descending
+    # top_k is rewritten into a full sort that runs on every step (0.6-1 s). XLA's SPMD partitioner
+    # cannot take a barrier inside a conditional, so a sharded step goes without (keep_topk=False).
+    vals, ids = jax.lax.top_k(scaled, c)  # descending
+    if keep_topk:
+        vals, ids = jax.lax.optimization_barrier((vals, ids))
     probs = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     threshold = keep_threshold(vals, probs, t, vocab)
     truncating = (t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0)  # other rows draw from everything
@@ -120,7 +123,7 @@ def greedy_argmax(x):
     return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
 
 
-def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False) -> SampleResult:
+def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, keep_topk: bool = True) -> SampleResult:
     """logits: f32[S, V] raw model output for the sampling rows; b: the step's batch (StepBatch of
     device arrays). What costs extra work runs only when some row of this step asks for it,
     decided on device (lax.cond), so one executable serves every mix of requests; only the
@@ -143,7 +146,7 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False) ->
         truncating = (b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)
         sampled = jax.lax.cond(
             jnp.any(truncating & (b.temperature > 0)),
-            lambda: _truncated_draw(scaled, b, u),
+            lambda: _truncated_draw(scaled, b, u, keep_topk),
             lambda: draw(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u),
         )
         return jnp.where(b.temperature > 0, sampled, greedy_tokens)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
+import functools
 import logging
 import signal
 import time
@@ -18,45 +18,50 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import jaxserve
+from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
-from jaxserve.server.errors import APIError, bad_request, http_error
+from jaxserve.server.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    http_error,
+    internal_error,
+)
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
+from jaxserve.server.serving import OpenAIServing, served_names
 
 log = logging.getLogger("jaxserve.server")
 
 __all__ = ["ServerConfig", "add_serve_args", "build_app", "serve"]
 
 
-class _APIKey:
-    """Pure ASGI middleware: 'Authorization: Bearer KEY' on every path but the public ones."""
+def guarded(endpoint):
+    """A bug in a handler: logged with its traceback, a 500 for that request only.
 
-    def __init__(self, app: ASGIApp, key: str, public_paths: tuple[str, ...]):
-        self.app = app
-        self.key = key.encode()
-        self.public = set(public_paths)
+    Caught here, not by Starlette's catch-all handler: that one re-raises after answering, and
+    uvicorn then drops the keep-alive connection, under the client's next request.
+    """
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                msg = (
-                    "Missing API key: send 'Authorization: Bearer <key>'."
-                    if not auth
-                    else "Invalid API key."
-                )
-                await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    @functools.wraps(endpoint)
+    async def run(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except (UserError, HTTPException, EngineDeadError, ClientDisconnect):
+            raise  # answered by the app's exception handlers
+        except Exception:
+            log.exception("Unhandled error on %s", request.url.path)
+            return error_response(internal_error())
+
+    return run
 
 
 def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Starlette:
@@ -64,7 +69,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     from jaxserve.tokenizer import Tokenizer
 
     cfg = cfg or ServerConfig()
-    names = list(cfg.served_model_names or [engine.loaded.name])
+    names = served_names(engine.loaded.name, cfg)
     metrics = ServerMetrics(lambda: aengine.stats, names[0])
     aengine = AsyncEngine(
         engine, on_output=metrics.observe, on_abort=metrics.aborted, hang_timeout=cfg.hang_timeout
@@ -75,12 +80,14 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     started = int(time.time())
 
     def model_card(name: str) -> dict:
+        # Only served names: the model's location on this machine is nobody else's business.
         return {
             "id": name,
             "object": "model",
             "created": started,
             "owned_by": "jaxserve",
-            "root": engine.loaded.name,
+            "root": names[0],
+            "parent": None,
             "max_model_len": serving.max_model_len,
         }
 
@@ -93,8 +100,12 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     async def health(request: Request) -> Response:
         reason = aengine.health() or ("The server is shutting down." if serving.draining else None)
         if reason is not None:
-            return APIError(503, reason, code="unhealthy").response()
+            return error_response(APIError(503, reason, code="unhealthy"))
         return JSONResponse({"status": "ok"})
+
+    async def load(request: Request) -> Response:
+        """vLLM's GET /load: generate requests in flight (streams until their last chunk)."""
+        return JSONResponse({"server_load": in_flight.count})
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": jaxserve.__version__})
@@ -108,9 +119,14 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of 'prompt' and 'messages'.", "prompt")
         if req.messages is not None:
-            ids = serving.render_chat(req.messages, req.add_generation_prompt)
+            ids = await serving.chat_template.render(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                chat_template=req.chat_template,
+            )
         else:
-            ids = serving.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await serving.encode(
+                req.prompt, "prompt", add_special_tokens=req.add_special_tokens
+            )
         return JSONResponse(
             {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
         )
@@ -118,11 +134,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     async def detokenize(request: Request) -> Response:
         req = P.parse(P.DetokenizeRequest, await serving.read_body(request))
         serving.check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < serving.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"Token id {bad} is outside the vocabulary (0..{serving.vocab_size - 1}).", "tokens"
-            )
+        serving.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": serving.tok.decode(req.tokens)})
 
     async def reset_prefix_cache(request: Request) -> Response:
@@ -130,23 +142,23 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         freed = await aengine.call(lambda engine: engine.reset_prefix_cache())
         return JSONResponse({"freed_blocks": freed})
 
-    async def on_api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
+    async def on_user_error(request: Request, exc: UserError) -> Response:
+        return error_response(exc)
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
-        return http_error(exc.status_code, exc.detail, request.method, request.url.path).response()
+        return error_response(
+            http_error(exc.status_code, exc.detail, request.method, request.url.path)
+        )
 
     async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
-        return APIError(503, str(exc), code="engine_unavailable").response()
+        return error_response(APIError(503, str(exc), code="engine_unavailable"))
 
     async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
         return Response(status_code=499)
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        log.exception("Unhandled error on %s", request.url.path)
-        return APIError(
-            500, "Internal server error: see the server log.", code="internal_error"
-        ).response()
+        log.exception("Unhandled error on %s", request.url.path)  # outside a route: middleware
+        return error_response(internal_error())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -157,26 +169,42 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             await aengine.shutdown()
 
     routes = [
-        Route("/v1/completions", serving.completions, methods=["POST"]),
-        Route("/v1/chat/completions", serving.chat, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", model, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/v1/completions", guarded(serving.completions), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(serving.chat), methods=["POST"]),
+        Route("/invocations", guarded(serving.invocations), methods=["POST"]),
+        Route("/load", guarded(load), methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/metrics", guarded(prometheus), methods=["GET"]),
+        Route("/version", guarded(version), methods=["GET"]),
+        Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]),
     ]
-    middleware = (
-        [Middleware(_APIKey, key=cfg.api_key, public_paths=cfg.public_paths)] if cfg.api_key else []
-    )
+    middleware = []  # outermost first: CORS answers preflights before the key is checked
+    if cfg.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cfg.allowed_origins),
+                allow_methods=list(cfg.allowed_methods),
+                allow_headers=list(cfg.allowed_headers),
+                allow_credentials=cfg.allow_credentials,
+            )
+        )
+    if cfg.enable_request_id_headers:
+        middleware.append(Middleware(RequestId))
+    if cfg.api_key:
+        middleware.append(Middleware(APIKey, key=cfg.api_key, public_paths=cfg.public_paths))
+    in_flight = InFlight()
+    middleware.append(Middleware(LoadCounter, in_flight=in_flight))  # innermost: admitted calls only
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
         middleware=middleware,
         exception_handlers={
-            APIError: on_api_error,
+            UserError: on_user_error,
             HTTPException: on_http_error,
             EngineDeadError: on_engine_dead,
             ClientDisconnect: on_disconnect,
@@ -231,8 +259,13 @@ class _Server(uvicorn.Server):
             )
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._draining or self._loop is None:
+        if self._loop is None:
             return super().handle_exit(sig, frame)
+        if self._draining:  # a second signal: abort everything and exit now
+            log.warning("%s again: aborting all requests and exiting now", signal.Signals(sig).name)
+            self._loop.call_soon_threadsafe(self.app.state.engine.abort_all)
+            self.should_exit = self.force_exit = True
+            return
         self._draining = True
         self.app.state.serving.draining = True  # signal handlers run on the loop's (main) thread
         timeout = self.app.state.config.shutdown_timeout

@@ -7,8 +7,10 @@ import os
 from dataclasses import dataclass
 
 from jaxserve.config import parse_bytes
+from jaxserve.errors import UserError
 
-DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version")
+DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/load")
+ADMIN_PATHS = ("/reset_prefix_cache",)  # always need the key when one is set
 
 
 @dataclass
@@ -23,20 +25,43 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     hang_timeout: float = 120.0  # /health turns 503 when one engine step runs longer than this
     log_level: str = "info"
+    max_seqs_per_request: int = 256  # prompts x n of one request
+    trust_request_chat_template: bool = False  # let requests send their own Jinja template
+    render_timeout: float = 5.0  # seconds one chat template render or tokenization may take
+    allowed_origins: tuple[str, ...] = ()  # CORS; () sends no CORS headers
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    enable_request_id_headers: bool = False  # echo X-Request-Id, or make one
 
     def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_body_bytes"):
+        for name in ("max_queued_requests", "max_body_bytes", "max_seqs_per_request"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"Invalid {name}={v!r}: must be an integer >= 1.")
+                raise UserError(f"Invalid {name}={v!r}: must be an integer >= 1.", param=name)
         for name in ("shutdown_timeout", "hang_timeout"):
             if getattr(self, name) < 0:
-                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 0 seconds.")
+                raise UserError(
+                    f"Invalid {name}={getattr(self, name)!r}: must be >= 0 seconds.", param=name
+                )
+        if not self.render_timeout > 0:
+            raise UserError(
+                f"Invalid render_timeout={self.render_timeout!r}: must be > 0 seconds.",
+                param="render_timeout",
+            )
         if not 0 <= self.port < 65536:
-            raise ValueError(f"Invalid port={self.port}: must be in 0..65535.")
+            raise UserError(f"Invalid port={self.port}: must be in 0..65535.", param="port")
         if self.api_key is not None and not self.api_key:
-            raise ValueError(
-                "Invalid api_key='': give a non-empty key, or none to serve without one."
+            raise UserError(
+                "Invalid api_key='': give a non-empty key, or none to serve without one.",
+                param="api_key",
+            )
+        admin = sorted(set(self.public_paths) & set(ADMIN_PATHS))
+        if admin:
+            raise UserError(
+                f"Invalid public_paths: {', '.join(admin)} is an admin route and always needs "
+                "the API key; remove it from --public-paths.",
+                param="public_paths",
             )
 
     @classmethod
@@ -53,15 +78,25 @@ class ServerConfig:
             shutdown_timeout=args.shutdown_timeout,
             hang_timeout=args.hang_timeout,
             log_level=args.log_level,
+            max_seqs_per_request=args.max_seqs_per_request,
+            trust_request_chat_template=args.trust_request_chat_template,
+            render_timeout=args.render_timeout,
+            allowed_origins=tuple(args.allowed_origins or ()),
+            allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers),
+            allow_credentials=args.allow_credentials,
+            enable_request_id_headers=args.enable_request_id_headers,
         )
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+        "--host",
+        default=ServerConfig.host,
+        help="address to bind (default %(default)s: this machine only)",
     )
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=int, default=ServerConfig.port, help="port (default %(default)s)")
     g.add_argument(
         "--api-key",
         default=None,
@@ -70,8 +105,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--public-paths",
         default=",".join(DEFAULT_PUBLIC_PATHS),
-        help="comma-separated paths open without the key (default /health,/metrics,/version; "
-        "'' protects all)",
+        help="comma-separated paths open without the key (default /health,/metrics,/version,/load; "
+        "'' protects all; admin routes such as /reset_prefix_cache always need it)",
     )
     g.add_argument(
         "--served-model-name",
@@ -82,30 +117,76 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-queued-requests",
         type=int,
-        default=1024,
-        help="answer 429 when more requests than this wait for a first step (default 1024)",
+        default=ServerConfig.max_queued_requests,
+        help="answer 429 when more requests than this wait for a first step (default %(default)s)",
     )
     g.add_argument(
         "--max-body-bytes",
         type=parse_bytes,
-        default=8 << 20,
+        default=ServerConfig.max_body_bytes,
         help="answer 413 for request bodies larger than this (default 8MiB)",
     )
     g.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default 30)",
+        default=ServerConfig.shutdown_timeout,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default %(default)s)",
     )
     g.add_argument(
         "--hang-timeout",
         type=float,
-        default=120.0,
-        help="/health answers 503 if one engine step runs longer than this (default 120 s)",
+        default=ServerConfig.hang_timeout,
+        help="/health answers 503 if one engine step runs longer than this (default %(default)s s)",
     )
     g.add_argument(
         "--log-level",
-        default="info",
+        default=ServerConfig.log_level,
         choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default info)",
+    )
+    g.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=ServerConfig.max_seqs_per_request,
+        help="answer 400 when one request asks for more sequences (prompts x n) (default %(default)s)",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat template ('chat_template'); off by default: a "
+        "template is a program that runs on the server",
+    )
+    g.add_argument(
+        "--render-timeout",
+        type=float,
+        default=ServerConfig.render_timeout,
+        help="answer 400 when rendering a chat template or tokenizing a prompt takes longer "
+        "(default %(default)s s)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=None,
+        help="CORS: origins browsers may call from, e.g. '*' or https://example.com "
+        "(default: none, no CORS headers)",
+    )
+    g.add_argument(
+        "--allowed-methods",
+        nargs="*",
+        default=list(ServerConfig.allowed_methods),
+        help="CORS: allowed methods (default *)",
+    )
+    g.add_argument(
+        "--allowed-headers",
+        nargs="*",
+        default=list(ServerConfig.allowed_headers),
+        help="CORS: allowed headers (default *)",
+    )
+    g.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (default off)"
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the client's, or a new one",
     )

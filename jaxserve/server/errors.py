@@ -5,10 +5,11 @@ Every message a client can cause is short and says what to change; bodies never 
 
 from __future__ import annotations
 
-import re
 from http import HTTPStatus
 
 from starlette.responses import JSONResponse
+
+from jaxserve.errors import UserError
 
 MAX_MESSAGE_CHARS = 400
 
@@ -18,13 +19,16 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
 
 
-class APIError(Exception):
+class APIError(UserError):
+    """A UserError with the OpenAI error `type` (derived from the status unless given)."""
+
     def __init__(
         self,
         status: int,
@@ -34,30 +38,29 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,
     ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+        super().__init__(message, param=param, status=status, code=code)
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
-    def body(self) -> dict:
-        msg = (
-            self.message
-            if len(self.message) <= MAX_MESSAGE_CHARS
-            else self.message[:MAX_MESSAGE_CHARS] + "..."
-        )
-        return {
-            "error": {"message": msg, "type": self.type, "param": self.param, "code": self.code}
-        }
 
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+def error_body(e: UserError) -> dict:
+    """The OpenAI error body of any UserError (message cut to MAX_MESSAGE_CHARS)."""
+    msg = e.message if len(e.message) <= MAX_MESSAGE_CHARS else e.message[:MAX_MESSAGE_CHARS] + "..."
+    kind = getattr(e, "type", None) or _TYPES.get(e.status, "invalid_request_error")
+    return {"error": {"message": msg, "type": kind, "param": e.param, "code": e.code}}
+
+
+def error_response(e: UserError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def internal_error() -> APIError:
+    """What a client sees of a bug (the traceback goes to the server log)."""
+    return APIError(500, "Internal server error: see the server log.", code="internal_error")
 
 
 def http_error(status: int, detail: str | None, method: str, path: str) -> APIError:
@@ -70,21 +73,13 @@ def http_error(status: int, detail: str | None, method: str, path: str) -> APIEr
     )
 
 
-_INVALID_FIELD = re.compile(r"^Invalid (\w+)=")
-
-
-def from_value_error(
-    e: ValueError, aliases: dict[str, str] | None = None, default_param: str | None = None
-) -> APIError:
-    """A ValueError from SamplingParams/the engine ("Invalid <field>=<value>: <rule>.") as a 400."""
-    msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
-    m = _INVALID_FIELD.match(msg)
-    param = m[1] if m else default_param
-    if param and aliases and aliases.get(param, param) != param:
-        if m:  # name the parameter the client sent (e.g. top_logprobs, not logprobs)
-            msg = f"Invalid {aliases[param]}=" + msg[m.end() :]
-        param = aliases[param]
-    return bad_request(msg, param)
+def from_user_error(e: UserError, aliases: dict[str, str] | None = None) -> UserError:
+    """`e` naming the parameter the client sent (e.g. top_logprobs where SamplingParams says logprobs)."""
+    alias = (aliases or {}).get(e.param or "", e.param)
+    if alias == e.param:
+        return e
+    msg = e.message.replace(f"Invalid {e.param}=", f"Invalid {alias}=", 1)
+    return APIError(e.status, msg, param=alias, code=e.code)
 
 
 def from_validation_error(errors: list[dict]) -> APIError:

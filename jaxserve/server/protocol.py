@@ -6,24 +6,64 @@ ranges are checked once, by SamplingParams, so the offline API and the server ag
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from jaxserve.errors import UserError
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.errors import APIError, bad_request, from_validation_error, from_value_error
+from jaxserve.server.errors import APIError, bad_request, from_user_error, from_validation_error
 
 
 class _Model(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working; the ones
+    # that would change the output and are not implemented are refused (UNSUPPORTED).
+    # NaN, Infinity and 1e400 literals are refused wherever a number is expected.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Model):
+# Request fields that would change the output and are not implemented yet: a 400 naming them unless
+# the value is one that changes nothing (None, or the listed harmless values).
+UNSUPPORTED: dict[str, tuple] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "prompt_logprobs": (),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "logits_processors": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_embeds": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "documents": (),
+    "mm_processor_kwargs": (),
+    "min_characters": (),
+}
+
+
+class SamplingRequest(_Model):
+    """The fields completions and chat share."""
+
+    # Extra fields are kept (not used) so that check() can refuse the unsupported ones.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -48,6 +88,9 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = Field(default=None, min_length=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # -1: max_model_len - 1
+    truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
+    return_token_ids: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -68,14 +111,23 @@ class _SamplingRequest(_Model):
                 raise ValueError(f"keys must be token ids (got {k[:20]!r})")
         return v
 
-    def check_stream_options(self) -> None:
+    def check(self) -> None:
+        """Checks across fields, and the 400 for fields that are not implemented."""
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "'stream_options' is only allowed when 'stream' is true.", "stream_options"
             )
+        for name, harmless in UNSUPPORTED.items():
+            v = (self.model_extra or {}).get(name)
+            if v is not None and v not in harmless:
+                raise bad_request(
+                    f"'{name}' is not supported by this server yet: remove it from the request.",
+                    name,
+                    code="unsupported_parameter",
+                )
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -104,32 +156,82 @@ class CompletionRequest(_SamplingRequest):
         )
 
 
-class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
 
-    def text(self, index: int) -> str:
+
+class ChatMessage(_Model):
+    role: str = Field(min_length=1)  # any role the model's chat template accepts (as vLLM)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self, index: int) -> dict[str, Any]:
+        """The message as the chat template sees it; a 400 for what this server cannot read."""
+        if self.tool_calls:
+            raise bad_request(
+                "Tool calls in messages are not supported by this server yet.",
+                f"messages[{index}].tool_calls",
+                code="unsupported_parameter",
+            )
+        msg: dict[str, Any] = {"role": self.role, "content": self._text(index)}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+    def _text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
         for j, part in enumerate(self.content):
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.type != "text" or part.text is None:
                 raise bad_request(
-                    f"Content part type {str(part.get('type'))[:30]!r} is not supported: this model reads text only.",
+                    f"Content part type {part.type[:30]!r} is not supported: this model reads "
+                    "text only.",
                     f"messages[{index}].content[{j}]",
+                    code="unsupported_parameter",
                 )
-            parts.append(part["text"])
+            parts.append(part.text)
         return "".join(parts)
 
+    @property
+    def num_chars(self) -> int:
+        if isinstance(self.content, list):
+            return sum(len(p.text or "") for p in self.content)
+        return len(self.content or "")
 
-class ChatCompletionRequest(_SamplingRequest):
+
+def _finite(v: Any, where: str) -> None:
+    """NaN/Infinity inside a free-form JSON value (pydantic checks only typed numbers)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"holds a non-finite number at {where}")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _finite(x, f"{where}.{k}")
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _finite(x, f"{where}[{i}]")
+
+
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        _finite(v, "chat_template_kwargs")
+        return v
 
 
 class TokenizeRequest(_Model):
@@ -138,6 +240,8 @@ class TokenizeRequest(_Model):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Model):
@@ -153,7 +257,7 @@ def parse(model: type[_Model], body: bytes) -> Any:
 
 
 def to_sampling_params(
-    req: _SamplingRequest,
+    req: SamplingRequest,
     *,
     defaults: dict,
     max_tokens: int | None,
@@ -177,7 +281,7 @@ def to_sampling_params(
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
-            stop=req.stop or [],
+            stop=[] if req.stop is None else req.stop,
             seed=req.seed,
             logprobs=logprobs,
             presence_penalty=req.presence_penalty,
@@ -190,8 +294,8 @@ def to_sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             **kw,
         )
-    except ValueError as e:
-        raise from_value_error(e, aliases) from None
+    except UserError as e:
+        raise from_user_error(e, aliases) from None
 
 
 __all__ = [

@@ -8,6 +8,7 @@ choice, an optional usage chunk, then `[DONE]`.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -16,9 +17,11 @@ from typing import Any
 from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError, RequestStream
-from jaxserve.server.errors import APIError
+from jaxserve.server.errors import APIError, error_body, internal_error
 from jaxserve.server.streaming import DONE, sse
 from jaxserve.tokenizer import _byte_alphabet
+
+log = logging.getLogger("jaxserve.server")
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -36,7 +39,7 @@ class Kind:
     object: str  # "text_completion" | "chat.completion"
     chunk_object: str
     id_prefix: str
-    params: P._SamplingRequest
+    params: P.SamplingRequest
     prompts: list[Prompt]
     echo: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
@@ -91,6 +94,7 @@ class ResponseBuilder:
         self.tokens, self.kind, self.n, self.id, self.model = tokens, kind, n, api_id, model
         self.created = int(time.time())
         self.chat = kind.object == "chat.completion"
+        self._sent_prompt_ids: set[int] = set()  # streamed choices that carried prompt_token_ids
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -131,8 +135,10 @@ class ResponseBuilder:
             t = tt(lp.token_id)
             out["tokens"].append(t)
             out["token_logprobs"].append(max(lp.logprob, MIN_LOGPROB))
-            top: dict[str, float] = {}
-            for i, v in lp.top:  # best first; tokens with the same text keep the best
+            # The sampled token first, then the top ones, best first (as vLLM: logprobs=0 gives
+            # just the sampled token); tokens with the same text keep the first value.
+            top: dict[str, float] = {t: max(lp.logprob, MIN_LOGPROB)}
+            for i, v in lp.top:
                 top.setdefault(tt(i), max(v, MIN_LOGPROB))
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
@@ -152,12 +158,17 @@ class ResponseBuilder:
         c["logprobs"] = logprobs
         c["finish_reason"] = o.finish_reason
         c["stop_reason"] = o.stop_reason
+        if self.kind.params.return_token_ids:
+            c["token_ids"] = list(o.delta_token_ids if delta else o.token_ids)
+            if not self.chat and (not delta or index not in self._sent_prompt_ids):
+                self._sent_prompt_ids.add(index)
+                c["prompt_token_ids"] = self.kind.prompts[index // self.n].ids
         return c
 
-    def _usage(self, finals: dict[int, RequestOutput]) -> dict:
+    def _usage(self, outs: dict[int, RequestOutput]) -> dict:
         prompt = sum(len(p.ids) for p in self.kind.prompts)
-        completion = sum(len(o.token_ids) for r in finals.values() for o in r.outputs)
-        cached = sum(r.num_cached_tokens for r in finals.values())
+        completion = sum(len(o.token_ids) for r in outs.values() for o in r.outputs)
+        cached = sum(r.num_cached_tokens for r in outs.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -183,42 +194,52 @@ class ResponseBuilder:
                         idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False
                     )
                 )
-        return {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
+        body = {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
+        if self.chat and self.kind.params.return_token_ids:
+            body["prompt_token_ids"] = self.kind.prompts[0].ids
+        return body
 
     # ---- streamed --------------------------------------------------------------------------------
     async def events(self, stream: RequestStream):
-        """One chunk per step per choice that changed; finish_reason exactly once per choice."""
-        include_usage = bool(
-            self.kind.params.stream_options and self.kind.params.stream_options.include_usage
-        )
+        """One chunk per step per choice that changed; finish_reason exactly once per choice.
+
+        A stream the server aborts (shutdown timeout) ends its unfinished choices with
+        finish_reason "abort"; an engine failure or a bug ends it with an error event. Every
+        stream ends with [DONE].
+        """
+        opts = self.kind.params.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and opts.continuous_usage_stats
         head = self._head(self.kind.chunk_object)
-        finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         done: set[int] = set()
         started: set[int] = set()
         offsets: dict[int, int] = {}
+        num_choices = len(self.kind.prompts) * self.n
         try:
             if self.chat:
-                for i in range(len(self.kind.prompts) * self.n):
-                    yield sse(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+                for i in range(num_choices):
+                    first = {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    chunk = {**head, "choices": [first]}
+                    if i == 0 and self.kind.params.return_token_ids:
+                        chunk["prompt_token_ids"] = self.kind.prompts[0].ids
+                    if continuous:
+                        chunk["usage"] = self._usage(latest)
+                    yield sse(chunk)
             async for idx, out in stream:
-                if out.finished:
-                    finals[idx] = out
+                latest[idx] = out
                 for o in out.outputs:
                     index = idx * self.n + o.index
                     if index in done or not (
-                        o.delta_text or o.finished or (o.delta_logprobs and o.logprobs is not None)
+                        o.delta_text
+                        or o.finished
+                        or (o.delta_logprobs and o.logprobs is not None)
+                        or (o.delta_token_ids and self.kind.params.return_token_ids)
                     ):
                         continue
                     text = o.delta_text
@@ -234,13 +255,23 @@ class ResponseBuilder:
                         offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
                     if o.finished:
                         done.add(index)
-                    yield sse({**head, "choices": [self._choice(index, text, lps, o, delta=True)]})
-            if stream.aborted:
-                return
+                    chunk = {**head, "choices": [self._choice(index, text, lps, o, delta=True)]}
+                    if continuous:
+                        chunk["usage"] = self._usage(latest)
+                    yield sse(chunk)
+            if stream.aborted:  # by the server (a client that left reads nothing more)
+                for index in sorted(set(range(num_choices)) - done):
+                    choice = self._choice(
+                        index, "", None, CompletionOutput(index, finish_reason="abort"), delta=True
+                    )
+                    yield sse({**head, "choices": [choice]})
             if include_usage:
-                yield sse({**head, "choices": [], "usage": self._usage(finals)})
+                yield sse({**head, "choices": [], "usage": self._usage(latest)})
         except EngineDeadError as e:
-            yield sse(APIError(503, str(e), code="engine_unavailable").body())
+            yield sse(error_body(APIError(503, str(e), code="engine_unavailable")))
+        except Exception:  # a bug: this stream ends with an error event, the server serves on
+            log.exception("Unhandled error while streaming")
+            yield sse(error_body(internal_error()))
         finally:
             stream.abort()  # no-op once finished; frees the blocks of a stream cut short
         yield DONE

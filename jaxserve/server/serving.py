@@ -1,26 +1,62 @@
-"""The OpenAI endpoints that generate: /v1/completions and /v1/chat/completions.
+"""The OpenAI endpoints that generate: /v1/completions, /v1/chat/completions and /invocations.
 
-Both follow one path: parse -> prompts to token ids -> SamplingParams -> admit (503 draining,
-429 queue full) -> one engine request per prompt on one RequestStream -> SSE chunks or one JSON
-body. They differ only in how a prompt is built and how a choice is shaped, which `Kind` holds.
+Both follow one path: read (415 wrong type, 413 too big) -> parse -> prompts to token ids, off the
+event loop with a time bound -> SamplingParams -> admit (503 draining, 429 queue full, 400 too many
+sequences) -> one engine request per prompt on one RequestStream -> SSE chunks or one JSON body.
+They differ only in how a prompt is built and how a choice is shaped, which `Kind` holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.server.chat_template import ChatTemplate
 from jaxserve.server.config import ServerConfig
-from jaxserve.server.errors import APIError, bad_request, from_value_error
+from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.offload import run_bounded
 from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
 from jaxserve.server.streaming import EventStream, until_disconnect
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+INLINE_ENCODE_CHARS = 4096  # shorter prompts are tokenized on the event loop
+
+SHUTTING_DOWN = "The server is shutting down: retry on another instance."
+
+
+@contextlib.contextmanager
+def engine_input(param: str) -> Iterator[None]:
+    """The one place where a plain ValueError from the engine means bad input (a 400 naming param).
+
+    TODO(lead): once engine.add_request / validate_prompt raise UserError(param=...), drop this.
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+def served_names(model: str, cfg: ServerConfig) -> list[str]:
+    """The names /v1/models shows: --served-model-name, else the model's, never a local path."""
+    if cfg.served_model_names:
+        return list(cfg.served_model_names)
+    return [os.path.basename(model.rstrip("/\\")) or model]
+
+
+def shutting_down() -> APIError:
+    return APIError(503, SHUTTING_DOWN, code="shutting_down")
 
 
 class OpenAIServing:
@@ -29,17 +65,33 @@ class OpenAIServing:
         self.cfg = cfg
         self.tok = tokenizer  # this thread's own copy: the engine thread uses the engine's
         self.max_model_len = engine.max_model_len
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.vocab_size = engine.model_config.vocab_size
         self.validate_prompt: Callable[[list[int]], None] = (
             engine.validate_prompt
         )  # pure: reads only limits
         self.defaults = dict(engine.loaded.generation_defaults)
-        self.model_names = list(cfg.served_model_names or [engine.loaded.name])
+        self.model_names = served_names(engine.loaded.name, cfg)
+        # Clients may also send the --model argument itself (vLLM's default name), path or not.
+        self.accepted_names = {*self.model_names, engine.loaded.name}
         self.draining = False
         self.tokens = TokenTexts(tokenizer)
+        # No token covers more characters than the longest vocabulary piece, so a text longer
+        # than max_model_len * that is too long without tokenizing it.
+        longest = max((len(p) for p in tokenizer.hf.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
+        self.chat_template = ChatTemplate(tokenizer, cfg, self.check_chars)
 
     # ---- shared checks ---------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(
+                415,
+                f"Unsupported Content-Type {ctype[:60] or '(none)'!r}: send the body as JSON "
+                "with 'Content-Type: application/json'.",
+                code="unsupported_media_type",
+            )
         limit = self.cfg.max_body_bytes
         too_big = APIError(
             413,
@@ -60,7 +112,7 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> str:
         if name in (None, ""):
             return self.model_names[0]
-        if name not in self.model_names:
+        if name not in self.accepted_names:
             raise APIError(
                 404,
                 f"The model {name[:100]!r} does not exist: this server serves "
@@ -70,11 +122,35 @@ class OpenAIServing:
             )
         return name
 
-    def admit(self, num_requests: int) -> None:
-        if self.draining:
-            raise APIError(
-                503, "The server is shutting down: retry on another instance.", code="shutting_down"
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """vLLM's wording ('... out of vocabulary'), which clients match on."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"Token id {bad} in '{param}' is out of vocabulary (valid ids: "
+                f"0..{self.vocab_size - 1}).",
+                param,
             )
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(
+                f"The prompt has {num_chars} characters, more than this model's maximum context "
+                f"length of {self.max_model_len} tokens can hold: shorten it.",
+                param,
+                code="context_length_exceeded",
+            )
+
+    def admit(self, num_seqs: int, num_requests: int) -> None:
+        if num_seqs > self.cfg.max_seqs_per_request:
+            raise bad_request(
+                f"The request asks for {num_seqs} sequences (prompts x n), more than this "
+                f"server's limit of {self.cfg.max_seqs_per_request}: split it or lower 'n'.",
+                "n",
+                code="too_many_sequences",
+            )
+        if self.draining:
+            raise shutting_down()
         reason = self.aengine.health()
         if reason is not None:
             raise APIError(503, reason, code="engine_unavailable")
@@ -88,26 +164,67 @@ class OpenAIServing:
             )
 
     def check_lengths(self, prompts: list[Prompt], max_tokens: int | None, param: str) -> None:
+        prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
         for p in prompts:
-            try:
-                self.validate_prompt(p.ids)
-            except ValueError as e:
-                raise from_value_error(
-                    e, default_param="messages" if param == "max_completion_tokens" else "prompt"
-                )
-            if max_tokens is not None and len(p.ids) + max_tokens > self.max_model_len:
+            if not p.ids:
                 raise bad_request(
-                    f"This model's maximum context length is {self.max_model_len} tokens, but {len(p.ids) + max_tokens} "
-                    f"were requested ({len(p.ids)} in the prompt, {max_tokens} to generate): "
+                    "The prompt cannot be empty: send at least one token.", prompt_param
+                )
+            self.check_token_ids(p.ids, prompt_param)
+            with engine_input(prompt_param):
+                self.validate_prompt(p.ids)
+            if max_tokens is None:
+                continue
+            total = len(p.ids) + max_tokens
+            if total > self.max_model_len:
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens, but "
+                    f"{total} were requested ({len(p.ids)} in the prompt, {max_tokens} to "
+                    f"generate): shorten the prompt or lower '{param}'.",
+                    param,
+                    code="context_length_exceeded",
+                )
+            if total > self.kv_capacity_tokens:  # it could never finish: not a retry-later
+                raise bad_request(
+                    f"{total} tokens ({len(p.ids)} in the prompt, {max_tokens} to generate) do "
+                    f"not fit this server's whole KV cache of {self.kv_capacity_tokens} tokens: "
                     f"shorten the prompt or lower '{param}'.",
                     param,
                     code="context_length_exceeded",
                 )
 
+    def truncate(self, ids: list[int], req: P.SamplingRequest, max_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens; -1 keeps as much as leaves room for max_tokens."""
+        k = req.truncate_prompt_tokens
+        if k == -1:
+            k = self.max_model_len - (max_tokens or 1)
+        if k is None or len(ids) <= k:
+            return ids
+        if k == 0:
+            return []
+        return ids[-k:] if req.truncation_side == "left" else ids[:k]
+
+    async def encode(
+        self, text: str, param: str, truncating: bool = False, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of a prompt; only long texts pay for a thread (short ones take microseconds)."""
+        if not truncating:
+            self.check_chars(len(text), param)
+
+        def encode() -> list[int]:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return encode()
+        return await run_bounded(encode, self.cfg.render_timeout, "Tokenizing the prompt", param)
+
     # ---- /v1/completions -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = P.parse(P.CompletionRequest, await self.read_body(request))
-        req.check_stream_options()
+        return await self._completions(request, await self.read_body(request))
+
+    async def _completions(self, request: Request, body: bytes) -> Response:
+        req = P.parse(P.CompletionRequest, body)
+        req.check()
         model = self.check_model(req.model)
         if req.suffix:
             raise bad_request("'suffix' is not supported.", "suffix")
@@ -119,9 +236,17 @@ class OpenAIServing:
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
-        prompts = [
-            Prompt(self.tok.encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in raw
-        ]
+        self.admit(len(raw) * req.n, len(raw))
+        truncating = req.truncate_prompt_tokens is not None
+        prompts = []
+        for p in raw:
+            if isinstance(p, str):
+                ids = await self.encode(p, "prompt", truncating)
+                prompts.append(
+                    Prompt(self.truncate(ids, req, req.max_tokens), None if truncating else p)
+                )
+            else:
+                prompts.append(Prompt(self.truncate(list(p), req, req.max_tokens)))
         self.check_lengths(prompts, req.max_tokens, "max_tokens")
         max_tokens = req.max_tokens
         if max_tokens is None:
@@ -130,29 +255,32 @@ class OpenAIServing:
                 self.max_model_len - max(len(p.ids) for p in prompts),
             )
         kind = Kind("text_completion", "text_completion", "cmpl", req, prompts, echo=req.echo)
-        params = P.to_sampling_params(
-            req,
-            defaults=self.defaults,
-            max_tokens=max_tokens,
-            logprobs=req.logprobs,
-            vocab_size=self.vocab_size,
-            aliases={},
-        )
+        params = self.sampling_params(req, max_tokens, req.logprobs, {})
         return await self._generate(request, kind, params, model)
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        req = P.parse(P.ChatCompletionRequest, await self.read_body(request))
-        req.check_stream_options()
+        return await self._chat(request, await self.read_body(request))
+
+    async def _chat(self, request: Request, body: bytes) -> Response:
+        req = P.parse(P.ChatCompletionRequest, body)
+        req.check()
         model = self.check_model(req.model)
-        ids = self.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-        prompts = [Prompt(ids)]
+        self.admit(req.n, 1)
+        ids = await self.chat_template.render(
+            req.messages,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            chat_template=req.chat_template,
+            continue_final_message=req.continue_final_message,
+        )
         max_param = (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         )
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
+        prompts = [Prompt(self.truncate(ids, req, max_tokens))]
         self.check_lengths(prompts, max_tokens, max_param)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
@@ -165,67 +293,70 @@ class OpenAIServing:
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
         )
-        params = P.to_sampling_params(
+        params = self.sampling_params(req, max_tokens, logprobs, kind.aliases)
+        return await self._generate(request, kind, params, model)
+
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None, aliases: dict):
+        for name in ("logit_bias", "stop_token_ids"):
+            self.check_token_ids([int(t) for t in getattr(req, name) or ()], name)
+        return P.to_sampling_params(
             req,
             defaults=self.defaults,
             max_tokens=max_tokens,
             logprobs=logprobs,
             vocab_size=self.vocab_size,
-            aliases=kind.aliases,
+            aliases=aliases,
         )
-        return await self._generate(request, kind, params, model)
 
-    def render_chat(
-        self,
-        messages: list[P.ChatMessage],
-        add_generation_prompt: bool = True,
-        template_kwargs: dict | None = None,
-    ) -> list[int]:
-        if not self.tok.has_chat_template:
-            raise bad_request("This model has no chat template: use /v1/completions.", "messages")
-        msgs = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    # ---- /invocations (SageMaker) ----------------------------------------------------------------
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route: a chat body (with 'messages') or a completions body."""
+        body = await self.read_body(request)
         try:
-            return self.tok.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
-            )
-        except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are the client's
-            raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+            is_chat = isinstance(doc := json.loads(body), dict) and "messages" in doc
+        except ValueError:
+            is_chat = False  # the typed parse below names the JSON error
+        return await (self._chat if is_chat else self._completions)(request, body)
 
     # ---- the shared generation path --------------------------------------------------------------
     async def _generate(self, request: Request, kind: Kind, params, model: str) -> Response:
-        self.admit(len(kind.prompts))
+        self.admit(len(kind.prompts) * params.n, len(kind.prompts))
         api_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         stream = self.aengine.stream()
         try:
-            for i, p in enumerate(kind.prompts):
-                await self.aengine.add(
-                    stream,
-                    f"{api_id}-{i}",
-                    i,
-                    p.ids,
-                    params,
-                    priority=kind.params.priority,
-                    cache_salt=kind.params.cache_salt,
-                )
-        except ValueError as e:
-            stream.abort()
-            raise from_value_error(e, kind.aliases, default_param="prompt") from None
+            with engine_input("prompt"):
+                for i, p in enumerate(kind.prompts):
+                    await self.aengine.add(
+                        stream,
+                        f"{api_id}-{i}",
+                        i,
+                        p.ids,
+                        params,
+                        priority=kind.params.priority,
+                        cache_salt=kind.params.cache_salt,
+                    )
         except BaseException:
             stream.abort()
             raise
         if stream.aborted:  # by a drain that timed out while the adds were queued
-            raise APIError(
-                503, "The server is shutting down: retry on another instance.", code="shutting_down"
-            )
+            raise shutting_down()
         ctx = ResponseBuilder(self.tokens, kind, params.n, api_id, model)
         if kind.params.stream:
             return EventStream(ctx.events(stream), stream.abort)
+        gone = []
+
+        def client_gone() -> None:
+            gone.append(True)
+            stream.abort()
+
         try:
-            finals = await until_disconnect(request, ctx.collect(stream), stream.abort)
+            finals = await until_disconnect(request, ctx.collect(stream), client_gone)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         finally:
             stream.abort()  # no-op once finished
-        if finals is None:  # the client went away
-            return Response(status_code=499)
+        if finals is None:
+            if gone:
+                return Response(status_code=499)  # nobody is listening; nginx's code for it
+            raise shutting_down()  # aborted by the shutdown timeout
         return JSONResponse(ctx.body(finals))

@@ -61,5 +61,6 @@ def test_sampler_bench_runs(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert sampler.main(["--rows", "4", "--vocab", "1000", "--repeats", "1", "--out", str(out)]) == 0
     cases = json.loads(out.read_text())["results"]["cases"]
-    assert [c["case"] for c in cases][:2] == ["greedy", "temperature 0.7"] and all(c["ms"] > 0 for c in cases)
+    assert [c["case"] for c in cases][:3] == ["greedy", "greedy, logprobs 5", "temperature 0.7"]
+    assert all(c["ms"] > 0 for c in cases)
     assert "Sampler, 4 rows" in capsys.readouterr().out

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runtime import attention, cpu_kernels
+from jaxserve.errors import UserError
+from jaxserve.runtime import cpu_kernels
+from jaxserve.runtime.backend import PackedWeight, resolve_backend
 from pallas_kernels import reference
 from tests.kernels.batch import assert_close, make_batch
 
@@ -118,23 +120,27 @@ def test_engine_cpu_backend_matches_xla_greedy(tiny_model, kv_dtype):
     assert got == want
 
 
-def test_default_backend_on_cpu():
-    assert attention.default_backend("bfloat16") == "xla"  # the native kernel computes in float32 only
-    assert attention.default_backend("float32", "float16") == "xla"
-    assert attention.default_backend("float32", "bfloat16") == ("cpu" if WHY is None else "xla")
-    assert attention.default_backend("float32") == ("cpu" if WHY is None else "xla")
+def test_backend_is_resolved_once_on_cpu():
+    native = WHY is None
+    assert resolve_backend(None, "bfloat16", "bfloat16").attention == "xla"  # native kernels compute in float32
+    assert resolve_backend(None, "float32", "float16").attention == "xla"
+    b = resolve_backend(None, "float32", "bfloat16")
+    assert b.attention == ("cpu" if native else "xla") and b.native_linear == native
+    assert b.kv_layout == ("cpu-tiled" if native else "paged")
+    assert "platform=cpu" in b.describe()
+    assert not resolve_backend(None, "float32", "float32", tensor_parallel_size=2).native_linear
+    with pytest.raises(UserError, match="float32"):
+        resolve_backend("cpu", "bfloat16", "bfloat16")
+    with pytest.raises(UserError, match="Unknown attention backend 'cuda'"):
+        resolve_backend("cuda", "float32", "float32")
 
 
 def test_cpu_backend_falls_back_or_fails_clearly(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_state", {"error": "RuntimeError: no C++ compiler found"})
-    assert attention.default_backend() == "xla"
-    with pytest.raises(ValueError, match="no C\\+\\+ compiler found.*--attention-backend xla"):
-        attention.get_backend("cpu")
-    # Called anyway (e.g. a stale config), the backend function computes through XLA.
-    b = make_batch(np.random.default_rng(1), [1, 3], [5, 3], block_size=8)
-    want = reference.ragged_paged_attention(*b.args, sm_scale=0.125)
-    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=0.125))(*b.args)
-    assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+    fallback = resolve_backend(None, "float32", "float32")
+    assert fallback.attention == "xla" and not fallback.native_linear and "no C++ compiler" in fallback.reason
+    with pytest.raises(UserError, match="no C\\+\\+ compiler found.*--attention-backend xla"):
+        resolve_backend("cpu", "float32", "float32")
 
 
 @needs_kernel
@@ -173,14 +179,15 @@ def test_runner_packs_linear_kernels_only_for_the_cpu_backend(tiny_model):
     kw = dict(precompile=False, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_blocks=16)
     attn = lambda llm: llm.engine.runner.params["layers_0"]["self_attn"]  # noqa: E731
     ref = LLM(path, attention_backend="xla", **kw)
-    assert attn(ref)["q_proj"]["kernel"].shape == (64, 64) and not ref.engine.runner.packed
+    assert attn(ref)["q_proj"]["kernel"].shape == (64, 64) and not ref.engine.runner.backend.native_linear
     if WHY is not None:
         return
     llm = LLM(path, attention_backend="cpu", **kw)
-    assert llm.engine.runner.packed
-    assert attn(llm)["q_proj"]["kernel"].shape == (1, 64, 64)  # N = 64: one panel
+    assert llm.engine.runner.backend.native_linear
+    assert isinstance(attn(llm)["q_proj"]["kernel"], PackedWeight)
+    assert attn(llm)["q_proj"]["kernel"].panels.shape == (1, 64, 64)  # N = 64: one panel
     assert attn(llm)["k_proj"]["kernel"].shape == (64, 32)  # N = 32: not a multiple of 64, XLA's dot
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_kernel(attn(llm)["q_proj"]["kernel"])),
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_kernel(attn(llm)["q_proj"]["kernel"].panels)),
                                   np.asarray(attn(ref)["q_proj"]["kernel"]))
 
 
@@ -193,9 +200,9 @@ def test_packed_tied_embedding_gathers_rows_and_attends():
     table = rng.standard_normal((192, 40)).astype(np.float32)
     ids = jnp.asarray([0, 5, 63, 64, 191, 5], jnp.int32)
     x = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
-    plain = Embed(192, 40, jnp.float32, packed=False)
-    packed = Embed(192, 40, jnp.float32, packed=True)
-    pv = {"params": {"embedding": cpu_kernels.pack_kernel(jnp.asarray(table).T)}}
+    ops = resolve_backend("cpu", "float32", "float32").ops()
+    plain = packed = Embed(192, 40, jnp.float32, ops)  # the op dispatches on the weight's format
+    pv = {"params": {"embedding": PackedWeight(cpu_kernels.pack_kernel(jnp.asarray(table).T))}}
     np.testing.assert_array_equal(np.asarray(packed.apply(pv, ids)), table[np.asarray(ids)])
     want = plain.apply({"params": {"embedding": jnp.asarray(table)}}, x, method="attend")
     np.testing.assert_allclose(np.asarray(packed.apply(pv, x, method="attend")), np.asarray(want), rtol=1e-5, atol=1e-5)

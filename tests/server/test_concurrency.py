@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
+import threading
+import time
 
 import httpx
+import pytest
+
+from tests.server.conftest import free_port
 
 NUM_CLIENTS = 32
 NUM_DISCONNECT = NUM_CLIENTS // 4
@@ -123,3 +129,63 @@ def test_non_streaming_disconnect_aborts(server, http):
     after = metric(http.get("/metrics").text, "request_success_total", 'finished_reason="abort"')
     assert after - aborts_before == 2  # both choices
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.slow
+def test_256_concurrent_streams(tiny_llama, tmp_path):
+    """Issue 18's load check: 256 streaming clients (max_tokens 32) against `jaxserve serve` in its
+    own process: every stream well formed, /health answering throughout (probed from its own
+    thread), no KV block in use afterwards. Prints the /health latencies."""
+    from tests.server.test_shutdown import engine_gauge, start_serve
+
+    num, latencies, stop = 256, [], threading.Event()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def one(ah: httpx.AsyncClient, i: int) -> list[str]:
+        body = {"prompt": f"Client {i} says", "max_tokens": 32, "ignore_eos": True, "stream": True}
+        async with ah.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            return [x[6:] async for x in r.aiter_lines() if x.startswith("data: ")]
+
+    def probe(codes: list[int]) -> None:
+        with httpx.Client(base_url=url, timeout=30) as h:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                codes.append(h.get("/health").status_code)
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+
+    async def main() -> list[list[str]]:
+        limits = httpx.Limits(max_connections=num + 8, max_keepalive_connections=num + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as ah:
+            return await asyncio.gather(*[one(ah, i) for i in range(num)])
+
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = start_serve(tiny_llama, port, url, log, "--max-num-seqs", "64")
+        try:
+            codes: list[int] = []
+            prober = threading.Thread(target=probe, args=(codes,))
+            prober.start()
+            try:
+                streams = asyncio.run(main())
+            finally:
+                stop.set()
+                prober.join(30)
+            assert engine_gauge(url, "running") == engine_gauge(url, "waiting") == 0
+            kv = metric(httpx.get(url + "/metrics").text, "kv_cache_usage_perc")
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    for lines in streams:
+        assert lines[-1] == "[DONE]"
+        chunks = [json.loads(x) for x in lines[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(codes) >= 10 and set(codes) == {200}
+    assert kv == 0  # every block free
+    lat = sorted(latencies)
+    print(
+        f"\n/health during 256 streams: {len(lat)} probes, median {lat[len(lat) // 2] * 1e3:.1f} "
+        f"ms, p99 {lat[int(len(lat) * 0.99)] * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms"
+    )

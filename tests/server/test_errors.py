@@ -75,10 +75,10 @@ CASES = [
     ("chat-no-messages", "POST", CHAT, {"max_tokens": 4}, 400, "messages"),
     ("chat-empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
     (
-        "chat-bad-role",
+        "chat-empty-role",
         "POST",
         CHAT,
-        chat(messages=[{"role": "robot", "content": "x"}]),
+        chat(messages=[{"role": "", "content": "x"}]),
         400,
         "messages[0].role",
     ),
@@ -120,6 +120,60 @@ CASES = [
         "max_completion_tokens",
     ),
     ("chat-logprobs-type", "POST", CHAT, chat(logprobs=3), 400, "logprobs"),
+    # issue 18: ranges and non-finite numbers (JSON literals json.dumps cannot write)
+    ("temperature-above-2", "POST", C, comp(temperature=2.5), 400, "temperature"),
+    ("temperature-NaN", "POST", C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("top_p-Infinity", "POST", C, b'{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("penalty-1e400", "POST", C, b'{"prompt": "x", "presence_penalty": 1e400}', 400,
+     "presence_penalty"),
+    ("logit_bias-NaN", "POST", C, b'{"prompt": "x", "logit_bias": {"5": NaN}}', 400,
+     "logit_bias.5"),
+    ("template-kwargs-NaN", "POST", CHAT,
+     b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": [NaN]}}',
+     400, "chat_template_kwargs"),
+    ("seed-above-64-bit", "POST", C, comp(seed=2**64), 400, "seed"),
+    ("seed-2^63", "POST", C, comp(seed=2**63), 400, "seed"),
+    ("seed-below-64-bit", "POST", C, comp(seed=-(2**63) - 1), 400, "seed"),
+    ("stop-empty-string-alone", "POST", C, comp(stop=""), 400, "stop"),
+    ("n-greedy", "POST", C, comp(n=2, temperature=0), 400, "n"),
+    ("chat-n-greedy", "POST", CHAT, chat(n=3, temperature=0.0), 400, "n"),
+    # not implemented yet: a 400 naming the field, never a silent 200
+    ("response_format", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
+     "response_format"),
+    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tools"),
+    ("tool_choice", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("functions", "POST", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("prompt_logprobs", "POST", C, comp(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("prompt_logprobs-0-chat", "POST", CHAT, chat(prompt_logprobs=0), 400, "prompt_logprobs"),
+    ("guided_json", "POST", C, comp(guided_json={"type": "object"}), 400, "guided_json"),
+    ("guided_choice", "POST", CHAT, chat(guided_choice=["a", "b"]), 400, "guided_choice"),
+    ("structured_outputs", "POST", C, comp(structured_outputs={"regex": "[a-z]+"}), 400,
+     "structured_outputs"),
+    ("best_of", "POST", C, comp(best_of=2), 400, "best_of"),
+    ("use_beam_search", "POST", C, comp(use_beam_search=True), 400, "use_beam_search"),
+    (
+        "chat-audio-part",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]),
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "chat-tool-calls",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]),
+        400,
+        "messages[0].tool_calls",
+    ),
+    ("truncate_prompt_tokens-negative", "POST", C, comp(truncate_prompt_tokens=-2), 400,
+     "truncate_prompt_tokens"),
+    ("truncation_side", "POST", C, comp(truncation_side="middle"), 400, "truncation_side"),
+    ("continuous_usage_stats-type", "POST", C,
+     comp(stream=True, stream_options={"continuous_usage_stats": "yes"}), 400,
+     "stream_options.continuous_usage_stats"),
     ("unknown-route", "GET", "/v1/nope", None, 404, None),
     ("wrong-method", "GET", C, None, 405, None),
     ("tokenize-neither", "POST", "/tokenize", {}, 400, "prompt"),
@@ -161,3 +215,29 @@ def test_errors_through_the_official_client(server, client):
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)
+
+
+def test_a_bug_is_a_logged_500_for_that_request_only(server, http, caplog):
+    """Any exception that is not a UserError (even a plain ValueError) is a bug: 500, traceback
+    in the log, and the next request is served."""
+    tokens = server.app.state.serving.tokens
+
+    def broken(token_id: int) -> str:
+        raise ValueError("a bug, not the client's fault")
+
+    body = {"prompt": "Hello", "max_tokens": 3, "logprobs": 1}
+    tokens.text = broken  # fault injection: logprobs name every token through this
+    try:
+        r = http.post(C, json=body)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["code"] == "internal_error" and "a bug" not in err["message"]
+        with http.stream("POST", C, json={**body, "stream": True}) as s:
+            lines = [ln for ln in s.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "internal_error"
+    finally:
+        del tokens.text
+    assert "a bug, not the client's fault" in caplog.text  # the traceback is logged
+    good = http.post(C, json=body)
+    assert good.status_code == 200 and good.json()["choices"][0]["logprobs"]["tokens"]
