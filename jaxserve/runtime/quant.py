@@ -5,8 +5,9 @@ Every format is a pytree NamedTuple laid out in the 64-column panels of the floa
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
 blocks of 32 running along K (GGUF's blocks run along a row of the [out, in] matrix: the same K).
 `linear` runs the native kernel (csrc/quant_matmul.cc, which decodes each weight in registers
-just before its FMA) on a CPU backend where the library is built; elsewhere it dequantizes inside
-the computation, so no float copy of a weight is ever stored.
+just before its FMA) where the backend runs native linear layers; elsewhere it dequantizes inside
+the computation, so no float copy of a weight is ever stored. `quantized_ops` hands the model
+(through runtime/backend.py's ModelOps) ops that take these formats as well as float weights.
 
 A tied embedding table [V, H] is held once as its LM head's panels ([H, V] kernel), as the float
 packed path does; `embed` gathers and decodes token rows from them.
@@ -66,14 +67,14 @@ def quantizable(shape) -> bool:
 
 
 # ---- layout (numpy, at load time; jnp inside the computation) ---------------------------------
-def _pack(a, xp=np):
+def to_panels(a, xp=np):
     """[K, N, ...] -> [N / 64, K, 64, ...] (cpu_kernels.pack_kernel, for any dtype and library)."""
     k, n = a.shape[:2]
     return xp.moveaxis(a.reshape(k, n // PANEL, PANEL, *a.shape[2:]), 1, 0)
 
 
-def _unpack(p, xp=np):
-    """Inverse of `_pack`."""
+def from_panels(p, xp=np):
+    """Inverse of `to_panels`."""
     panels, k = p.shape[:2]
     return xp.moveaxis(p, 0, 1).reshape(k, panels * PANEL, *p.shape[3:])
 
@@ -92,10 +93,10 @@ def _per_block(s, xp=jnp):
 def dequantize(w: QuantWeight) -> jax.Array:
     """The float32 [K, N] kernel a quantized weight stands for (inside a computation: XLA's path)."""
     if isinstance(w, Int8Weight):
-        return _unpack(w.q.astype(jnp.float32), jnp) * w.scale
+        return from_panels(w.q.astype(jnp.float32), jnp) * w.scale
     if isinstance(w, Q8Weight):
-        return _unpack(w.q.astype(jnp.float32) * _per_block(w.d), jnp)
-    return _unpack(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
+        return from_panels(w.q.astype(jnp.float32) * _per_block(w.d), jnp)
+    return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
 
 
 def quantize_int8(w) -> Int8Weight:
@@ -104,7 +105,7 @@ def quantize_int8(w) -> Int8Weight:
     amax = np.abs(w).max(axis=0)
     scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
     q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
-    return Int8Weight(np.ascontiguousarray(_pack(q)), scale)
+    return Int8Weight(np.ascontiguousarray(to_panels(q)), scale)
 
 
 # GGUF block layouts (ggml-common.h): bytes per block, and where d, m and the quants sit in it.
@@ -118,16 +119,16 @@ def from_gguf(raw: np.ndarray, type_name: str) -> QuantWeight:
     bb = GGUF_BLOCK_BYTES[type_name]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, bb)  # [N, K / 32, bb]
-    d = _pack(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].T)
+    d = to_panels(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].T)
     if type_name == "Q8_0":
         q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)
-        return Q8Weight(np.ascontiguousarray(_pack(q.T)), np.ascontiguousarray(d))
+        return Q8Weight(np.ascontiguousarray(to_panels(q.T)), np.ascontiguousarray(d))
     start = 2 if type_name == "Q4_0" else 4
     m = (d * np.float16(-8) if type_name == "Q4_0"
-         else _pack(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].T))
+         else to_panels(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].T))
     qs = blocks[:, :, start:]  # [N, K / 32, 16]: element i low nibble, element i + 16 high
     vals = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, -1)  # [N, K] in 0..15
-    q = _pack(np.ascontiguousarray(vals.T))  # [P, K, 64]
+    q = to_panels(np.ascontiguousarray(vals.T))  # [P, K, 64]
     return Q4Weight(np.ascontiguousarray(q[:, 0::2] | q[:, 1::2] << 4), np.ascontiguousarray(d),
                     np.ascontiguousarray(m))
 

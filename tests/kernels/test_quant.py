@@ -30,7 +30,7 @@ def make(fmt: str, k: int, n: int):
     w = RNG.standard_normal((k, n)).astype(np.float32) * 0.1
     if fmt == "int8":
         qw = quant.quantize_int8(w)
-        ref = quant._unpack(qw.q).astype(np.float64) * qw.scale.astype(np.float64)
+        ref = quant.from_panels(qw.q).astype(np.float64) * qw.scale.astype(np.float64)
         return qw, ref
     raw = gguf_bytes(fmt, w.T)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(n, k).T
@@ -45,10 +45,10 @@ def test_int8_round_trip():
     w[:, 3] = 0  # an all-zero channel keeps a usable scale
     qw = quant.quantize_int8(w)
     assert qw.q.dtype == np.int8 and qw.q.shape == (2, 96, 64) and qw.scale.shape == (128,)
-    np.testing.assert_array_equal(np.abs(quant._unpack(qw.q)).max(axis=0)[[0, 1, 2, 4]], 127)
+    np.testing.assert_array_equal(np.abs(quant.from_panels(qw.q)).max(axis=0)[[0, 1, 2, 4]], 127)
     deq = np.asarray(quant.dequantize(qw))
     # dequantize is exactly q * scale, and within half a step of the original
-    np.testing.assert_array_equal(deq, quant._unpack(qw.q).astype(np.float32) * qw.scale)
+    np.testing.assert_array_equal(deq, quant.from_panels(qw.q).astype(np.float32) * qw.scale)
     assert np.all(np.abs(deq - w) <= qw.scale / 2 + 1e-7)
     assert np.all(deq[:, 3] == 0)
 
