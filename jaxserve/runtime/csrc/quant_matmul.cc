@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -38,13 +39,14 @@ using i32x16 = int32_t __attribute__((vector_size(64)));
 using h16 = _Float16 __attribute__((vector_size(32)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
 
-enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2 };
+enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kDecoded = 3 };  // kDecoded: a panel already decoded (float)
 
 // One panel of a quantized weight: its quants and, for the block formats, per-block d and m.
 struct Panel {
   const uint8_t* q;
   const _Float16* d;
   const _Float16* m;
+  const float* f = nullptr;  // kDecoded
 };
 
 template <typename V, typename T>
@@ -93,61 +95,76 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
 // on the batch) nor add two k steps' products together before adding them to the sum.
 inline void Opaque(v16& w) { asm("" : "+v"(w)); }
 
-// c[0:MR, 0:64] += x[0:MR, k] * W[k, 0:64] for k in [k0, k1) inside one block (one d, m).
-template <Fmt F, int MR>
-inline void Steps(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_t k_len, const v16 d[kNV],
-                  const v16 m[kNV], v16 c[MR][kNV]) {
-  auto fma = [&](int64_t k, const v16 w[kNV]) {
-    for (int r = 0; r < MR; ++r) {
-      const float a = x[r * k_len + k];
-      for (int v = 0; v < kNV; ++v) c[r][v] += a * w[v];
+// Calls use(k, w) for k = 0..K-1 in order, w[kNV] the panel's row k decoded (int8: q, unscaled),
+// and fence() between the two rows a Q4 byte holds.
+template <Fmt F, typename Use, typename Fence>
+inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) {
+  v16 w[kNV], hi[kNV], d[kNV], m[kNV];
+  if constexpr (F == kDecoded) {
+    for (int64_t k = 0; k < k_len; ++k) {
+      for (int v = 0; v < kNV; ++v) w[v] = Load<v16>(p.f + k * kPanel + v * kW);
+      use(k, w);
     }
-  };
-  if constexpr (F == kQ4) {
-    for (int64_t k = k0; k < k1; k += 2) {
-      v16 lo[kNV], hi[kNV];
-      for (int v = 0; v < kNV; ++v) {
-        const u8x16 b = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
-        lo[v] = Float(b & 15) * d[v] + m[v];
-        hi[v] = Float(b >> 4) * d[v] + m[v];
-        Opaque(lo[v]);
-        Opaque(hi[v]);
-      }
-      fma(k, lo);
-      for (int r = 0; r < MR; ++r)  // k's products summed before k + 1's, not the two added first
-        for (int v = 0; v < kNV; ++v) Opaque(c[r][v]);
-      fma(k + 1, hi);
-    }
-  } else {
-    for (int64_t k = k0; k < k1; ++k) {
-      v16 w[kNV];
+  } else if constexpr (F == kInt8) {
+    for (int64_t k = 0; k < k_len; ++k) {
       for (int v = 0; v < kNV; ++v) {
         w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
-        if constexpr (F == kQ8) w[v] *= d[v];
         Opaque(w[v]);
       }
-      fma(k, w);
+      use(k, w);
     }
-  }
-}
-
-// y[0:MR, 0:64] = x[0:MR, :] @ panel (int8: times its columns' scales); x rows K apart, y rows ldy.
-template <Fmt F, int MR>
-void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
-  v16 c[MR][kNV] = {};
-  v16 d[kNV], m[kNV];
-  if constexpr (F == kInt8) {
-    Steps<F, MR>(x, p, 0, k_len, k_len, d, m, c);
-    for (int v = 0; v < kNV; ++v) d[v] = Load<v16>(scale + v * kW);
-    for (int r = 0; r < MR; ++r)
-      for (int v = 0; v < kNV; ++v) c[r][v] *= d[v];
   } else {
     for (int64_t b = 0; b < k_len / kBlock; ++b) {
       Halves(p.d + b * kPanel, d);
       if constexpr (F == kQ4) Halves(p.m + b * kPanel, m);
-      Steps<F, MR>(x, p, b * kBlock, (b + 1) * kBlock, k_len, d, m, c);
+      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += F == kQ4 ? 2 : 1) {
+        for (int v = 0; v < kNV; ++v) {
+          if constexpr (F == kQ4) {
+            const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
+            w[v] = Float(byte & 15) * d[v] + m[v];
+            hi[v] = Float(byte >> 4) * d[v] + m[v];
+            Opaque(hi[v]);
+          } else {
+            w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW)) * d[v];
+          }
+          Opaque(w[v]);
+        }
+        use(k, w);
+        if constexpr (F == kQ4) {
+          fence();
+          use(k + 1, hi);
+        }
+      }
     }
   }
+}
+
+// out[K, 64] = the panel decoded (int8: q, unscaled): what the row tiles of a chunk share.
+template <Fmt F>
+void Decode(const Panel& p, int64_t k_len, float* out) {
+  ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) { std::memcpy(out + k * kPanel, w, kNV * sizeof(v16)); },
+                [] {});
+}
+
+// y[0:MR, 0:64] = x[0:MR, :] @ panel, times `scale` per column where given (int8); x rows K apart,
+// y rows ldy apart.
+template <Fmt F, int MR>
+void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
+  v16 c[MR][kNV] = {};
+  ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) {
+    for (int r = 0; r < MR; ++r) {
+      const float a = x[r * k_len + k];
+      for (int v = 0; v < kNV; ++v) c[r][v] += a * w[v];
+    }
+  }, [&] {  // k's products summed before k + 1's, not the two added together first
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < kNV; ++v) Opaque(c[r][v]);
+  });
+  if (scale)
+    for (int v = 0; v < kNV; ++v) {
+      const v16 s = Load<v16>(scale + v * kW);
+      for (int r = 0; r < MR; ++r) c[r][v] *= s;
+    }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kNV; ++v) std::memcpy(y + r * ldy + v * kW, &c[r][v], sizeof(v16));
 }
@@ -188,19 +205,37 @@ void Run(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t m_padded, in
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
   jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
     const int64_t panel = i % panels, r0 = (i / panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, m - r0);
-    const Panel p = w.At(panel, k_len, F);
-    const float* scale = w.Scale(panel, F);
+    const Panel pg = w.At(panel, k_len, F), pu = w_up ? w_up->At(panel, k_len, F) : Panel{};
+    const float *sg = w.Scale(panel, F), *su = w_up ? w_up->Scale(panel, F) : nullptr;
+    // A chunk of more than one row tile decodes the panel once, into this thread's buffer, and runs
+    // the kernel over the floats: the same values, summed in the same order, decoded 1 / 8 as often.
+    thread_local std::vector<float> buf_g, buf_u;
+    const bool shared = rows > kMR;
+    if (shared) {
+      buf_g.resize(k_len * kPanel);
+      Decode<F>(pg, k_len, buf_g.data());
+      if (w_up) {
+        buf_u.resize(k_len * kPanel);
+        Decode<F>(pu, k_len, buf_u.data());
+      }
+    }
+    auto tile = [&](int64_t mr, const float* x, bool up, float* y, int64_t ldy) {
+      if (!shared) return Tile<F>(mr, x, up ? pu : pg, up ? su : sg, y, k_len, ldy);
+      Panel decoded{};
+      decoded.f = (up ? buf_u : buf_g).data();
+      Tile<kDecoded>(mr, x, decoded, up ? su : sg, y, k_len, ldy);
+    };
     for (int64_t r = r0; r < r0 + rows; r += kMR) {
       const int64_t mr = std::min<int64_t>(kMR, r0 + rows - r);
       const float* x = xs + r * k_len;
       float* y = ys + r * n + panel * kPanel;
       if (!w_up) {
-        Tile<F>(mr, x, p, scale, y, k_len, n);
+        tile(mr, x, false, y, n);
         continue;
       }
       alignas(64) float g[kMR * kPanel], u[kMR * kPanel];
-      Tile<F>(mr, x, p, scale, g, k_len, kPanel);
-      Tile<F>(mr, x, w_up->At(panel, k_len, F), w_up->Scale(panel, F), u, k_len, kPanel);
+      tile(mr, x, false, g, kPanel);
+      tile(mr, x, true, u, kPanel);
       for (int64_t j = 0; j < mr; ++j)
         for (int v = 0; v < kPanel; v += kW) {
           const v16 gv = Load<v16>(g + j * kPanel + v), uv = Load<v16>(u + j * kPanel + v);
