@@ -87,6 +87,18 @@ def test_xla_backend_dequantizes_inside_the_computation(reference):
     assert abs(got["perplexity"] / native["perplexity"] - 1) < 1e-3 and got["greedy"] >= 0.95
 
 
+def test_orbax_checkpoint_quantized_once_restored(reference, tmp_path):
+    """A lazy (Orbax) checkpoint is restored, then quantized: the same weights as from safetensors."""
+    from jaxserve.model.orbax_io import convert_model
+
+    path = reference("llama")[0]
+    convert_model(path, tmp_path / "orbax")
+    direct = LLM(path, quantization="int8", **ENGINE_KW)
+    restored = LLM(str(tmp_path / "orbax"), quantization="int8", **ENGINE_KW)
+    a, b = (jax.tree.leaves(x.engine.runner.params) for x in (direct, restored))
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 def test_errors_name_the_scheme(tiny_model):
     with pytest.raises(UserError, match="'fp4'.*int8, q8_0, q4_0, q4_1, gguf") as e:
         LLM(tiny_model("llama"), quantization="fp4", **ENGINE_KW)
