@@ -155,13 +155,14 @@ class LLMEngine:
             raise UserError(f"Request id {request_id!r} is already in use.")
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
-                raise UserError("The prompt must be a string or a list of token ids.")
+                raise UserError("The prompt must be a string or a list of token ids.", param="prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
         for t in params.stop_token_ids + list((params.logit_bias or {}).keys()):
             if t >= self.model_config.vocab_size:
-                raise UserError(f"Token id {t} is outside the vocabulary (size {self.model_config.vocab_size}).")
+                raise UserError(f"Token id {t} is out of vocabulary (size {self.model_config.vocab_size}).",
+                                param="stop_token_ids" if t in params.stop_token_ids else "logit_bias")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
@@ -171,7 +172,7 @@ class LLMEngine:
         reqs = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(32)
+            seed = (params.seed + i) % 2**64 if params.seed is not None else self._rng.getrandbits(64)
             req = Request(rid, list(prompt_token_ids), max_tokens, arrival_time=now, priority=priority,
                           cache_salt=cache_salt, eos_token_ids=eos, stop_token_ids=frozenset(params.stop_token_ids))
             detok = IncrementalDetokenizer(
@@ -191,15 +192,16 @@ class LLMEngine:
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise UserError("The prompt is empty: send at least one token.")
+            raise UserError("The prompt cannot be empty: send at least one token.", param="prompt")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise UserError(f"Prompt token id {bad} is outside the vocabulary (0..{vocab - 1}).")
+            raise UserError(f"Token id {bad} is out of vocabulary (the model's ids are 0..{vocab - 1}).",
+                            param="prompt")
         if len(ids) >= self.max_model_len:
             raise UserError(
                 f"The prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "shorten the prompt or start the engine with a larger --max-model-len."
+                "shorten the prompt or start the engine with a larger --max-model-len.", param="prompt",
             )
 
     def abort_request(self, request_id: str) -> bool:

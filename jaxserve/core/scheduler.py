@@ -144,12 +144,12 @@ class Scheduler:
         if req.request_id in self.requests:
             raise UserError(f"request id {req.request_id!r} is already in the scheduler")
         if req.num_tokens < 1:
-            raise UserError(f"request {req.request_id!r} has an empty prompt; send at least one token")
+            raise UserError("The prompt cannot be empty: send at least one token.", param="prompt")
         if req.num_tokens >= cfg.max_model_len:
             raise UserError(
                 f"request {req.request_id!r}: the prompt has {req.num_tokens} tokens but max_model_len "
                 f"is {cfg.max_model_len}, which must leave room for at least one generated token; "
-                "shorten the prompt or raise max_model_len"
+                "shorten the prompt or raise max_model_len", param="prompt"
             )
         capacity = cfg.num_blocks - 1
         if cdiv(req.num_tokens + 1, cfg.block_size) > capacity:
@@ -157,7 +157,7 @@ class Scheduler:
                 f"request {req.request_id!r}: {req.num_tokens} prompt tokens need "
                 f"{cdiv(req.num_tokens + 1, cfg.block_size)} KV blocks but the whole cache has "
                 f"{capacity} ({capacity * cfg.block_size} tokens); shorten the prompt or give the "
-                "KV cache more memory"
+                "KV cache more memory", param="prompt"
             )
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req

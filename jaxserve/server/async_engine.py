@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from jaxserve.errors import UserError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -129,7 +130,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue one engine request whose outputs go to `stream`. Raises ValueError if it can never run."""
+        """Queue one engine request whose outputs go to `stream`. Raises UserError if it can never run."""
         self.check_alive()
         fut = self._loop.create_future()
         self._routes[request_id] = (stream, tag, params.n)
@@ -141,7 +142,7 @@ class AsyncEngine:
         except BaseException as e:
             self._routes.pop(request_id, None)
             stream.pending.discard(request_id)
-            if not isinstance(e, ValueError):  # cancelled while queued: the add may still happen
+            if not isinstance(e, UserError):  # e.g. cancelled while queued: the add may still happen
                 self._cmds.put(("abort", request_id))
             raise
 
@@ -234,7 +235,10 @@ class AsyncEngine:
                         rid, None, params, prompt_token_ids=ids, priority=priority, cache_salt=salt
                     )
                     self._post(_resolve, fut, None, None)
-                except ValueError as e:
+                except UserError as e:
+                    self._post(_resolve, fut, None, e)
+                except Exception as e:  # noqa: BLE001 - a bug: this request fails (a 500), others go on
+                    log.exception("Adding request %s failed", rid)
                     self._post(_resolve, fut, None, e)
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])

@@ -8,16 +8,14 @@ They differ only in how a prompt is built and how a choice is shaped, which `Kin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.chat_template import ChatTemplate
@@ -32,20 +30,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 INLINE_ENCODE_CHARS = 4096  # shorter prompts are tokenized on the event loop
 
 SHUTTING_DOWN = "The server is shutting down: retry on another instance."
-
-
-@contextlib.contextmanager
-def engine_input(param: str) -> Iterator[None]:
-    """The one place where a plain ValueError from the engine means bad input (a 400 naming param).
-
-    TODO(lead): once engine.add_request / validate_prompt raise UserError(param=...), drop this.
-    """
-    try:
-        yield
-    except UserError:
-        raise
-    except ValueError as e:
-        raise bad_request(str(e), param) from None
 
 
 def served_names(model: str, cfg: ServerConfig) -> list[str]:
@@ -171,8 +155,7 @@ class OpenAIServing:
                     "The prompt cannot be empty: send at least one token.", prompt_param
                 )
             self.check_token_ids(p.ids, prompt_param)
-            with engine_input(prompt_param):
-                self.validate_prompt(p.ids)
+            self.validate_prompt(p.ids)
             if max_tokens is None:
                 continue
             total = len(p.ids) + max_tokens
@@ -324,17 +307,16 @@ class OpenAIServing:
         api_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
         stream = self.aengine.stream()
         try:
-            with engine_input("prompt"):
-                for i, p in enumerate(kind.prompts):
-                    await self.aengine.add(
-                        stream,
-                        f"{api_id}-{i}",
-                        i,
-                        p.ids,
-                        params,
-                        priority=kind.params.priority,
-                        cache_salt=kind.params.cache_salt,
-                    )
+            for i, p in enumerate(kind.prompts):
+                await self.aengine.add(
+                    stream,
+                    f"{api_id}-{i}",
+                    i,
+                    p.ids,
+                    params,
+                    priority=kind.params.priority,
+                    cache_salt=kind.params.cache_salt,
+                )
         except BaseException:
             stream.abort()
             raise
