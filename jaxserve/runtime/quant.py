@@ -229,7 +229,8 @@ def linear(x, w, num_rows=None, native: bool | None = None):
     if not is_quantized(w):
         return x @ w.astype(x.dtype)
     if not _native(native, x, w):
-        return x.astype(jnp.float32) @ dequantize(w)
+        # in x's dtype (bfloat16 on accelerators), accumulated in float32
+        return jnp.dot(x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul", out, vmap_method="sequential")(
         x, *_operands(w), _rows(x, num_rows), fmt=np.int32(_FMT[type(w)]))

@@ -6,6 +6,7 @@ default model kept as its GGUF blocks generating what its float32 form generates
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,6 +86,17 @@ def test_xla_backend_dequantizes_inside_the_computation(reference):
     got = evaluate(llm, ids, native["tokens"])
     assert got["bytes"] == native["bytes"]
     assert abs(got["perplexity"] / native["perplexity"] - 1) < 1e-3 and got["greedy"] >= 0.95
+
+
+def test_bfloat16_compute_keeps_scales_and_runs(reference):
+    """dtype bfloat16 (the accelerators' default; XLA path): norms in bfloat16, quantized parts as
+    they are, the weights dequantized to bfloat16 inside the matmul."""
+    path, ids, ref = reference("llama")
+    llm = LLM(path, quantization="q8_0", dtype="bfloat16", attention_backend="xla", **ENGINE_KW)
+    w = llm.engine.runner.params["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert (w.q.dtype, w.d.dtype) == (jnp.int8, jnp.float16)
+    assert llm.engine.runner.params["norm"]["weight"].dtype == jnp.bfloat16
+    assert abs(evaluate(llm, ids)["perplexity"] / ref["perplexity"] - 1) < 0.05
 
 
 def test_orbax_checkpoint_quantized_once_restored(reference, tmp_path):
