@@ -112,6 +112,7 @@ def _load_hf_dir(path: Path) -> tuple[dict, dict, dict]:
     weights = {}
     for f in files:
         weights.update(_read_safetensors(path / f))
+    weights = fold_weight_scales(weights, (hf_config.get("quantization_config") or {}).get("weight_block_size"))
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
     return hf_config, weights, gen
@@ -123,7 +124,52 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     if not file.exists():
         raise MissingFileError(f"Weight file {str(file)!r} named in the index is missing.")
     out = {}
+    fp8 = _fp8_tensors(file)  # safetensors' flax reader has no float8 (numpy lacks the dtype)
     with safe_open(str(file), framework="flax") as f:  # flax: handles bfloat16 too
         for name in f.keys():
-            out[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+            if name not in fp8:
+                out[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+    return out | fp8
+
+
+def _fp8_tensors(file: Path) -> dict[str, np.ndarray]:
+    """The file's float8 tensors as float32, read from the safetensors layout directly (u64 header
+    size, JSON header of dtype / shape / data_offsets, then the data)."""
+    import ml_dtypes
+
+    kinds = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    size = int(data[:8].view("<u8")[0])
+    header = json.loads(bytes(data[8:8 + size]))
+    out = {}
+    for name, t in header.items():
+        if name != "__metadata__" and t["dtype"] in kinds:
+            lo, hi = (8 + size + o for o in t["data_offsets"])
+            out[name] = data[lo:hi].view(kinds[t["dtype"]]).reshape(t["shape"]).astype(np.float32)
+    return out
+
+
+def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None = None) -> dict[str, np.ndarray]:
+    """FP8 (and other scaled) checkpoints -> float weights: `X.weight` times `X.weight_scale`
+    (compressed-tensors: per tensor [] / [1], or per output channel [N] / [N, 1]) or times
+    `X.weight_scale_inv` (HF's fp8 layout: one scale per `block` = [bn, bk] tile, default 128 x 128).
+    Activation scales (`input_scale`) are dropped: activations are not quantized here."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            continue
+        scale = weights.get(f"{name}_scale", weights.get(f"{name}_scale_inv"))
+        if scale is None or not name.endswith(".weight"):
+            out[name] = w
+            continue
+        if f"{name}_scale_inv" in weights and scale.ndim == 2 and scale.shape[0] != w.shape[0]:  # blocks
+            bn, bk = block or (128, 128)
+            scale = np.repeat(np.repeat(scale, bn, axis=0), bk, axis=1)[: w.shape[0], : w.shape[1]]
+        elif scale.ndim == 1 and scale.size == w.shape[0] and w.ndim == 2:
+            scale = scale[:, None]
+        if np.broadcast_shapes(scale.shape, w.shape) != w.shape:
+            raise UserError(f"Weight {name!r} {w.shape} has a scale of shape {scale.shape} this loader does not "
+                            "read: supported are per-tensor, per-output-channel and 2-D block scales.",
+                            param="model")
+        out[name] = (w * scale).astype(np.float32)
     return out
