@@ -1,5 +1,6 @@
-"""FP8 checkpoints (float8_e4m3fn weights with per-channel scales, compressed-tensors style, or 2-D
-block scales, HF's fp8 layout) load as the float weights they stand for, and run quantized."""
+"""FP8 and int8 checkpoints (float8_e4m3fn weights with per-channel scales, compressed-tensors
+style, or 2-D block scales, HF's fp8 layout; int8 weights with per-channel scales) load as the float
+weights they stand for, and run quantized."""
 
 from __future__ import annotations
 
@@ -25,17 +26,18 @@ def write_fp8(src, dst, layout: str) -> None:
         if not any(f".{p}.weight" in name for p in LINEAR):
             fp8[name], ref[name] = torch.from_numpy(w), w
             continue
-        if layout == "channel":
-            scale = (np.abs(w).max(axis=1, keepdims=True) / 448).astype(np.float32)
+        if layout in ("channel", "int8"):
+            scale = (np.abs(w).max(axis=1, keepdims=True) / (127 if layout == "int8" else 448)).astype(np.float32)
             full = scale
         else:  # one scale per 128 x 128 block
             n, k = w.shape
             scale = np.stack([[np.abs(w[i:i + 128, j:j + 128]).max() / 448 for j in range(0, k, 128)]
                               for i in range(0, n, 128)]).astype(np.float32)
             full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:n, :k]
-        q = torch.from_numpy(w / full).to(torch.float8_e4m3fn)
+        q = (torch.from_numpy(np.rint(w / full)).to(torch.int8) if layout == "int8"
+             else torch.from_numpy(w / full).to(torch.float8_e4m3fn))
         fp8[name] = q
-        fp8[name + ("_scale" if layout == "channel" else "_scale_inv")] = torch.from_numpy(scale)
+        fp8[name + ("_scale_inv" if layout == "block" else "_scale")] = torch.from_numpy(scale)
         ref[name] = q.float().numpy() * full
     for d in (dst, dst / "ref"):
         shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
@@ -53,7 +55,7 @@ def _leaves(tree, prefix=()):
         yield from _leaves(v, prefix + (k,)) if isinstance(v, dict) else [(prefix + (k,), v)]
 
 
-@pytest.mark.parametrize("layout", ["channel", "block"])
+@pytest.mark.parametrize("layout", ["channel", "block", "int8"])  # fp8 per channel, fp8 blocks, int8
 def test_fp8_checkpoint_loads_as_its_float_values_and_runs(tiny_model, tmp_path, layout):
     from pathlib import Path
 
