@@ -9,7 +9,8 @@ with `time_scale` for a slower engine (e.g. the CPU model).
 from __future__ import annotations
 
 import random
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable, Iterator
 
 
 class WorkItem(NamedTuple):

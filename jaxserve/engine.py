@@ -42,6 +42,7 @@ class _Seq:
     out: CompletionOutput
     prompt_set: frozenset = frozenset()  # for the repetition penalty
     counts: dict = field(default_factory=dict)  # output token counts, for penalties
+    matcher: object | None = None  # structured.matcher.Matcher: its place in the grammar
 
 
 @dataclass(eq=False)
@@ -53,7 +54,7 @@ class _Inflight:
     result: object  # runner.StepResult (device arrays)
     key: BucketKey
     want_logprobs: bool
-    needs_tokens: bool  # a row's sampling needs its last token's value (penalties)
+    needs_tokens: bool  # a row's sampling needs its last token's value (penalties, grammars)
     row_of: dict[str, int]  # request id -> row, for rows that sample
 
 
@@ -65,6 +66,8 @@ class _Group:
     params: SamplingParams
     seqs: list[_Seq] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -72,6 +75,8 @@ class _Group:
 
 
 class LLMEngine:
+    supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
+
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         from jaxserve.model.loader import load_model
         from jaxserve.runtime import runner as rt
@@ -119,6 +124,15 @@ class LLMEngine:
             self.max_model_len, cap_tokens / self.max_model_len,
         )
         self.kv_capacity_tokens = cap_tokens
+        from jaxserve.structured.compiler import GrammarCompiler
+        from jaxserve.structured.matcher import BitmaskFiller
+
+        # Structured outputs: grammars compile on the compiler's threads, cached by spec (its
+        # tokenizer view is built on first use, so start-up does not pay for it).
+        self.grammar_compiler = GrammarCompiler.for_tokenizer(
+            self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
+        self._bitmask_filler = BitmaskFiller()
+        self._waiting_grammar: list[tuple[_Group, object]] = []  # (group, Future) until compiled
 
     def _blocks_from_budget(self, dtype: str) -> int:
         from jaxserve.runtime import runner as rt
@@ -166,7 +180,8 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt, prompt_token_ids, params, metrics=RequestMetrics(arrival_time=now))
+        group = _Group(request_id, prompt, prompt_token_ids, params, metrics=RequestMetrics(arrival_time=now),
+                       priority=priority, cache_salt=cache_salt)
         eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         prompt_set = frozenset(prompt_token_ids) if params.uses_penalties else frozenset()
         reqs = []
@@ -184,7 +199,19 @@ class LLMEngine:
             group.seqs.append(_Seq(request_id, req, i, seed, detok, out, prompt_set))
             reqs.append(req)
         for req in reqs:
-            self.scheduler.add_request(req)  # raises for requests the cache can never hold
+            self.scheduler.check_request(req)  # raises for requests the cache can never hold
+        spec = getattr(params, "structured_outputs", None)
+        if spec is not None:
+            # Compiled on the compiler's threads (the server compiles before admission, so this is
+            # a cache hit there); the request joins the scheduler once its grammar is ready, and
+            # the batch never waits for it.
+            future = self.grammar_compiler.submit(spec)
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+            self._waiting_grammar.append((group, future))
+        else:
+            for req in reqs:
+                self.scheduler.add_request(req)
         self._groups[request_id] = group
         for s in group.seqs:
             self._seqs[s.req.request_id] = s
@@ -214,6 +241,28 @@ class LLMEngine:
                 self.scheduler.abort_request(s.req.request_id)
         return True
 
+    def _admit_compiled(self, outputs: dict[str, _Group]) -> None:
+        """Requests whose grammar is compiled join the scheduler, each sequence with a matcher."""
+        still = []
+        for group, future in self._waiting_grammar:
+            if group.request_id not in self._groups:
+                continue  # aborted while compiling
+            if not future.done():
+                still.append((group, future))
+                continue
+            error = future.exception()
+            for seq in group.seqs:
+                if error is not None:
+                    log.error("request %s: its grammar failed to compile: %s", group.request_id, error)
+                    seq.out.finish_reason, seq.out.stop_reason = "abort", str(error)
+                    continue
+                seq.matcher = future.result().matcher()
+                self.scheduler.add_request(seq.req)
+            if error is not None:
+                group.metrics.finished_time = time.time()
+                outputs[group.request_id] = group
+        self._waiting_grammar = still
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._inflight is not None
 
@@ -226,6 +275,8 @@ class LLMEngine:
         """Schedule and dispatch the next step, then process the one before it while the device
         runs (overlap: one step in flight; `async_scheduling=False` processes each step at once)."""
         outputs: dict[str, _Group] = {}
+        if self._waiting_grammar:
+            self._admit_compiled(outputs)
         if self._inflight is not None and self._inflight.needs_tokens:
             self._process(self._inflight, outputs)  # its tokens feed the next step's sampling
             self._inflight = None
@@ -263,6 +314,9 @@ class LLMEngine:
                                 prev.get(req.request_id, -1)))
             seqs.append(seq)
         batch, key = self.runner.builder.build(rows)
+        constrained = [seq.matcher if r.sampling is not None else None for seq, r in zip(seqs, rows)]
+        if any(m is not None for m in constrained):  # filled on the host, applied in the executable
+            self._bitmask_filler.fill(constrained + [None] * (key.s - len(rows)), batch.bitmask)
         want_logprobs = any(r.sampling is not None and r.sampling.num_logprobs >= 0 for r in rows)
         result = self.runner.execute(batch, key)
         sched.scheduled = scheduled  # row order
@@ -271,7 +325,8 @@ class LLMEngine:
         self.counters["computed_tokens"] += sched.num_batched_tokens
         return _Inflight(
             sched, seqs, result, key, want_logprobs,
-            needs_tokens=any(r.sampling is not None and r.sampling.uses_penalties for r in rows),
+            needs_tokens=any(r.sampling is not None and (r.sampling.uses_penalties or r.sampling.constrained)
+                             for r in rows),
             row_of={sr.request.request_id: i for i, sr in enumerate(scheduled) if sr.samples},
         )
 
@@ -287,7 +342,7 @@ class LLMEngine:
             step=n_out, num_logprobs=-1 if p.logprobs is None else p.logprobs,
             presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
             bias=bias, prompt_tokens=seq.prompt_set if p.uses_penalties else frozenset(),
-            output_counts=seq.counts if p.uses_penalties else {},
+            output_counts=seq.counts if p.uses_penalties else {}, constrained=seq.matcher is not None,
         )
 
     def _process(self, step: _Inflight, outputs: dict[str, _Group]) -> None:
@@ -329,6 +384,17 @@ class LLMEngine:
             out.logprobs.append(lp)
             out.delta_logprobs.append(lp)
             out.cumulative_logprob += lp.logprob
+        if seq.matcher is not None:
+            if token in self.eos_token_ids:  # the mask allows EOS only where the grammar is complete
+                stop = stop or (RequestStatus.FINISHED_STOPPED, None)  # (under ignore_eos too)
+            elif not seq.matcher.accept(token):
+                log.error("request %s: token %d is outside its grammar", group.request_id, token)
+                stop = stop or (RequestStatus.FINISHED_STOPPED, None)
+            elif seq.matcher.is_terminated():  # complete: nothing but EOS can follow; keep the token
+                stop = None if stop is not None and stop[0] == RequestStatus.FINISHED_STOPPED else stop
+                out.delta_text += seq.detok.add(token)
+                self._finish(group, seq, RequestStatus.FINISHED_STOPPED, None)
+                return
         if stop is not None and stop[0] == RequestStatus.FINISHED_STOPPED:
             self._finish(group, seq, *stop)  # EOS or a stop token: never part of the text
             return

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from jaxserve.errors import UserError
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.progress import compile_progress
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, use_tqdm: bool = True, **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         if self.engine.config.precompile:
-            self.engine.precompile(_compile_progress() if use_tqdm else None)
+            self.engine.precompile(compile_progress() if use_tqdm else None)
         self._next_id = 0
 
     def reset_prefix_cache(self) -> int:
@@ -121,21 +122,3 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, unit="req")
-
-
-def _compile_progress():
-    """A progress callback for precompilation: one bar over the step buckets."""
-    from tqdm.auto import tqdm
-
-    bar = None
-
-    def update(done: int, total: int, bucket) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc="Compiling step buckets", unit="bucket", dynamic_ncols=True)
-        bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}")
-        bar.update(1)
-        if done == total:
-            bar.close()
-
-    return update

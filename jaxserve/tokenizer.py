@@ -17,7 +17,8 @@ import json
 import os
 import pathlib
 from functools import lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _TkTokenizer

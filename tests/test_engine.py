@@ -183,7 +183,7 @@ def test_bad_requests_are_refused_and_others_go_on(tiny_llm):
         engine.add_request("long", None, GREEDY, prompt_token_ids=[5] * engine.max_model_len)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", "", GREEDY)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="out of vocabulary"):
         engine.add_request("oov", None, GREEDY, prompt_token_ids=[10**6])
     assert not engine.has_unfinished_requests()
     out = tiny_llm.generate(["still works"], GREEDY, use_tqdm=False)[0]

@@ -50,7 +50,7 @@ def steady_state_mix(vocab: int) -> list[SamplingParams]:
         SamplingParams(max_tokens=10, temperature=0.7, logprobs=3),
         SamplingParams(max_tokens=10, temperature=0, logprobs=20),
         SamplingParams(max_tokens=10, n=3, temperature=0.8, seed=9),
-        SamplingParams(max_tokens=10, n=2, temperature=0, stop_token_ids=[11]),
+        SamplingParams(max_tokens=10, n=2, temperature=0.5, stop_token_ids=[11]),
     ]
     return mix
 

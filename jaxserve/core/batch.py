@@ -4,7 +4,9 @@
     StepBatch.pack() -> one int32 buffer -> one device transfer -> the bucket's executable
 
 A batch's shapes are fixed by its `BucketKey` (T tokens, S sequences, W adjustment entries per
-row); everything that varies per step is a value. T and S are chosen independently: S is 1 for a
+row: 0, a small width for logit bias / bans / short penalties, or one that holds any request's
+every token); everything that varies per step is a value. A bucket with W > 0 also carries the
+structured-output token bitmask (i32[S, ceil(V/32)]; -1 = unconstrained). T and S are chosen independently: S is 1 for a
 step of one sequence (a lone prefill or a single stream), else the T bucket's sequence width.
 Every 32-bit field travels in one buffer, so a step is one host-to-device copy and a multi-host
 leader broadcasts exactly that buffer.
@@ -24,6 +26,7 @@ import numpy as np
 PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on the host
 MAX_LOGPROBS = 20  # top-N logprobs every executable can return (OpenAI's and vLLM's limit)
 MAX_EXTRA_ADJUSTMENTS = 512  # logit_bias + stop-token bans per request, on top of its tokens
+SMALL_ADJUSTMENTS = 512  # the narrow adjustment width: bias, bans, structured rows
 
 
 def next_pow2(n: int) -> int:
@@ -76,16 +79,18 @@ class StepBatch(NamedTuple):
     adj_out_counts: np.ndarray  # f32[S, W] times the token was generated
     adj_in_prompt: np.ndarray  # f32[S, W] 1 if the token is in the prompt
     adj_bias: np.ndarray  # f32[S, W] added last (logit_bias; -inf bans EOS before min_tokens)
+    bitmask: np.ndarray  # i32[S, M] allowed tokens, bit j of word i = token 32i+j (M = 0 if W = 0)
 
     def pack(self) -> np.ndarray:
         """All fields as one flat int32 buffer (floats and unsigned ints by bit pattern)."""
         return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.int32) for a in self])
 
 
-def field_specs(key: BucketKey, max_blocks: int) -> list[tuple[str, tuple[int, ...], str]]:
+def field_specs(key: BucketKey, max_blocks: int, mask_words: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each StepBatch field for a bucket, in pack order."""
     t, s, w = key
-    dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w)}
+    dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w),
+            "SM": (s, mask_words if w else 0)}
     return [(name, dims[d], dt) for name, d, dt in _FIELDS]
 
 
@@ -98,13 +103,9 @@ _FIELDS = (
     ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("presence", "S", "float32"),
     ("frequency", "S", "float32"), ("repetition", "S", "float32"), ("adj_ids", "SW", "int32"),
     ("adj_out_counts", "SW", "float32"), ("adj_in_prompt", "SW", "float32"),
-    ("adj_bias", "SW", "float32"),
+    ("adj_bias", "SW", "float32"), ("bitmask", "SM", "int32"),
 )
 assert tuple(f[0] for f in _FIELDS) == StepBatch._fields
-
-
-def packed_size(key: BucketKey, max_blocks: int) -> int:
-    return sum(int(np.prod(shape)) for _, shape, _ in field_specs(key, max_blocks))
 
 
 @dataclass(slots=True)
@@ -124,10 +125,18 @@ class Sampling:
     bias: dict[int, float] = field(default_factory=dict)  # incl. -inf bans
     prompt_tokens: frozenset | set = frozenset()  # for the repetition penalty
     output_counts: dict[int, int] = field(default_factory=dict)  # for all three penalties
+    constrained: bool = False  # under a grammar: the engine fills its bitmask row
 
     @property
     def adjusts(self) -> bool:
-        return bool(self.bias) or self.uses_penalties
+        return bool(self.bias) or self.uses_penalties or self.constrained
+
+    def num_adjustments(self) -> int:
+        """An upper bound of len(adjustments()), without building it."""
+        n = len(self.bias)
+        if self.uses_penalties:
+            n += len(self.output_counts) + (len(self.prompt_tokens) if self.repetition != 1.0 else 0)
+        return n
 
     @property
     def uses_penalties(self) -> bool:
@@ -170,34 +179,48 @@ class BatchBuilder:
         self.s_max = next_pow2(max_num_seqs)
         self.block_size = block_size
         self.max_blocks = -(-max_model_len // block_size)
+        self.mask_words = (vocab_size + 31) // 32
         # Every token a request holds (its prompt and output) plus its bias entries fits a row.
         self.max_adjustments = next_pow2(min(max_model_len, vocab_size) + MAX_EXTRA_ADJUSTMENTS)
+        self.adjust_widths = sorted({min(SMALL_ADJUSTMENTS, self.max_adjustments), self.max_adjustments})
 
     # ---- buckets ----------------------------------------------------------------------------
     def seq_bucket(self, t: int) -> int:
         """The sequence width of a multi-sequence step of T bucket t."""
         return min(t, self.s_max)
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, adjusts: bool = False) -> BucketKey:
+    def bucket_for(self, num_tokens: int, num_seqs: int, adjustments: int = -1) -> BucketKey:
+        """adjustments: the most sparse entries a row needs (-1: no row adjusts anything)."""
         t = next(b for b in self.t_buckets if b >= num_tokens)
-        s = 1 if num_seqs == 1 and not adjusts else max(self.seq_bucket(t), min(num_seqs, self.s_max))
-        return BucketKey(t, s, self.max_adjustments if adjusts else 0)
+        if adjustments < 0:
+            return BucketKey(t, 1 if num_seqs == 1 else self.seq_bucket(t), 0)
+        w = next((w for w in self.adjust_widths if w >= adjustments), None)
+        if w is None:
+            raise ValueError(f"{adjustments} logit adjustments exceed the widest row ({self.max_adjustments})")
+        return BucketKey(t, self.seq_bucket(t), w)
 
     def all_buckets(self) -> list[BucketKey]:
-        """Every bucket a step can use: (T, 1, 0), (T, S(T), 0) and (T, S(T), W)."""
+        """Every bucket a step can use: (T, 1, 0), (T, S(T), 0) and (T, S(T), W) for each W."""
         keys = set()
         for t in self.t_buckets:
             keys.add(BucketKey(t, 1, 0))
             keys.add(BucketKey(t, self.seq_bucket(t), 0))
-            keys.add(BucketKey(t, self.seq_bucket(t), self.max_adjustments))
+            keys.update(BucketKey(t, self.seq_bucket(t), w) for w in self.adjust_widths)
         return sorted(keys)
+
+    def field_specs(self, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
+        return field_specs(key, self.max_blocks, self.mask_words)
+
+    def packed_size(self, key: BucketKey) -> int:
+        return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key))
 
     # ---- one step ---------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey]:
         """Decode rows should come first (the xla attention takes them in a loop of their own)."""
         num_tokens = sum(r.num_new for r in rows)
-        adjusts = any(r.sampling is not None and r.sampling.adjusts for r in rows)
-        key = self.bucket_for(num_tokens, len(rows), adjusts)
+        need = max((r.sampling.num_adjustments() for r in rows if r.sampling is not None and r.sampling.adjusts),
+                   default=-1)
+        key = self.bucket_for(num_tokens, len(rows), need)
         t, s, w = key
         bs = self.block_size
         b = self.empty(key)
@@ -237,6 +260,7 @@ class BatchBuilder:
             presence=z(s, np.float32), frequency=z(s, np.float32), repetition=z(s, np.float32, 1.0),
             adj_ids=z((s, w), v=-1), adj_out_counts=z((s, w), np.float32),
             adj_in_prompt=z((s, w), np.float32), adj_bias=z((s, w), np.float32),
+            bitmask=z((s, self.mask_words if w else 0), v=-1),
         )
 
     @staticmethod

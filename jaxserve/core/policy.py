@@ -15,7 +15,8 @@ instead of computing the same new prefix twice.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 from .request import Request
 

@@ -139,7 +139,8 @@ class Scheduler:
         ) / NEW_TOKEN_RATIO_DECAY_STEPS
 
     # ---- requests in and out ------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def check_request(self, req: Request) -> None:
+        """Raise a UserError if the request can never run here."""
         cfg = self.config
         if req.request_id in self.requests:
             raise UserError(f"request id {req.request_id!r} is already in the scheduler")
@@ -159,6 +160,9 @@ class Scheduler:
                 f"{capacity} ({capacity * cfg.block_size} tokens); shorten the prompt or give the "
                 "KV cache more memory", param="prompt"
             )
+
+    def add_request(self, req: Request) -> None:
+        self.check_request(req)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self._order[req.request_id] = self._next_order

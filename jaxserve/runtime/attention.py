@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from jaxserve.core.batch import BucketKey, StepBatch, packed_size
+from jaxserve.core.batch import BucketKey, StepBatch
 
 _STOP, _STEP = 0, 1
 _HEADER = 4  # cmd, T, S, W
@@ -95,7 +95,7 @@ def follower_loop(runner) -> int:
         if int(h[0]) == _STOP:
             return steps
         key = BucketKey(int(h[1]), int(h[2]), int(h[3]))
-        flat = np.asarray(_broadcast(np.zeros(packed_size(key, runner.max_blocks), np.int32)))
+        flat = np.asarray(_broadcast(np.zeros(runner.builder.packed_size(key), np.int32)))
         result = runner.execute(flat, key)
         runner.fetch(result, key.s, True)  # keep in lock step with the leader
         steps += 1

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch, field_specs, packed_size
+from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
@@ -77,10 +77,11 @@ class StepResult(NamedTuple):
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
 
 
-def unpack_batch(flat, key: BucketKey, max_blocks: int) -> StepBatch:
-    """The inverse of StepBatch.pack(), inside the trace (slices and bitcasts: no copies)."""
+def unpack_batch(flat, specs) -> StepBatch:
+    """The inverse of StepBatch.pack(), inside the trace (slices and bitcasts: no copies);
+    specs: BatchBuilder.field_specs(key)."""
     out, off = [], 0
-    for _, shape, dt in field_specs(key, max_blocks):
+    for _, shape, dt in specs:
         n = int(np.prod(shape))
         x = flat[off:off + n].reshape(shape)
         out.append(x if dt == "int32" else jax.lax.bitcast_convert_type(x, jnp.dtype(dt)))
@@ -172,7 +173,7 @@ class ModelRunner:
         return self.model.apply({"params": params}, ids, b.positions, layers, md, b.logits_indices, self.inv_freq)
 
     def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
-        b = unpack_batch(flat, key, self.max_blocks)
+        b = unpack_batch(flat, self.builder.field_specs(key))
         logits, layers = self._forward(params, layers, b, last_tokens)
         if self.tensor_parallel_size > 1:  # sample on every device alike: no collectives in the sampler
             logits = jax.lax.with_sharding_constraint(logits, self._replicated)
@@ -188,7 +189,7 @@ class ModelRunner:
                 lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),
                 in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv),
             )
-            flat = jax.ShapeDtypeStruct((packed_size(key, self.max_blocks),), jnp.int32)
+            flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
             fn = jitted.lower(self.params, self.kv.layers, flat, self.last_tokens).compile()
             self._compiled[key] = fn
             self.num_compiles += 1
@@ -231,7 +232,7 @@ class ModelRunner:
         fn = self._jitted.get(key)
         if fn is None:
             def f(p, layers, flat, last):
-                return self._forward(p, layers, unpack_batch(flat, key, self.max_blocks), last)
+                return self._forward(p, layers, unpack_batch(flat, self.builder.field_specs(key)), last)
 
             rep, kv = self._replicated, self.kv_sharding
             fn = self._jitted[key] = jax.jit(f, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core.batch import MAX_LOGPROBS
+from jaxserve.runtime.bitmask import apply_token_bitmask
 
 
 class SampleResult(NamedTuple):
@@ -130,8 +131,10 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, ke
     adjustment width (`adjust`) is part of the bucket."""
     s, vocab = logits.shape
     raw = logits
-    if adjust:
+    if adjust:  # sparse penalties / bias, then the structured-output mask (when a row has one)
         logits = apply_adjustments(logits, b)
+        logits = jax.lax.cond(jnp.any(b.bitmask != -1), lambda: apply_token_bitmask(logits, b.bitmask),
+                              lambda: logits)
     greedy_tokens = argmax(logits)
 
     def random_tokens():

@@ -287,16 +287,9 @@ def serve(args: argparse.Namespace) -> int:
     cfg = ServerConfig.from_args(args)
     engine = LLMEngine(engine_config(args))
     if args.precompile:
-        from tqdm.auto import tqdm
+        from jaxserve.progress import compile_progress
 
-        with tqdm(desc="Compiling step buckets", unit="bucket", dynamic_ncols=True) as bar:
-
-            def progress(i: int, total: int, bucket) -> None:
-                bar.total = total
-                bar.set_postfix_str(f"tokens={bucket[0]} seqs={bucket[1]}")
-                bar.update(1)
-
-            engine.precompile(progress)
+        engine.precompile(compile_progress())
     app = build_app(engine, cfg)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}"

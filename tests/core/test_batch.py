@@ -6,9 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.core.batch import (
-    PENDING, BatchBuilder, BucketKey, RowSpec, Sampling, StepBatch, field_specs, packed_size,
-)
+from jaxserve.core.batch import PENDING, BatchBuilder, BucketKey, RowSpec, Sampling, StepBatch
 
 
 def builder(**kw) -> BatchBuilder:
@@ -22,9 +20,14 @@ def test_buckets_are_independent_in_tokens_and_sequences():
     assert b.bucket_for(40, 5) == BucketKey(48, 16, 0)
     assert b.bucket_for(3, 3) == BucketKey(4, 4, 0)
     assert b.bucket_for(1, 1) == BucketKey(1, 1, 0)
-    assert b.bucket_for(40, 1, adjusts=True) == BucketKey(48, 16, b.max_adjustments)
+    small, full = b.adjust_widths
+    assert (small, full) == (512, b.max_adjustments) == (512, 1024)
+    assert b.bucket_for(40, 1, adjustments=3) == BucketKey(48, 16, small)  # bias, bans, grammars: narrow
+    assert b.bucket_for(40, 3, adjustments=600) == BucketKey(48, 16, full)  # long penalties: wide
+    with pytest.raises(ValueError, match="exceed"):
+        b.bucket_for(40, 3, adjustments=full + 1)
     assert set(b.all_buckets()) >= {b.bucket_for(n, s, a) for n in range(1, 65) for s in range(1, min(n, 16) + 1)
-                                    for a in (False, True)}
+                                    for a in (-1, 0, 600)}
     assert len(b.all_buckets()) == len(set(b.all_buckets()))
 
 
@@ -58,22 +61,25 @@ def test_adjustments_are_sparse_unique_and_fixed_width():
     s = Sampling(temperature=0, repetition=1.2, frequency=0.5, prompt_tokens={4, 5}, output_counts={5: 2, 9: 1},
                  bias={9: 3.0, 11: -np.inf})
     batch, key = b.build([RowSpec([4, 5, 5, 9, 5], 4, 1, [1, 2], s)])
-    assert key.w == b.max_adjustments and batch.adj_ids.shape == (key.s, key.w)
+    assert key.w == 512 and batch.adj_ids.shape == (key.s, key.w)
+    assert batch.bitmask.shape == (key.s, 4) and (batch.bitmask == -1).all()  # 100 tokens: 4 words, all allowed
     got = {int(t): (c, p, bias) for t, c, p, bias in zip(batch.adj_ids[0], batch.adj_out_counts[0],
                                                            batch.adj_in_prompt[0], batch.adj_bias[0]) if t >= 0}
     assert got == {4: (0, 1, 0), 5: (2, 1, 0), 9: (1, 0, 3.0), 11: (0, 0, -np.inf)}
     assert (batch.adj_ids[1:] == -1).all()
     plain, key0 = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(repetition=1.0, temperature=1.0))])
-    assert key0.w == 0 and plain.adj_ids.shape == (1, 0)  # neutral values cost nothing
+    assert key0.w == 0 and plain.adj_ids.shape == (1, 0) and plain.bitmask.shape == (1, 0)  # neutral: free
+    _, keyc = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(constrained=True))])
+    assert keyc.w == 512  # a grammar row takes the narrow bucket, which carries the mask
 
 
 def test_pack_is_one_int32_buffer_in_field_order():
     b = builder()
     batch, key = b.build([RowSpec([1, 2, 3], 0, 3, [1], Sampling(temperature=0.25, top_p=0.5))])
     flat = batch.pack()
-    assert flat.dtype == np.int32 and flat.size == packed_size(key, b.max_blocks)
+    assert flat.dtype == np.int32 and flat.size == b.packed_size(key)
     off = 0
-    for (name, shape, dt), value in zip(field_specs(key, b.max_blocks), batch):
+    for (name, shape, dt), value in zip(b.field_specs(key), batch):
         n = int(np.prod(shape))
         assert value.shape == shape and value.dtype == np.dtype(dt), name
         np.testing.assert_array_equal(flat[off:off + n].view(dt).reshape(shape), value)

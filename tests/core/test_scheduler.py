@@ -199,7 +199,7 @@ def test_over_long_requests_are_rejected_and_do_not_block_the_queue():
         sched.add_request(Request("too-long", [1] * 64, 1))
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add_request(Request("too-big", [1] * 32, 1))  # 32 + 1 tokens need 9 blocks
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="prompt cannot be empty"):
         sched.add_request(Request("empty", [], 1))
     assert sched.num_waiting == 0
     ok = Request("ok", [1] * 31, 1)

@@ -12,7 +12,7 @@ from tests.kernels.batch import assert_close, make_batch
 def naive(q, k_pages, v_pages, seq_lens, qsl, tables, num_seqs, *, sm_scale, window, cap):
     q, k_pages, v_pages = (np.asarray(a, np.float64) for a in (q, k_pages, v_pages))
     out = np.zeros_like(q)
-    bs, hkv = k_pages.shape[1], k_pages.shape[2]
+    hkv = k_pages.shape[2]
     g = q.shape[1] // hkv
     for s in range(int(num_seqs[0])):
         q_len = int(qsl[s + 1] - qsl[s])
