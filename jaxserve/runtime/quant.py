@@ -37,6 +37,13 @@ class Int8Weight(NamedTuple):
     scale: jax.Array  # f32[N]: max_k |W[k, n]| / 127
 
 
+class Fp8Weight(NamedTuple):
+    """float8_e4m3fn per output channel: W[k, n] = e4m3(q[k, n]) * scale[n]."""
+
+    q: jax.Array  # u8[N / 64, K, 64]: float8_e4m3fn bits
+    scale: jax.Array  # f32[N]
+
+
 class Q8Weight(NamedTuple):
     """GGUF Q8_0: W[k, n] = q[k, n] * d[k / 32, n]."""
 
@@ -53,12 +60,12 @@ class Q4Weight(NamedTuple):
     m: jax.Array  # f16[N / 64, K / 32, 64]
 
 
-QuantWeight = Int8Weight | Q8Weight | Q4Weight
-_FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2}  # the `fmt` attribute of csrc/quant_matmul.cc
+QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight
+_FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3}  # the `fmt` attribute of csrc/quant_matmul.cc
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight))
+    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight))
 
 
 def quantizable(shape) -> bool:
@@ -94,9 +101,27 @@ def dequantize(w: QuantWeight) -> jax.Array:
     """The float32 [K, N] kernel a quantized weight stands for (inside a computation: XLA's path)."""
     if isinstance(w, Int8Weight):
         return from_panels(w.q.astype(jnp.float32), jnp) * w.scale
+    if isinstance(w, Fp8Weight):
+        return from_panels(_e4m3(w.q), jnp) * w.scale
     if isinstance(w, Q8Weight):
         return from_panels(w.q.astype(jnp.float32) * _per_block(w.d), jnp)
     return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
+
+
+def _e4m3(bits):
+    """u8 float8_e4m3fn bits -> float32 (jnp, inside a computation)."""
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def quantize_fp8(w) -> Fp8Weight:
+    """Float [K, N] -> float8_e4m3fn per output channel (scale max |W| / 448, round to nearest)."""
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
+    q = (w / scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return Fp8Weight(np.ascontiguousarray(to_panels(q)), scale)
 
 
 def quantize_int8(w) -> Int8Weight:
@@ -138,6 +163,8 @@ def quantize(w, scheme: str) -> QuantWeight:
     does (`gguf.quants.quantize`)."""
     if scheme == "int8":
         return quantize_int8(w)
+    if scheme == "fp8":
+        return quantize_fp8(w)
     import gguf
 
     raw = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T),
@@ -209,7 +236,7 @@ def _native(native: bool | None, x, *ws) -> bool:
 
 def _operands(w):
     """(q, scales, mins) as the native kernel takes them; a format without mins passes an empty one."""
-    return (w.q, w.scale, jnp.zeros((0,), jnp.float16)) if isinstance(w, Int8Weight) else (
+    return (w.q, w.scale, jnp.zeros((0,), jnp.float16)) if isinstance(w, (Int8Weight, Fp8Weight)) else (
         (w.q, w.d, jnp.zeros((0,), jnp.float16)) if isinstance(w, Q8Weight) else (w.q, w.d, w.m))
 
 
@@ -254,6 +281,8 @@ def embed(w, ids):
         return w[p, :, c]
     if isinstance(w, Int8Weight):
         return w.q[p, :, c].astype(jnp.float32) * w.scale[ids][:, None]
+    if isinstance(w, Fp8Weight):
+        return _e4m3(w.q[p, :, c]) * w.scale[ids][:, None]
     d = jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1)  # [T, H]
     if isinstance(w, Q8Weight):
         return w.q[p, :, c].astype(jnp.float32) * d

@@ -6,6 +6,7 @@ independent of the batch, padding rows zero, the embedding gather, and the XLA f
 from __future__ import annotations
 
 import gguf
+import ml_dtypes
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ from jaxserve.runtime import cpu_kernels, quant
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
 RNG = np.random.default_rng(0)
-FORMATS = ["int8", "Q8_0", "Q4_0", "Q4_1"]
+FORMATS = ["int8", "fp8", "Q8_0", "Q4_0", "Q4_1"]
 
 
 def gguf_bytes(type_name: str, w_out_in: np.ndarray) -> np.ndarray:
@@ -31,6 +32,10 @@ def make(fmt: str, k: int, n: int):
     if fmt == "int8":
         qw = quant.quantize_int8(w)
         ref = quant.from_panels(qw.q).astype(np.float64) * qw.scale.astype(np.float64)
+        return qw, ref
+    if fmt == "fp8":
+        qw = quant.quantize_fp8(w)
+        ref = quant.from_panels(qw.q).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * qw.scale
         return qw, ref
     raw = gguf_bytes(fmt, w.T)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(n, k).T
@@ -145,7 +150,7 @@ def test_quantize_params_replaces_kernels_and_names_bad_schemes():
     assert quant.quantize_params(out, "int8")["layers_0"]["mlp"]["up_proj"]["kernel"] is up
     q4 = quant.quantize_params(params, "q4_1")["layers_0"]["mlp"]["up_proj"]["kernel"]
     assert isinstance(q4, quant.Q4Weight) and q4.q.shape == (2, 32, 64)
-    with pytest.raises(UserError, match="'fp4'.*int8, q8_0, q4_0, q4_1") as e:
+    with pytest.raises(UserError, match="'fp4'.*int8, fp8, q8_0, q4_0, q4_1") as e:
         quant.quantize_params(params, "fp4")
     assert e.value.param == "quantization"
 
@@ -162,3 +167,17 @@ def test_native_blocks_equal_the_float32_kernel_on_their_values(fmt, m):
                                   np.asarray(jax.jit(cpu_kernels.cpu_matmul)(x, wp)))
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear_gated)(x, qw, qw)),
                                   np.asarray(jax.jit(cpu_kernels.cpu_matmul_gated)(x, wp, wp)))
+
+
+@needs_kernel
+def test_fp8_decodes_every_value_exactly():
+    """All 254 finite float8_e4m3fn bit patterns (subnormals, both zeros, +-448) through the kernel
+    (x = I, scale 1) and through dequantize / embed: ml_dtypes' values, bit for bit."""
+    bits = np.arange(256, dtype=np.uint8)
+    bits[[0x7F, 0xFF]] = 0  # NaN
+    q = np.tile(bits, (64, 1))  # [K = 64, N = 256]: column n holds bits[n]
+    w = quant.Fp8Weight(quant.to_panels(q), np.ones(256, np.float32))
+    want = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(np.eye(64, dtype=np.float32), w)), want)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want)
+    np.testing.assert_array_equal(np.asarray(quant.embed(w, jnp.arange(256))), want.T)

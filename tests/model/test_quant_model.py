@@ -54,11 +54,11 @@ def reference(tiny_model):
     return get
 
 
-BUDGETS = {"int8": (0.30, 0.02, 0.90), "q8_0": (0.30, 0.02, 0.90), "q4_0": (0.17, 0.10, None),
+BUDGETS = {"int8": (0.30, 0.02, 0.90), "fp8": (0.30, 0.05, 0.80), "q8_0": (0.30, 0.02, 0.90), "q4_0": (0.17, 0.10, None),
            "q4_1": (0.17, 0.10, None)}  # weights / float32, perplexity tolerance, greedy agreement
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_1"),
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "fp8"), ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_1"),
                                          ("qwen2", "int8"), ("qwen2", "q4_1")])  # qwen2: tied embeddings
 def test_quantized_tiny_model(reference, arch, scheme):
     path, ids, ref = reference(arch)
@@ -112,7 +112,7 @@ def test_orbax_checkpoint_quantized_once_restored(reference, tmp_path):
 
 
 def test_errors_name_the_scheme(tiny_model):
-    with pytest.raises(UserError, match="'fp4'.*int8, q8_0, q4_0, q4_1, gguf") as e:
+    with pytest.raises(UserError, match="'fp4'.*int8, fp8, q8_0, q4_0, q4_1, gguf") as e:
         LLM(tiny_model("llama"), quantization="fp4", **ENGINE_KW)
     assert e.value.param == "quantization"
     with pytest.raises(UserError, match="not a .gguf file"):

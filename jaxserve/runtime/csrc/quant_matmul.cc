@@ -8,6 +8,7 @@
 //   1 Q8_0:  q i8[N / 64, K, 64], d f16[N / 64, K / 32, 64]  W = q * d
 //   2 Q4:    q u8[N / 64, K / 2, 64] (k = 2j low nibble, 2j + 1 high), d and m f16 like Q8_0's d,
 //            W = q * d + m
+//   3 fp8:   q u8[N / 64, K, 64] float8_e4m3fn bits, scale f32[N]  W = q * scale (scale after the sum)
 // Why: decoding streams every weight once per step, so bytes per weight bound its speed. Each
 // k-row of a panel (64 weights) is decoded in registers into four 16-lane float vectors right
 // before the FMAs that use it, so memory traffic is that of the packed form, and the arithmetic
@@ -39,7 +40,7 @@ using i32x16 = int32_t __attribute__((vector_size(64)));
 using h16 = _Float16 __attribute__((vector_size(32)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
 
-enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kDecoded = 3 };  // kDecoded: a panel already decoded (float)
+enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kFp8 = 3, kDecoded = 4 };  // kDecoded: a panel already decoded
 
 // One panel of a quantized weight: its quants and, for the block formats, per-block d and m.
 struct Panel {
@@ -86,6 +87,20 @@ inline v16 Half(const _Float16* p) {
 #endif
 }
 
+// 16 float8_e4m3fn values (bits) -> floats, exactly: sign, 4 exponent bits (bias 7), 3 mantissa
+// bits; exponent 0 is subnormal (m * 2^-9). NaN (0x7f, 0xff) is not decoded (no checkpoint has it).
+inline v16 E4m3(u8x16 b) {
+  const i32x16 i = __builtin_convertvector(b, i32x16), e = (i >> 3) & 15, m = i & 7, sign = (i & 0x80) << 24;
+  const i32x16 normal = sign | ((e + 120) << 23) | (m << 20);
+  const v16 sub = __builtin_convertvector(m, v16) * (1.0f / 512);
+  i32x16 sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub));
+  const i32x16 bits = e == 0 ? (sub_bits | sign) : normal;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 inline void Halves(const _Float16* p, v16 out[kNV]) {
   for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
@@ -105,10 +120,13 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
       for (int v = 0; v < kNV; ++v) w[v] = Load<v16>(p.f + k * kPanel + v * kW);
       use(k, w);
     }
-  } else if constexpr (F == kInt8) {
+  } else if constexpr (F == kInt8 || F == kFp8) {
     for (int64_t k = 0; k < k_len; ++k) {
       for (int v = 0; v < kNV; ++v) {
-        w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
+        if constexpr (F == kInt8)
+          w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
+        else
+          w[v] = E4m3(Load<u8x16>(p.q + k * kPanel + v * kW));
         Opaque(w[v]);
       }
       use(k, w);
@@ -190,11 +208,11 @@ struct Weight {
   const _Float16* m;
   Panel At(int64_t panel, int64_t k_len, Fmt f) const {
     const int64_t qs = f == kQ4 ? k_len / 2 * kPanel : k_len * kPanel, ds = k_len / kBlock * kPanel;
-    if (f == kInt8) return {q + panel * qs, nullptr, nullptr};
+    if (f == kInt8 || f == kFp8) return {q + panel * qs, nullptr, nullptr};
     return {q + panel * qs, static_cast<const _Float16*>(d) + panel * ds, m ? m + panel * ds : nullptr};
   }
   const float* Scale(int64_t panel, Fmt f) const {
-    return f == kInt8 ? static_cast<const float*>(d) + panel * kPanel : nullptr;
+    return f == kInt8 || f == kFp8 ? static_cast<const float*>(d) + panel * kPanel : nullptr;
   }
 };
 
@@ -256,7 +274,8 @@ int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::Any
                             d.element_type() == ffi::F16 && k_len % kBlock == 0;
   switch (f) {
     case kInt8:
-      return q.element_type() == ffi::S8 && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
+    case kFp8:
+      return q.element_type() == (f == kInt8 ? ffi::S8 : ffi::U8) && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
                      d.element_type() == ffi::F32 ? panels : -1;
     case kQ8:
       return q.element_type() == ffi::S8 && qd[1] == k_len && block_scales ? panels : -1;
@@ -280,12 +299,13 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t fmt,
     case kInt8: Run<kInt8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
     case kQ8: Run<kQ8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
     case kQ4: Run<kQ4>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kFp8: Run<kFp8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
   }
   return ffi::Error::Success();
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && fmt >= kInt8 && fmt <= kQ4 && rows.element_count() == 1;
+  return x.dimensions().size() == 2 && fmt >= kInt8 && fmt <= kFp8 && rows.element_count() == 1;
 }
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
