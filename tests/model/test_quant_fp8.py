@@ -13,7 +13,7 @@ import torch
 from safetensors.numpy import load_file
 from safetensors.torch import save_file
 
-from jaxserve import LLM
+from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_model
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,3 +69,24 @@ def test_fp8_checkpoint_loads_as_its_float_values_and_runs(tiny_model, tmp_path,
     llm = LLM(str(tmp_path / "fp8"), quantization="int8", precompile=False, max_model_len=64, num_blocks=16,
               use_tqdm=False)
     assert len(llm.generate(["hello"], use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
+def test_fp8_checkpoint_kept_as_stored(tiny_model, tmp_path):
+    """quantization='fp8' on an fp8 checkpoint with per-channel scales keeps its bits and scales."""
+    from pathlib import Path
+
+    from jaxserve.runtime import quant
+
+    src = Path(tiny_model("llama", hidden=128, heads=4, kv_heads=2))
+    write_fp8(src, tmp_path / "fp8", "channel")
+    kept = load_model(str(tmp_path / "fp8"), quantization="fp8").params
+    floats = load_model(str(tmp_path / "fp8")).params
+    w = kept["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(w, quant.Fp8Weight)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), floats["layers_0"]["mlp"]["up_proj"]["kernel"])
+    llm = LLM(str(tmp_path / "fp8"), quantization="fp8", precompile=False, max_model_len=64, num_blocks=16,
+              use_tqdm=False)
+    same = LLM(str(tmp_path / "fp8" / "ref"), precompile=False, max_model_len=64, num_blocks=16, use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert (llm.generate(["hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == same.generate(["hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids)
