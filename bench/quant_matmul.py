@@ -1,5 +1,5 @@
-"""Time the linear layers' native matmul per weight format: float32 panels against int8, Q8_0 and
-Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers).
+"""Time the linear layers' native matmul per weight format: float32 panels against int8, fp8, Q8_0
+and Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers).
 
 `jaxserve bench quant_matmul --out bench/out/quant_matmul.json`
 
@@ -16,7 +16,7 @@ import time
 from bench import common
 from bench.matmul import LM_HEAD, SHAPES
 
-FORMATS = ("float32", "int8", "q8_0", "q4_1")
+FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1")
 
 
 def main(argv=None) -> int:

@@ -90,7 +90,16 @@ inline v16 Half(const _Float16* p) {
 // 16 float8_e4m3fn values (bits) -> floats, exactly: sign, 4 exponent bits (bias 7), 3 mantissa
 // bits; exponent 0 is subnormal (m * 2^-9). NaN (0x7f, 0xff) is not decoded (no checkpoint has it).
 inline v16 E4m3(u8x16 b) {
-  const i32x16 i = __builtin_convertvector(b, i32x16), e = (i >> 3) & 15, m = i & 7, sign = (i & 0x80) << 24;
+#ifdef __AVX512F__  // gcc scalarizes this widening here too
+  __m128i raw;
+  std::memcpy(&raw, &b, sizeof(raw));
+  const __m512i wide = _mm512_cvtepu8_epi32(raw);
+  i32x16 i;
+  std::memcpy(&i, &wide, sizeof(i));
+#else
+  const i32x16 i = __builtin_convertvector(b, i32x16);
+#endif
+  const i32x16 e = (i >> 3) & 15, m = i & 7, sign = (i & 0x80) << 24;
   const i32x16 normal = sign | ((e + 120) << 23) | (m << 20);
   const v16 sub = __builtin_convertvector(m, v16) * (1.0f / 512);
   i32x16 sub_bits;
