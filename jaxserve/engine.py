@@ -79,6 +79,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         from jaxserve.model.loader import load_model
+        from jaxserve.runtime import memory
         from jaxserve.runtime import runner as rt
 
         config = config or EngineConfig(**kwargs)
@@ -91,7 +92,10 @@ class LLMEngine:
         kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.num_blocks = config.num_blocks or self._blocks_from_budget(kv_dtype)
+        # On an accelerator the KV cache is sized after the weights are placed and the largest
+        # step is compiled (as vLLM and SGLang do); with an explicit budget, or on CPU, before.
+        size_on_device = config.num_blocks is None and config.kv_cache_memory is None and memory.has_device_stats()
+        self.num_blocks = config.num_blocks or (2 if size_on_device else self._blocks_from_budget(kv_dtype))
         self.runner = rt.ModelRunner(
             mc,
             self.loaded.params,
@@ -109,6 +113,8 @@ class LLMEngine:
             ),
         )
         self.loaded.params = None  # host copy no longer needed
+        if size_on_device:
+            self.num_blocks = self._plan_device_memory(kv_dtype)
         self.scheduler = Scheduler(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=self.max_model_len))
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self._rng = random.Random(config.seed)
@@ -133,6 +139,24 @@ class LLMEngine:
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._bitmask_filler = BitmaskFiller()
         self._waiting_grammar: list[tuple[_Group, object]] = []  # (group, Future) until compiled
+
+    def _plan_device_memory(self, kv_dtype: str) -> int:
+        import jax
+
+        from jaxserve.runtime import memory
+        from jaxserve.runtime import runner as rt
+
+        limit, in_use = memory.device_memory(jax.devices()[0])
+        tp = self.config.tensor_parallel_size
+        plan = memory.plan_kv_memory(
+            device_limit=limit, bytes_in_use=in_use, activation_bytes=self.runner.peak_step_bytes(),
+            block_bytes=rt.kv_bytes_per_block(self.model_config, self.config.block_size, kv_dtype, tp),
+            block_size=self.config.block_size, max_model_len=self.max_model_len,
+            utilization=self.config.gpu_memory_utilization, tensor_parallel_size=tp, reserved_blocks=1,
+        )
+        log.info(memory.summary(plan))
+        self.runner.resize_kv(plan.num_blocks)
+        return plan.num_blocks
 
     def _blocks_from_budget(self, dtype: str) -> int:
         from jaxserve.runtime import runner as rt

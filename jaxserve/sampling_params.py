@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.errors import UserError
+from jaxserve.structured.spec import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -33,6 +35,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # constrain the output to a JSON schema / regex / choice / grammar (a StructuredOutputs, or
+    # a dict of its fields, e.g. {"json": schema})
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +48,17 @@ class SamplingParams:
             self.top_k = 0
         if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM: -1 means no seed
             self.seed = None
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as e:
+                raise UserError(f"Invalid structured_outputs: {e}.",
+                                param="structured_outputs") from None
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputs):
+            raise UserError(
+                f"Invalid structured_outputs={type(self.structured_outputs).__name__}: give a "
+                "StructuredOutputs or a dict such as {'json': schema}.", param="structured_outputs")
         self._validate()
 
     def _validate(self) -> None:

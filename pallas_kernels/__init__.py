@@ -1,12 +1,14 @@
 """Pallas kernels for jaxserve, each next to its pure-jnp reference.
 
-``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16),
-``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU kernel in
-its interpreter when ``interpret=True``, else the reference). ``write_kv`` dispatches the same
-way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
-With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreter on any host.
+``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16,
+sm_90+), ``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU
+kernel in its interpreter when ``interpret=True``, else the reference). ``for_step(decode_only=)``
+fixes the step kind per compiled bucket: decode-only steps get the split-KV ``gpu_decode`` kernel
+on GPU and the decode row of the block-size table on TPU. ``supported(...)`` says, before anything
+traces, whether a platform's kernel runs a shape (else why), for backend resolution.
+``write_kv`` dispatches the same way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
+With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host.
 """
-
 from __future__ import annotations
 
 from typing import Literal
@@ -17,7 +19,57 @@ from pallas_kernels import reference
 
 Backend = Literal["auto", "tpu", "gpu", "reference"]
 
-__all__ = ["ragged_paged_attention", "resolve_backend", "write_kv"]
+__all__ = ["for_step", "ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
+
+TPU_DTYPES = ("float32", "bfloat16", "float16")
+HEAD_DIMS = (64, 80, 96, 128, 256)
+MIN_CAPABILITY = (9, 0)  # WGMMA and TMA: Hopper and later
+
+
+def _capability(cc) -> tuple[int, int] | None:
+    if cc is None or isinstance(cc, tuple):
+        return cc
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def supported(
+    platform: str,
+    *,
+    dtype,
+    head_dim: int,
+    group: int,
+    block_size: int,
+    compute_capability: str | tuple[int, int] | None = None,
+) -> str | None:
+    """None when this platform's Pallas kernel runs the shape, else the reason it cannot.
+
+    Meant for backend resolution at engine construction (so a bad choice fails there, or falls
+    back to the portable path with one warning), not per call. ``platform``: ``gpu``/``cuda``
+    or ``tpu``; ``compute_capability`` (``"9.0"`` or ``(9, 0)``) is the GPU's, from
+    ``compat.compute_capability(device)``.
+    """
+    import jax.numpy as jnp
+
+    if platform in ("gpu", "cuda"):
+        cc = _capability(compute_capability)
+        if cc is None or cc < MIN_CAPABILITY:
+            have = "unknown" if cc is None else f"sm_{cc[0]}{cc[1]}"
+            return (f"the Mosaic GPU attention kernel needs an sm_90+ GPU (Hopper WGMMA/TMA); "
+                    f"this one is {have}")
+        from pallas_kernels import gpu
+
+        return gpu.unsupported(dtype, head_dim, group, block_size)
+    if platform == "tpu":
+        name = jnp.dtype(dtype).name
+        if name not in TPU_DTYPES:
+            return f"the TPU attention kernel supports {TPU_DTYPES}, not {name}"
+        if head_dim not in HEAD_DIMS:
+            return f"the TPU attention kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
+        if group < 1 or block_size % 8:
+            return f"the TPU attention kernel needs a block size multiple of 8, not {block_size}"
+        return None
+    return f"no Pallas attention kernel for platform {platform!r} (use xla)"
 
 
 def resolve_backend(backend: Backend = "auto", interpret: bool = False) -> str:
@@ -46,24 +98,44 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: Backend = "auto",
     interpret: bool = False,
+    decode_only: bool = False,
     **block_sizes: int,
 ) -> jax.Array:  # [T, Hq, D]
     """Attention of each new token over its own sequence's paged KV (see ``reference``).
 
-    ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu.
+    ``decode_only`` (static, per compiled bucket): every sequence has exactly one new token and
+    token t is sequence t; on gpu that selects the split-KV decode kernel (``gpu_decode``), on
+    tpu the decode row of ``tpu.block_sizes`` (explicit ``block_sizes`` override the table).
+    ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu
+    (and ``num_splits`` for its decode kernel).
     """
     args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    kwargs = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = resolve_backend(backend, interpret)
     if name == "tpu":
         from pallas_kernels import tpu
 
-        return tpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
+        group = q.shape[1] // k_pages.shape[2]
+        sizes = {**tpu.block_sizes(decode_only, group, k_pages.shape[1]), **block_sizes}
+        return tpu.ragged_paged_attention(*args, **kwargs, **sizes, interpret=interpret)
+    if name == "gpu" and decode_only:
+        from pallas_kernels import gpu_decode
+
+        return gpu_decode.decode_attention(*args, **kwargs, **block_sizes, interpret=interpret)
     if name == "gpu":
         from pallas_kernels import gpu
 
         return gpu.ragged_paged_attention(*args, **kwargs, **block_sizes, interpret=interpret)
     return reference.ragged_paged_attention(*args, **kwargs)
+
+
+def for_step(*, decode_only: bool, backend: Backend = "auto", interpret: bool = False):
+    """The attention function for one compiled step: the runner builds one per bucket, so the
+    choice of kernel (split-KV decode or the general one) is made once, from the bucket's shape."""
+    import functools
+
+    return functools.partial(ragged_paged_attention, backend=backend, interpret=interpret,
+                             decode_only=decode_only)
 
 
 def write_kv(

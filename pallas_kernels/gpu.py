@@ -7,19 +7,19 @@ head, :]`` takes its block id from a scalar loaded from the block table, and a b
 
 One CTA = one warpgroup = one kv head x one tile of 64 q rows (``64 // G`` tokens, rows laid out
 as in ``common``). For every sequence overlapping the tile it streams that tile's visible KV
-range in chunks of ``pages_per_chunk`` pages, double-buffered in SMEM (chunk c+1's TMAs are in
-flight while chunk c runs on the tensor cores), QK^T and PV as WGMMA with f32 accumulation,
+range in chunks of ``pages_per_chunk`` pages through a ring of 2-4 SMEM slots (the next chunks'
+TMAs are in flight while chunk c runs on the tensor cores), QK^T and PV as WGMMA with f32 accumulation,
 online softmax in registers. Chunk slots past a sequence's last page re-fetch that page (so the
 barrier arrival count is static) and are masked out; masked probabilities are exactly 0, so the
 kernel needs finite K/V in the slots of a sequence's own pages (stale slots past its length
 included) but never reads the null block or other sequences' pages.
 
-Inputs must be bfloat16 or float16 (WGMMA operands); head_dim a multiple of 64.
+Inputs must be bfloat16 or float16 (WGMMA operands); ``unsupported`` says which shapes run. Any
+GQA ratio G <= 64 works: a tile holds ``64 // G`` tokens and pads its rows to 64.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -28,9 +28,204 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxserve.runtime import compat
 from pallas_kernels import common
 
 ROWS = 64  # WGMMA M per warpgroup
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+HEAD_DIMS = (64, 80, 96, 128, 256)
+# Hopper's per-block shared memory limit is 227 KiB (opt-in maximum); keep 8 KiB for the
+# compiler's own scratch (cross-warp reductions, layout changes).
+SMEM_BYTES = 219 * 1024
+MAX_STAGES = 4  # chunks of K/V in flight at most (a ring of TMA destinations)
+# KV tokens per chunk by head_dim: bounded by the f32 scores [64, chunk] held in registers and
+# by two ring slots of K and V (2 x 2 x chunk x D x 2 bytes) fitting beside the q/out tile.
+CHUNK_TOKENS = {64: 128, 80: 128, 96: 128, 128: 128, 256: 64}
+
+
+def swizzle_bytes(head_dim: int, dtype) -> int:
+    """The widest SMEM swizzle (128/64/32 bytes) that divides a row of ``head_dim`` elements."""
+    row = head_dim * jnp.dtype(dtype).itemsize
+    return next(s for s in (128, 64, 32, 16) if row % s == 0)
+
+
+def default_pages_per_chunk(head_dim: int, block_size: int) -> int:
+    return max(1, CHUNK_TOKENS.get(head_dim, 64) // block_size)
+
+
+def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0) -> int:
+    """q/out tile + K and V x ``stages`` ring slots + barriers + ``extra`` (a kernel's own)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return (ROWS + 2 * stages * chunk) * head_dim * itemsize + 1024 + extra
+
+
+def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0) -> int:
+    """The deepest TMA ring (2..MAX_STAGES chunks in flight) that fits in shared memory."""
+    fits = [n for n in range(2, MAX_STAGES + 1)
+            if smem_bytes(head_dim, chunk, dtype, n, extra) <= SMEM_BYTES]
+    return max(fits, default=2)
+
+
+def unsupported(dtype, head_dim: int, group: int, block_size: int,
+                pages_per_chunk: int | None = None) -> str | None:
+    """Why this kernel cannot run a shape (None when it can); decided before anything traces."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return (f"the Mosaic GPU kernel needs bfloat16 or float16 q/KV (WGMMA operands), got "
+                f"{jnp.dtype(dtype).name}: use --dtype bfloat16")
+    if head_dim not in HEAD_DIMS:
+        return f"the Mosaic GPU kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
+    if not 1 <= group <= ROWS:
+        return f"the Mosaic GPU kernel supports GQA ratios 1..{ROWS}, not {group}"
+    if block_size % 8 or block_size > 256:
+        return f"the Mosaic GPU kernel needs a block size that is a multiple of 8 up to 256, " \
+               f"not {block_size}"
+    ppc = pages_per_chunk or default_pages_per_chunk(head_dim, block_size)
+    chunk = ppc * block_size
+    if chunk % 64:
+        return f"pages_per_chunk*block_size={chunk} must be a multiple of 64"
+    if smem_bytes(head_dim, chunk, dtype) > SMEM_BYTES:
+        return (f"a chunk of {chunk} KV tokens at head_dim {head_dim} needs "
+                f"{smem_bytes(head_dim, chunk, dtype)} bytes of shared memory (> {SMEM_BYTES})")
+    return None
+
+
+class Ops:
+    """The Mosaic GPU pieces both kernels use, with the interpreter's substitutes."""
+
+    def __init__(self, interpret: bool):
+        self.interpret = interpret
+
+    def layout_cast(self, x, layout):
+        # The Mosaic GPU interpreter has no rule for layout_cast; layouts only matter when lowering.
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def iota(self, shape, dim):
+        return self.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
+
+    def mma_qk(self, q_ref, k_ref):  # [ROWS, D] x [chunk, D]^T -> f32[ROWS, chunk]
+        if self.interpret:  # the interpreter's wgmma takes neither transposed refs nor register lhs
+            return lax.dot_general(
+                q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
+            return acc_ref[...]
+
+        return pl.run_scoped(scope, plgpu.ACC((ROWS, k_ref.shape[0]), jnp.float32))
+
+    def mma_pv(self, p, v_ref):  # [ROWS, chunk] (registers) x [chunk, D] -> f32[ROWS, D]
+        if self.interpret:
+            return jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_ref)
+            return acc_ref[...]
+
+        # A fresh accumulator rather than ACC.init(acc) + run_state: keeps one code shape.
+        return pl.run_scoped(scope, plgpu.ACC((ROWS, v_ref.shape[1]), jnp.float32))
+
+    def init_carry(self, head_dim):
+        acc = self.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        row = plgpu.Layout.WGMMA.reduce(1)
+        m_i = self.layout_cast(jnp.full((ROWS,), common.MASK_VALUE, jnp.float32), row)
+        l_i = self.layout_cast(jnp.zeros((ROWS,), jnp.float32), row)
+        return acc, m_i, l_i
+
+
+def smem_transforms(head_dim: int, dtype):
+    swizzle = swizzle_bytes(head_dim, dtype)
+    return (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+
+
+def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int):
+    """q/out tile, a ring of ``stages`` K and V chunks, their barriers (one arrival per page)."""
+    transforms = smem_transforms(head_dim, dtype)
+    return (
+        plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=transforms),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
+    )
+
+
+def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype):
+    """Online softmax over chunks [c_lo, c_hi) through a ring of ``stages`` SMEM slots: while
+    chunk c is on the tensor cores, the TMAs (``fetch(c, slot)``) of the next ``stages - 1``
+    chunks are in flight. ``mask_of(c)`` is the chunk's [ROWS, chunk] visibility; masked
+    probabilities are exactly 0, so masked slots need finite (not meaningful) K/V."""
+    q_smem, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
+    stages = k_smem.shape[0]
+    log2e = math.log2(math.e)
+
+    for i in range(stages - 1):
+        @pl.when(c_lo + i < c_hi)
+        def _(i=i):
+            fetch(c_lo + i, i)
+
+    def chunk_body(c, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(c - c_lo, jnp.int32(stages))
+        ahead = c + (stages - 1)
+
+        @pl.when(ahead < c_hi)  # into the slot chunk c-1 has just released
+        def _():
+            fetch(ahead, lax.rem(ahead - c_lo, jnp.int32(stages)))
+
+        plgpu.barrier_wait(k_bar.at[slot])
+        s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = mask_of(c)
+        s = jnp.where(mask, s * log2e, common.MASK_VALUE)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_wait(v_bar.at[slot])
+        acc = acc + ops.mma_pv(p.astype(dtype), v_smem.at[slot])
+        return acc, m_new, l_i
+
+    return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
+
+
+def page_fetcher(scoped, k_g, v_g, head, block_size):
+    """``fetch(slot, block_ids)``: one TMA per (K|V, page) of a chunk into ``slot``."""
+    _, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
+
+    def fetch(slot, block_ids):
+        for j, block in enumerate(block_ids):
+            dst = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot])
+
+    return fetch
+
+
+def normalized(acc, l_i):
+    l_b = lax.broadcast_in_dim(l_i, acc.shape, [0])
+    return jnp.where(l_b > 0.0, acc / jnp.where(l_b > 0.0, l_b, 1.0), 0.0)
+
+
+def validate(q, k_pages, v_pages, pages_per_chunk):
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // max(num_kv_heads, 1)
+    if pages_per_chunk is None:
+        pages_per_chunk = default_pages_per_chunk(head_dim, block_size)
+    reason = unsupported(q.dtype, head_dim, group, block_size, pages_per_chunk)
+    if reason:
+        raise ValueError(reason)
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError("q, k_pages and v_pages must share a dtype")
+    return group, pages_per_chunk
 
 
 def ragged_paged_attention(
@@ -45,68 +240,29 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    pages_per_chunk: int = 4,
+    pages_per_chunk: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
+    """Any batch (prefill, chunked, mixed, decode): one CTA per (tile of 64 q rows, kv head)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
-    if ROWS % max(group, 1):
-        raise ValueError(f"GQA ratio {group} must divide {ROWS}")
-    block_q = ROWS // group
+    group, pages_per_chunk = validate(q, k_pages, v_pages, pages_per_chunk)
+    block_q = ROWS // group  # tokens per tile; rows past block_q * G are padding
     common.check_static(
         q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
     )
     dtype = q.dtype
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"the GPU kernel needs bfloat16/float16 inputs, got {dtype}")
-    if k_pages.dtype != dtype or v_pages.dtype != dtype:
-        raise ValueError("q, k_pages and v_pages must share a dtype")
-    if head_dim % 64:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of 64")
     chunk = pages_per_chunk * block_size
-    if chunk % 64 or block_size % 8:
-        raise ValueError(
-            f"pages_per_chunk*block_size={chunk} must be a multiple of 64, block_size of 8"
-        )
     num_seqs_max, max_blocks = block_tables.shape
     num_tiles = pl.cdiv(num_tokens, block_q)
+    ops = Ops(interpret)
 
-    q_rows = common.to_rows(q, num_kv_heads, num_tiles * block_q)  # [Hkv, num_tiles*64, D]
+    q_rows = common.to_rows(q, num_kv_heads, block_q, ROWS)  # [Hkv, num_tiles*64, D]
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
     tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
-    log2e = math.log2(math.e)
-
-    def layout_cast(x, layout):
-        # The Mosaic GPU interpreter has no rule for layout_cast; layouts only matter when lowering.
-        return x if interpret else plgpu.layout_cast(x, layout)
-
-    def mma_qk(q_ref, k_ref):  # [ROWS, D] x [chunk, D]^T -> f32[ROWS, chunk]
-        if interpret:  # the interpreter's wgmma takes neither transposed refs nor register lhs
-            return lax.dot_general(
-                q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
-            return acc_ref[...]
-
-        return pl.run_scoped(scope, plgpu.ACC((ROWS, k_ref.shape[0]), jnp.float32))
-
-    def mma_pv(p, v_ref):  # [ROWS, chunk] (registers) x [chunk, D] -> f32[ROWS, D]
-        if interpret:
-            return jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_ref)
-            return acc_ref[...]
-
-        # A fresh accumulator rather than ACC.init(acc) + run_state: keeps one code shape.
-        return pl.run_scoped(scope, plgpu.ACC((ROWS, v_ref.shape[1]), jnp.float32))
 
     def body(seq_lens_g, qsl_g, tables_g, lo_g, hi_g, q_g, k_g, v_g, o_g, scoped):
-        q_smem, k_smem, v_smem, q_bar, k_bar, v_bar = scoped
+        q_smem, q_bar = scoped[0], scoped[3]
         tile = lax.axis_index("tile")
         head = lax.axis_index("head")
         tile_start = tile * block_q
@@ -114,24 +270,11 @@ def ragged_paged_attention(
         plgpu.copy_gmem_to_smem(q_g.at[head, pl.ds(tile * ROWS, ROWS)], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
-        row_tok = tile_start + lax.div(
-            layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 0), plgpu.Layout.WGMMA),
-            jnp.int32(group),
-        )
-        col = layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS, chunk), 1), plgpu.Layout.WGMMA)
-
-        def fetch(seq, c, slot, num_pages):
-            for j in range(pages_per_chunk):
-                page_idx = c * pages_per_chunk + j
-                # Past the context, re-fetch the last real page (never the null block).
-                block = tables_g[seq * max_blocks + jnp.minimum(page_idx, num_pages - 1)]
-                dst = pl.ds(j * block_size, block_size)
-                plgpu.copy_gmem_to_smem(
-                    k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(
-                    v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot]
-                )
+        row = ops.iota((ROWS, chunk), 0)
+        # Rows past block_q * G pad the tile to 64: out of every sequence.
+        row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, jnp.int32(group)), -1)
+        col = ops.iota((ROWS, chunk), 1)
+        copy = page_fetcher(scoped, k_g, v_g, head, block_size)
 
         def seq_body(seq, carry):
             q_start = qsl_g[seq]
@@ -152,78 +295,41 @@ def ragged_paged_attention(
             in_seq = (row_tok >= q_start) & (row_tok < q_end)
             row_pos = ctx_before + row_tok - q_start
 
-            @pl.when(c_lo < c_hi)
-            def _():
-                fetch(seq, c_lo, 0, num_pages)
+            def fetch(c, slot):
+                # Past the context, re-fetch the last real page (never the null block).
+                copy(slot, [
+                    tables_g[seq * max_blocks
+                             + jnp.minimum(c * pages_per_chunk + j, num_pages - 1)]
+                    for j in range(pages_per_chunk)
+                ])
 
-            def chunk_body(c, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(c - c_lo, jnp.int32(2))
-
-                @pl.when(c + 1 < c_hi)
-                def _():
-                    fetch(seq, c + 1, 1 - slot, num_pages)
-
-                plgpu.barrier_wait(k_bar.at[slot])
-
-                s = mma_qk(q_smem, k_smem.at[slot]) * sm_scale
-                if soft_cap is not None:
-                    s = soft_cap * jnp.tanh(s / soft_cap)
+            def mask_of(c):
                 kv_pos = c * chunk + col
                 mask = in_seq & (kv_pos <= row_pos) & (kv_pos < kv_end)
                 if sliding_window is not None:
                     mask &= kv_pos > row_pos - sliding_window
-                s = jnp.where(mask, s * log2e, common.MASK_VALUE)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.where(mask, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                plgpu.barrier_wait(v_bar.at[slot])
+                return mask
 
-                acc = acc + mma_pv(p.astype(dtype), v_smem.at[slot])
-                return acc, m_new, l_i
+            return stream_chunks(ops, scoped, fetch=fetch, mask_of=mask_of, c_lo=c_lo, c_hi=c_hi,
+                           carry=carry, sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype)
 
-            return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
-
-        acc = layout_cast(
-            jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA
-        )
-        m_i = layout_cast(
-            jnp.full((ROWS,), common.MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-        )
-        l_i = layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc, m_i, l_i = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, (acc, m_i, l_i))
-
-        l_b = lax.broadcast_in_dim(l_i, acc.shape, [0])
-        out = jnp.where(l_b > 0.0, acc / jnp.where(l_b > 0.0, l_b, 1.0), 0.0)
-        q_smem[...] = out.astype(dtype)
+        acc, _, l_i = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, ops.init_carry(head_dim))
+        q_smem[...] = normalized(acc, l_i).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_g.at[head, pl.ds(tile * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    def entry(*refs):
-        transforms = (
-            plgpu.TilingTransform((8, 64)),
-            plgpu.SwizzleTransform(128),
-        )
-        pl.run_scoped(
-            lambda *scoped: body(*refs, scoped),
-            plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((2, chunk, head_dim), dtype, transforms=transforms),
-            plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
-            plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=2),
-        )
-
     kernel = plgpu.kernel(
-        entry,
+        lambda *refs: pl.run_scoped(
+            lambda *scoped: body(*refs, scoped),
+            *scratch(head_dim, chunk, pages_per_chunk, dtype,
+                     num_stages(head_dim, chunk, dtype)),
+        ),
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),
         grid_names=("tile", "head"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=_interpret_params() if interpret else None,
+        compiler_params=compat.gpu_compiler_params(approx_math=True),
+        interpret=compat.gpu_interpret_params() if interpret else None,
     )
     out = kernel(
         seq_lens.astype(jnp.int32),
@@ -235,11 +341,4 @@ def ragged_paged_attention(
         k_pages,
         v_pages,
     )
-    return common.from_rows(out, num_tokens, num_q_heads)
-
-
-@functools.cache
-def _interpret_params():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
+    return common.from_rows(out, num_tokens, num_q_heads, block_q)

@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxserve.runtime import compat
+
 
 def _kernel(
     # scalar prefetch (SMEM)
@@ -73,7 +75,7 @@ def write_kv_tpu(
 ) -> tuple[jax.Array, jax.Array]:
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
-    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
+    _, block_size, num_kv_heads, head_dim = k_pages.shape
     num_tokens = k.shape[0]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"k {k.shape} / v {v.shape} do not match pages {k_pages.shape}")
@@ -105,11 +107,11 @@ def write_kv_tpu(
         ),
         # Operand indices count the scalar-prefetch operand: 0 slots, 1 k_pages, 2 v_pages.
         input_output_aliases={1: 0, 2: 1},
-        compiler_params=pltpu.CompilerParams(
+        compiler_params=compat.tpu_compiler_params(
             # Steps write disjoint real slots (only padding rows share block 0).
             dimension_semantics=("parallel",),
         ),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=compat.tpu_interpret_params() if interpret else False,
         name="write_kv_tpu",
     )(
         slot_mapping.astype(jnp.int32),

@@ -1,10 +1,21 @@
-"""GPU check for the Pallas ragged paged attention kernel (run via tools/device_check.sh).
+"""Accelerator check for jaxserve: one python3 script, no network, fits a 9-minute device lease.
 
-On one NVIDIA GPU (written for H200) with JAX installed and no network: (1) numerics of the
-Mosaic GPU kernel against the jnp reference on small ragged batches, (2) kernel vs the engine's
-`xla` backend at decode and prefill shapes, with achieved HBM GB/s (K/V bytes the batch must
-read + q + out) next to measured device copy bandwidth. Prints a table and writes JSON.
-Every step catches its own failure and records it, so one bad shape never hides the rest.
+Phases, each with its own deadline (a phase stops starting new measurements when its time is
+up, so the whole run ends near the sum even when compiles are slow):
+
+  env       jax, devices, memory stats, compute capability, the kernel gate's verdict
+  copy      device copy bandwidth (bytes read + written), the ceiling for decode
+  numerics  the Pallas kernels against the jnp reference at the served models' head shapes
+            (NaN-poisoned unused pages; ||out - ref|| / ||ref||, NaN never passes)
+  decode    decode attention GB/s over batch x context: general kernel, split-KV kernel, xla
+  prefill   prefill attention TFLOP/s (causal FLOPs counted once)
+  generate  LLM.generate end to end on a random-init model (8B-wide, 2 layers), tok/s
+
+Every measurement is appended to a JSON-lines file as soon as it is made, so a run killed by
+its timeout keeps what it measured. Usage (see tools/device_check.md):
+
+  python3 tools/device_check.py --out $OUT/device_check.jsonl [--phases decode,prefill]
+  python3 tools/device_check.py --cpu-smoke   # the same code on CPU, interpreters, tiny shapes
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -23,175 +35,278 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pallas_kernels import gpu, reference  # noqa: E402
+import pallas_kernels
+from pallas_kernels import reference
+from tests.kernels.batch import MODELS, make_batch
 
-HQ, HKV, D, BLOCK = 32, 8, 128, 16
-DTYPE = jnp.bfloat16
-
-# name, q_lens, kv_lens
-TIMED = [
-    ("decode b64 ctx2k", [1] * 64, [2048] * 64),
-    ("decode b256 ctx1k", [1] * 256, [1024] * 256),
-    ("decode b32 ctx8k", [1] * 32, [8192] * 32),
-    ("prefill 4x512", [512] * 4, [512] * 4),
-    ("chunked 2x1k @4k", [1024] * 2, [4096] * 2),
-    ("mixed 1x512+63 dec", [512] + [1] * 63, [1024] + [2048] * 63),
-]
-CHECKED = [
-    ("ragged small", [1, 17, 16, 33, 0], [1, 17, 48, 40, 5]),
-    ("decode mixed lens", [1] * 16, list(range(1, 400, 25))),
-    ("prefill+decode", [100, 1, 1, 64], [100, 300, 16, 128]),
-]
+DEADLINES = {"env": 20, "copy": 25, "numerics": 120, "decode": 170, "prefill": 60, "generate": 120}
+SHAPE_8B = (32, 8, 128)  # Llama-3-8B's (Hq, Hkv, D)
+BLOCK = 16
 
 
-def make_batch(rng, q_lens, kv_lens, pad_seqs=2):
-    num_seqs = len(q_lens)
-    pages = [-(-kv // BLOCK) for kv in kv_lens]
-    max_blocks = max(pages) + 1
-    num_blocks = sum(pages) + 8
-    perm = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((num_seqs + pad_seqs, max_blocks), np.int32)
-    at = 0
-    for s, n in enumerate(pages):
-        tables[s, :n] = perm[at : at + n]
-        at += n
-    qsl = np.zeros(num_seqs + pad_seqs + 1, np.int32)
-    qsl[1 : num_seqs + 1] = np.cumsum(q_lens)
-    qsl[num_seqs + 1 :] = qsl[num_seqs]
-    seq_lens = np.zeros(num_seqs + pad_seqs, np.int32)
-    seq_lens[:num_seqs] = kv_lens
-    tokens = int(qsl[-1])
-    tokens_pad = max(16, 1 << (tokens - 1).bit_length())
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    k1, k2, k3 = jax.random.split(key, 3)
-    kv_shape = (num_blocks, BLOCK, HKV, D)
-    args = (
-        jax.random.normal(k1, (tokens_pad, HQ, D), DTYPE),
-        jax.random.normal(k2, kv_shape, DTYPE),
-        jax.random.normal(k3, kv_shape, DTYPE),
-        jnp.asarray(seq_lens),
-        jnp.asarray(qsl),
-        jnp.asarray(tables),
-        jnp.asarray([num_seqs], jnp.int32),
-    )
-    itemsize = jnp.dtype(DTYPE).itemsize
-    kv_bytes = 2 * sum(kv_lens) * HKV * D * itemsize
-    qo_bytes = 2 * tokens * HQ * D * itemsize
-    return args, tokens, kv_bytes + qo_bytes
+class Recorder:
+    """Appends one JSON object per line and flushes, so nothing measured is lost."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: list[dict] = []
+        open(path, "a").close()
+
+    def __call__(self, phase: str, **row) -> dict:
+        row = {"phase": phase, "t": round(time.time(), 2), **row}
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        brief = {k: v for k, v in row.items() if k not in ("phase", "t", "traceback")}
+        print(f"[{phase}] {json.dumps(brief, default=str)[:300]}", flush=True)
+        return row
 
 
-def bench(fn, args, iters=20):
-    out = fn(*args)
-    jax.block_until_ready(out)
+ITERS = 10
+
+
+def timed(fn, args, iters: int | None = None) -> float:
+    """Median seconds of one call after a warm-up (compile) call, synchronised each time."""
+    jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(iters):
+    for _ in range(iters or ITERS):
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
-    return float(np.median(times)), out
+    return float(np.median(times))
 
 
-def copy_bandwidth(gib=2.0):
-    n = int(gib * (1 << 30) / 4)
-    x = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    sec, _ = bench(f, (x,), iters=10)
-    return 2 * n * 4 / sec / 1e9  # read + write
-
-
-def max_rel_err(out, ref, tokens):
-    out = np.asarray(out[:tokens], np.float32)
-    ref = np.asarray(ref[:tokens], np.float32)
+def rel_err(out, ref, tokens: int) -> float:
+    out = np.asarray(out[:tokens], np.float64)
+    ref = np.asarray(ref[:tokens], np.float64)
     if not np.isfinite(out).all():
         return float("nan")
-    return float(np.max(np.abs(out - ref)) / max(1e-6, float(np.max(np.abs(ref)))))
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default="device_check.json")
-    ap.add_argument("--pages-per-chunk", type=int, default=4)
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="exercise this script on CPU: interpret mode, tiny shapes")
-    opts = ap.parse_args()
-    global TIMED, CHECKED
-    if opts.cpu_smoke:
-        TIMED = [("smoke decode", [1] * 4, [40] * 4), ("smoke prefill", [33], [33])]
-        CHECKED = CHECKED[:1]
+def device_batch(seed, q_lens, kv_lens, heads, dtype):
+    """A large batch made on the device (host RNG would dominate the lease)."""
+    hq, hkv, d = heads
+    pages = [-(-kv // BLOCK) for kv in kv_lens]
+    max_blocks, num_blocks = max(pages) + 1, sum(pages) + 8
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(q_lens), max_blocks), np.int32)
+    at = 0
+    for s, n in enumerate(pages):
+        tables[s, :n] = perm[at:at + n]
+        at += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    kv_shape = (num_blocks, BLOCK, hkv, d)
+    return (
+        jax.random.normal(k1, (int(qsl[-1]), hq, d), dtype),
+        jax.random.normal(k2, kv_shape, dtype),
+        jax.random.normal(k3, kv_shape, dtype),
+        jnp.asarray(kv_lens, jnp.int32),
+        jnp.asarray(qsl),
+        jnp.asarray(tables),
+        jnp.asarray([len(q_lens)], jnp.int32),
+    )
+
+
+def xla_attention():
+    try:
+        from jaxserve.runtime.attention import xla_ragged_paged_attention
+        return "xla", xla_ragged_paged_attention
+    except ImportError:
+        return "reference", reference.ragged_paged_attention
+
+
+def phase_env(rec, opts):
     dev = jax.devices()[0]
-    report = {"device": str(getattr(dev, "device_kind", dev)), "jax": jax.__version__,
-              "platform": dev.platform, "checks": [], "timings": []}
-    print(f"device: {report['device']}  jax {jax.__version__}")
-    if dev.platform != "gpu" and not opts.cpu_smoke:
-        print("no GPU visible to JAX; nothing to check")
-        report["error"] = "no GPU"
-        json.dump(report, open(opts.json, "w"), indent=2)
-        return 1
-    kw = dict(sm_scale=D**-0.5)
-    kernel = jax.jit(functools.partial(
-        gpu.ragged_paged_attention, pages_per_chunk=opts.pages_per_chunk,
-        interpret=opts.cpu_smoke, **kw))
-    try:
-        from jaxserve.runtime.attention import xla_ragged_paged_attention as xla_fn
-    except ImportError:  # engine not importable: time the jnp reference instead
-        xla_fn = reference.ragged_paged_attention
-    xla = jax.jit(functools.partial(xla_fn, **kw))
-    ref = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))
-    rng = np.random.default_rng(0)
+    from jaxserve.runtime import compat
 
-    try:
-        report["copy_gbps"] = copy_bandwidth(0.0625 if opts.cpu_smoke else 2.0)
-    except Exception as e:  # noqa: BLE001
-        report["copy_gbps"] = None
-        print("copy bandwidth failed:", e)
-    print(f"measured copy bandwidth: {report['copy_gbps']:.0f} GB/s" if report["copy_gbps"]
-          else "")
+    cc = compat.compute_capability(dev)
+    row = {"jax": jax.__version__, "platform": dev.platform, "device_kind": dev.device_kind,
+           "num_devices": jax.device_count(), "compute_capability": cc,
+           "memory_stats": compat.memory_stats(dev),
+           "accelerator_unused": compat.warn_if_accelerator_unused()}
+    for name, (hq, hkv, d) in MODELS.items():
+        reason = pallas_kernels.supported(opts.kernel_platform, dtype=jnp.bfloat16, head_dim=d,
+                                          group=hq // hkv, block_size=BLOCK,
+                                          compute_capability=cc or "9.0")
+        if reason:
+            row.setdefault("unsupported", {})[name] = reason
+    rec("env", **row)
 
-    print(f"\n{'numerics vs reference':<24}{'max rel err':>12}  status")
-    for name, q_lens, kv_lens in CHECKED:
-        row = {"name": name}
+
+def phase_copy(rec, opts, deadline):
+    for gib in opts.copy_gib:
+        if time.time() > deadline:
+            break
+        n = int(gib * (1 << 30) / 4)
+        x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+        sec = timed(jax.jit(lambda a: a * 1.0001), (x,))
+        rec("copy", gib=gib, ms=sec * 1e3, gbps=2 * n * 4 / sec / 1e9)
+        del x
+
+
+def kernels(opts):
+    kw = {"interpret": opts.cpu_smoke, "backend": opts.kernel_backend}
+    out = {"general": pallas_kernels.for_step(decode_only=False, **kw)}
+    if opts.kernel_backend == "gpu":
+        out["split_kv"] = pallas_kernels.for_step(decode_only=True, **kw)
+    return out
+
+
+def phase_numerics(rec, opts, deadline):
+    dtype = jnp.bfloat16
+    batches = {"decode": ([1] * 6, [1, 16, 150, 700, 2049, 33]),
+               "mixed": ([1, 40, 1, 7, 0], [300, 40, 1031, 90, 12])}
+    if opts.cpu_smoke:
+        batches = {"decode": ([1, 1], [1, 40]), "mixed": ([1, 9], [40, 9])}
+    models = list(MODELS.items())[: 1 if opts.cpu_smoke else None]
+    for name, heads in models:
+        for case, (q_lens, kv_lens) in batches.items():
+            for kname, fn in kernels(opts).items():
+                if kname == "split_kv" and case != "decode":
+                    continue
+                if time.time() > deadline:
+                    return rec("numerics", skipped="deadline")
+                try:
+                    b = make_batch(np.random.default_rng(len(name) + len(case)), q_lens, kv_lens,
+                                   num_q_heads=heads[0], num_kv_heads=heads[1],
+                                   head_dim=heads[2], block_size=BLOCK, dtype=dtype)
+                    kw = {"sm_scale": heads[2] ** -0.5}
+                    out = jax.jit(functools.partial(fn, **kw))(*b.args)
+                    f32 = tuple(a.astype(jnp.float32) if a.dtype == dtype else a for a in b.args)
+                    ref = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*f32)
+                    err = rel_err(out, ref, b.num_real_tokens)
+                    pad_zero = bool(np.all(np.asarray(out[b.num_real_tokens:], np.float32) == 0))
+                    rec("numerics", model=name, batch=case, kernel=kname, rel_err=err,
+                        padding_zero=pad_zero, ok=bool(err < 1e-2 and pad_zero))
+                except Exception as e:  # noqa: BLE001 -- record and go on to the next shape
+                    rec("numerics", model=name, batch=case, kernel=kname, ok=False,
+                        error=f"{type(e).__name__}: {e}"[:1500],
+                        traceback=traceback.format_exc()[-3000:])
+
+
+def phase_decode(rec, opts, deadline):
+    copy = [r["gbps"] for r in rec.rows if r["phase"] == "copy" and "gbps" in r]
+    ceiling = max(copy) if copy else None
+    hq, hkv, d = SHAPE_8B
+    xla_name, xla_fn = xla_attention()
+    fns = {**kernels(opts), xla_name: xla_fn}
+    for batch, ctx in opts.decode_sweep:
+        if time.time() > deadline:
+            return rec("decode", skipped="deadline")
+        args = device_batch(batch * 7 + ctx, [1] * batch, [ctx] * batch, SHAPE_8B, jnp.bfloat16)
+        nbytes = 2 * batch * ctx * hkv * d * 2 + 2 * batch * hq * d * 2  # K+V read, q+out
+        for kname, fn in fns.items():
+            if time.time() > deadline:
+                break
+            try:
+                sec = timed(jax.jit(functools.partial(fn, sm_scale=d ** -0.5)), args)
+                gbps = nbytes / sec / 1e9
+                rec("decode", batch=batch, ctx=ctx, kernel=kname, us=sec * 1e6, gbps=gbps,
+                    pct_copy=100 * gbps / ceiling if ceiling else None)
+            except Exception as e:  # noqa: BLE001
+                rec("decode", batch=batch, ctx=ctx, kernel=kname,
+                    error=f"{type(e).__name__}: {e}"[:1500])
+        del args
+
+
+def phase_prefill(rec, opts, deadline):
+    hq, _, d = SHAPE_8B
+    for lens in opts.prefill_sweep:
+        if time.time() > deadline:
+            return rec("prefill", skipped="deadline")
+        args = device_batch(sum(lens), lens, lens, SHAPE_8B, jnp.bfloat16)
+        flops = sum(4 * hq * d * n * (n + 1) / 2 for n in lens)  # QK^T + PV over the causal half
+        for kname, fn in kernels(opts).items():
+            if kname == "split_kv":
+                continue
+            try:
+                sec = timed(jax.jit(functools.partial(fn, sm_scale=d ** -0.5)), args)
+                rec("prefill", seqs=lens, kernel=kname, ms=sec * 1e3, tflops=flops / sec / 1e12)
+            except Exception as e:  # noqa: BLE001
+                rec("prefill", seqs=lens, kernel=kname, error=f"{type(e).__name__}: {e}"[:1500])
+
+
+def phase_generate(rec, opts, deadline):
+    """The engine end to end: random weights, 8B-wide layers, greedy decode of a batch."""
+    from jaxserve import LLM, SamplingParams
+    from tests.tiny_models import make_tiny_model
+
+    hidden, layers = (64, 1) if opts.cpu_smoke else (4096, 2)
+    path = make_tiny_model(tempfile.mkdtemp() + "/m", "llama", layers=layers, hidden=hidden,
+                           heads=32 if hidden >= 4096 else 4, kv_heads=8 if hidden >= 4096 else 2,
+                           max_pos=4096)
+    for batch, prompt_len, new in opts.generate_sweep:
+        if time.time() > deadline:
+            return rec("generate", skipped="deadline")
         try:
-            args, tokens, _ = make_batch(rng, q_lens, kv_lens)
-            f32 = tuple(a.astype(jnp.float32) if a.dtype == DTYPE else a for a in args)
-            out = kernel(*args)
-            err = max_rel_err(out, ref(*f32), tokens)
-            pad_zero = bool(np.all(np.asarray(out[tokens:], np.float32) == 0))
-            row.update(max_rel_err=err, padding_zero=pad_zero, ok=bool(err < 3e-2 and pad_zero))
+            # No precompile of every bucket (minutes of Mosaic compiles); a warm-up pass over the
+            # same prompts compiles the buckets the timed pass uses.
+            llm = LLM(str(path), max_model_len=prompt_len + new + 16, max_num_seqs=batch,
+                      precompile=False)
+            prompts = [[5 + (i + j) % 300 for j in range(prompt_len)] for i in range(batch)]
+            params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+            llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                         use_tqdm=False)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sec = time.perf_counter() - t
+            made = sum(len(o.outputs[0].token_ids) for o in outs)
+            rec("generate", batch=batch, prompt_len=prompt_len, new_tokens=new, layers=layers,
+                hidden=hidden, seconds=sec, tokens=made, tok_per_s=made / sec,
+                ok=made == batch * new)
+            del llm
         except Exception as e:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-            traceback.print_exc()
-        report["checks"].append(row)
-        print(f"{name:<24}{row.get('max_rel_err', float('nan')):>12.2e}  "
-              f"{'ok' if row['ok'] else 'FAIL ' + row.get('error', '')[:80]}")
+            rec("generate", batch=batch, prompt_len=prompt_len, ok=False,
+                error=f"{type(e).__name__}: {e}"[:1500], traceback=traceback.format_exc()[-3000:])
 
-    bw = report.get("copy_gbps") or float("nan")
-    print(f"\n{'shape':<22}{'kernel ms':>10}{'xla ms':>9}{'speedup':>8}"
-          f"{'kernel GB/s':>12}{'% copy':>8}{'xla GB/s':>10}{'rel err':>9}")
-    for name, q_lens, kv_lens in TIMED:
-        row = {"name": name, "tokens": sum(q_lens), "kv_tokens": sum(kv_lens)}
+
+PHASES = {"env": phase_env, "copy": phase_copy, "numerics": phase_numerics,
+          "decode": phase_decode, "prefill": phase_prefill, "generate": phase_generate}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                  "device_check.jsonl"))
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every phase deadline")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run every phase on CPU: kernels in their interpreters, tiny shapes")
+    opts = ap.parse_args(argv)
+    platform = jax.devices()[0].platform
+    opts.kernel_backend = "tpu" if platform == "tpu" else "gpu"
+    opts.kernel_platform = opts.kernel_backend
+    if opts.cpu_smoke:
+        global ITERS
+        ITERS = 1
+        opts.copy_gib, opts.decode_sweep = [1 / 64], [(2, 64)]
+        opts.prefill_sweep, opts.generate_sweep = [[32]], [(2, 8, 4)]
+    else:
+        opts.copy_gib = [1.0, 4.0]
+        opts.decode_sweep = [(b, c) for c in (2048, 1024, 8192) for b in (32, 64, 1, 8, 128, 256)]
+        opts.prefill_sweep = [[512] * 4, [2048], [4096] * 2]
+        opts.generate_sweep = [(64, 1024, 32), (256, 1024, 16), (1, 512, 64)]
+    if platform == "cpu" and not opts.cpu_smoke:
+        print("jax sees no accelerator (use --cpu-smoke to exercise the script on CPU)")
+    rec = Recorder(opts.out)
+    failed = False
+    for name in opts.phases.split(","):
+        start = time.time()
+        deadline = start + DEADLINES[name] * opts.scale
         try:
-            args, tokens, nbytes = make_batch(rng, q_lens, kv_lens)
-            row["bytes"] = nbytes
-            tx, out_x = bench(xla, args)
-            row.update(xla_ms=tx * 1e3, xla_gbps=nbytes / tx / 1e9)
-            tk, out_k = bench(kernel, args)
-            row.update(kernel_ms=tk * 1e3, kernel_gbps=nbytes / tk / 1e9,
-                       rel_err_vs_xla=max_rel_err(out_k, out_x, tokens))
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            traceback.print_exc()
-        report["timings"].append(row)
-        g = row.get
-        nan = float("nan")
-        print(f"{name:<22}{g('kernel_ms', nan):>10.3f}{g('xla_ms', nan):>9.3f}"
-              f"{g('xla_ms', nan) / g('kernel_ms', nan):>8.2f}{g('kernel_gbps', nan):>12.0f}"
-              f"{100 * g('kernel_gbps', nan) / bw:>7.0f}%{g('xla_gbps', nan):>10.0f}"
-              f"{g('rel_err_vs_xla', nan):>9.1e}"
-              + (f"  {row['error'][:60]}" if "error" in row else ""))
-    json.dump(report, open(opts.json, "w"), indent=2)
-    print(f"\nwrote {opts.json}")
-    ok = all(c["ok"] for c in report["checks"]) and not any("error" in t for t in report["timings"])
-    return 0 if ok else 1
+            fn = PHASES[name]
+            fn(rec, opts) if name == "env" else fn(rec, opts, deadline)
+        except Exception as e:  # noqa: BLE001 -- one phase's failure must not hide the next
+            failed = True
+            rec(name, error=f"{type(e).__name__}: {e}"[:1500],
+                traceback=traceback.format_exc()[-3000:])
+        rec(name, phase_seconds=round(time.time() - start, 1))
+    bad = [r for r in rec.rows if r.get("ok") is False or "error" in r]
+    print(f"\n{len(rec.rows)} rows in {opts.out}; {len(bad)} failed")
+    return 1 if failed or bad else 0
 
 
 if __name__ == "__main__":

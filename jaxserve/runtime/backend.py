@@ -137,11 +137,25 @@ class Backend:
         return jax.tree_util.tree_map_with_path(pack, params)
 
 
-def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_parallel_size: int = 1) -> Backend:
+@dataclass(frozen=True)
+class KernelShape:
+    """What decides whether a Pallas kernel runs a model: its attention shape per device."""
+
+    head_dim: int
+    group: int  # query heads per kv head
+    block_size: int
+
+
+def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_parallel_size: int = 1,
+                    shape: KernelShape | None = None) -> Backend:
     """Decide once what runs. An explicit choice that cannot run is a UserError naming the fix;
     the default picks the best that runs here and says why."""
+    from jaxserve.runtime import compat
+
     platform = jax.default_backend()
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if platform == "cpu":
+        compat.warn_if_accelerator_unused(platform="cpu")
     if requested is not None and requested not in ATTENTION_BACKENDS:
         raise UserError(f"Unknown attention backend {requested!r}: choose one of {', '.join(ATTENTION_BACKENDS)}.",
                         param="attention_backend")
@@ -150,8 +164,20 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
             raise UserError(f"Attention backend 'cpu' runs on CPU only, not on {platform}: use pallas or xla.",
                             param="attention_backend")
         name = requested or "pallas"
-        return Backend(platform, name, "paged", False, False,
-                       "requested" if requested else f"default on {platform}")
+        reason = "requested" if requested else f"default on {platform}"
+        if name == "pallas" and shape is not None:
+            import pallas_kernels
+
+            why = pallas_kernels.supported(
+                platform, dtype=kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
+                compute_capability=compat.compute_capability(jax.devices()[0]))
+            if why and requested:
+                raise UserError(f"Attention backend 'pallas' cannot run this model here: {why}; "
+                                "use --attention-backend xla.", param="attention_backend")
+            if why:
+                log.warning("Pallas attention unavailable (%s); using the portable 'xla' backend.", why)
+                name, reason = "xla", f"pallas unavailable: {why}"
+        return Backend(platform, name, "paged", False, False, reason)
     native_dtypes = dtype == "float32" and kv_dtype in ("float32", "bfloat16")
     if requested in (None, "cpu"):
         from jaxserve.runtime import cpu_kernels

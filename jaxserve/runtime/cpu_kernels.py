@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.model.default_model import cache_dir
+from jaxserve.runtime.compat import ffi
 
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
@@ -77,7 +78,7 @@ def _build() -> Path:
         procs = []
         for src, obj, log in zip(sources, objs, logs):
             with open(log, "w") as err:  # a file, not a pipe: a chatty compiler cannot block on it
-                procs.append(subprocess.Popen([cxx, *FLAGS, "-c", f"-I{jax.ffi.include_dir()}", str(src), "-o", str(obj)],
+                procs.append(subprocess.Popen([cxx, *FLAGS, "-c", f"-I{ffi.include_dir()}", str(src), "-o", str(obj)],
                                               stdout=subprocess.DEVNULL, stderr=err))
         results = [(proc.wait(), log.read_text()) for proc, log in zip(procs, logs)]
         tmp_so = Path(tmp) / out.name
@@ -99,7 +100,7 @@ def available() -> str | None:
             try:
                 lib = ctypes.cdll.LoadLibrary(str(_build()))
                 for target, symbol in TARGETS.items():
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    ffi.register_ffi_target(target, ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state["lib"], _state["error"] = lib, None
             except Exception as e:  # noqa: BLE001  (any failure means: use the xla backend)
                 _state["error"] = f"{type(e).__name__}: {e}"
@@ -123,7 +124,7 @@ def cpu_ragged_paged_attention(
     layout): float32 q, float32 or bfloat16 pages. The backend checks dtypes once
     (backend.resolve_backend); this is the call itself."""
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    return jax.ffi.ffi_call("jaxserve_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
+    return ffi.ffi_call("jaxserve_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
         q, k_pages, v_pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
@@ -134,7 +135,7 @@ def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
     """`write_kv` (rounding to the pages' dtype) into the `cpu-tiled` layout, in place through
     aliased outputs."""
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
-    return jax.ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},
+    return ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},
                             vmap_method="sequential")(k_pages, v_pages, k.astype(jnp.float32),
                                                       v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
 
@@ -169,18 +170,18 @@ def cpu_matmul(x, wp, num_rows=None):
     With `num_rows` (an int or i32[1]: the step's real tokens) only the first num_rows rows are
     computed and the rest come out zero."""
     out = jax.ShapeDtypeStruct((x.shape[0], wp.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, _rows(x, num_rows))
+    return ffi.ffi_call("jaxserve_matmul", out, vmap_method="sequential")(x, wp, _rows(x, num_rows))
 
 
 def cpu_matmul_gated(x, wp_gate, wp_up, num_rows=None):
     """`silu(x @ W_gate) * (x @ W_up)` (the gated MLP's first half) in one native call: SiLU and the
     product are applied to each tile as it is computed. Rows as in `cpu_matmul`."""
     out = jax.ShapeDtypeStruct((x.shape[0], wp_gate.shape[0] * PANEL), jnp.float32)
-    return jax.ffi.ffi_call("jaxserve_matmul_gated", out, vmap_method="sequential")(
+    return ffi.ffi_call("jaxserve_matmul_gated", out, vmap_method="sequential")(
         x, wp_gate, wp_up, _rows(x, num_rows))
 
 
 def argmax_rows(x):
     """Index of each row's largest value (the first among ties) of float32 x[S, V] as int32[S]."""
     out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
-    return jax.ffi.ffi_call("jaxserve_argmax", out, vmap_method="sequential")(x.astype(jnp.float32))
+    return ffi.ffi_call("jaxserve_argmax", out, vmap_method="sequential")(x.astype(jnp.float32))

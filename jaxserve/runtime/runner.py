@@ -17,6 +17,7 @@ are replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import quant
 from jaxserve.runtime.attention import AttentionMetadata
-from jaxserve.runtime.backend import Backend, resolve_backend
+from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.sampler import sample
 
 log = logging.getLogger("jaxserve")
@@ -102,7 +103,8 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype or cfg.dtype)
         self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
         tp = meshlib.tp_size(self.mesh)
-        self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, str(self.kv_dtype), tp)
+        shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
+        self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, str(self.kv_dtype), tp, shape)
         self.source_config = model_cfg
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
@@ -116,9 +118,7 @@ class ModelRunner:
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
         self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
-        shape = (cfg.num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
-        self.kv = KVCaches([(zeros(), zeros()) for _ in range(model_cfg.num_layers)], self.backend.kv_layout)
+        self.kv = self._allocate_kv(cfg.num_blocks)
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, vocab_size=model_cfg.vocab_size,
@@ -130,6 +130,28 @@ class ModelRunner:
         self._jitted: dict[BucketKey, object] = {}  # forward_logits
         self._compiled: dict[BucketKey, object] = {}
         self.num_compiles = 0
+
+    def _allocate_kv(self, num_blocks: int) -> KVCaches:
+        mc = self.model_cfg
+        shape = (num_blocks, self.cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
+        return KVCaches([(zeros(), zeros()) for _ in range(mc.num_layers)], self.backend.kv_layout)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Re-allocate the KV cache with num_blocks blocks (after memory sizing); executables
+        compiled for the old size are dropped."""
+        self.kv = None  # free the old arrays first
+        self.kv = self._allocate_kv(num_blocks)
+        self.cfg = dataclasses.replace(self.cfg, num_blocks=num_blocks)
+        self._compiled.clear()
+        self._jitted.clear()
+        self.num_compiles = 0
+
+    def peak_step_bytes(self) -> int:
+        """Peak temporary bytes of the largest bucket's executable (XLA's memory analysis)."""
+        from jaxserve.runtime import compat
+
+        return compat.peak_temp_bytes(self.executable(max(self.all_buckets())))
 
     def _place_params(self, params) -> dict:
         mc, mesh = self.source_config, self.mesh
@@ -271,8 +293,9 @@ def kv_memory_budget(kv_cache_memory: int | None, memory_fraction: float, weight
     """
     if kv_cache_memory is not None:
         return int(kv_cache_memory)
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    from jaxserve.runtime import compat
+
+    stats = compat.memory_stats(jax.devices()[0])
     if stats and "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * memory_fraction)

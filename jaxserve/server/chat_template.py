@@ -50,8 +50,10 @@ class ChatTemplate:
         *,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The prompt ids of `messages`, rendered off the event loop within the time bound."""
+        """The prompt ids of `messages` (and the request's `tools`, for templates that show
+        them), rendered off the event loop within the time bound."""
         kwargs = dict(template_kwargs or {})
         for key in kwargs:
             if key in RESERVED_TEMPLATE_KWARGS:
@@ -85,6 +87,8 @@ class ChatTemplate:
             kwargs["chat_template"] = chat_template
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        if tools:
+            kwargs["tools"] = tools
 
         def render() -> list[int]:
             text = self.tok.apply_chat_template(

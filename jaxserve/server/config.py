@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from jaxserve.config import parse_bytes
 from jaxserve.errors import UserError
+from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/load")
 ADMIN_PATHS = ("/reset_prefix_cache",)  # always need the key when one is set
@@ -33,8 +35,19 @@ class ServerConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     enable_request_id_headers: bool = False  # echo X-Request-Id, or make one
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls (tool_parsers.py)
+    reasoning_parser: str | None = None  # splits <think> blocks into reasoning_content
 
     def __post_init__(self) -> None:
+        for name, known in (
+            ("tool_call_parser", TOOL_PARSERS),
+            ("reasoning_parser", REASONING_PARSERS),
+        ):
+            v = getattr(self, name)
+            if v is not None and v not in known:
+                raise UserError(
+                    f"Invalid {name}={v!r}: choose one of {', '.join(sorted(known))}.", param=name
+                )
         for name in ("max_queued_requests", "max_body_bytes", "max_seqs_per_request"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -86,6 +99,8 @@ class ServerConfig:
             allowed_headers=tuple(args.allowed_headers),
             allow_credentials=args.allow_credentials,
             enable_request_id_headers=args.enable_request_id_headers,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
 
 
@@ -189,4 +204,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-request-id-headers",
         action="store_true",
         help="answer with an X-Request-Id header: the client's, or a new one",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=ServerConfig.tool_call_parser,
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format, read for tool_choice 'auto' (default: none; "
+        "'auto' is then a 400, 'required' and named functions still work)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=ServerConfig.reasoning_parser,
+        choices=sorted(REASONING_PARSERS),
+        help="put <think>...</think> in reasoning_content (qwen3: when the answer opens with "
+        "<think>; deepseek_r1: the prompt opened it) (default: off)",
     )

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from jaxserve.errors import UserError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError, bad_request, from_user_error, from_validation_error
+from jaxserve.server.tools import StructuredFields, ToolFields, ToolMessageFields
+from jaxserve.structured import StructuredOutputs
 
 
 class _Model(BaseModel):
@@ -29,9 +31,11 @@ class StreamOptions(_Model):
 
 
 # Request fields that would change the output and are not implemented yet: a 400 naming them unless
-# the value is one that changes nothing (None, or the listed harmless values).
+# the value is one that changes nothing (None, or the listed harmless values). Only undeclared
+# (extra) fields are looked at: the structured-output fields (tools.StructuredFields) are served on
+# both endpoints, the tool fields (tools.ToolFields) on chat, so the tool entries here refuse them
+# on /v1/completions only; chat answers `functions`/`function_call` in tools.plan().
 UNSUPPORTED: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -39,11 +43,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "prompt_logprobs": (),
     "best_of": (1,),
     "use_beam_search": (False,),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     "logits_processors": (),
@@ -58,7 +57,7 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class SamplingRequest(_Model):
+class SamplingRequest(_Model, StructuredFields):
     """The fields completions and chat share."""
 
     # Extra fields are kept (not used) so that check() can refuse the unsupported ones.
@@ -161,26 +160,22 @@ class ContentPart(_Model):
     text: str | None = None
 
 
-class ChatMessage(_Model):
+class ChatMessage(_Model, ToolMessageFields):
     role: str = Field(min_length=1)  # any role the model's chat template accepts (as vLLM)
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
 
     def to_template(self, index: int) -> dict[str, Any]:
-        """The message as the chat template sees it; a 400 for what this server cannot read."""
-        if self.tool_calls:
-            raise bad_request(
-                "Tool calls in messages are not supported by this server yet.",
-                f"messages[{index}].tool_calls",
-                code="unsupported_parameter",
-            )
+        """The message as the chat template sees it: text content, tool calls with their
+        arguments parsed (templates index them); a 400 for what this server cannot read."""
         msg: dict[str, Any] = {"role": self.role, "content": self._text(index)}
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [c.to_template(f"messages[{index}].tool_calls[{j}]")
+                                 for j, c in enumerate(self.tool_calls)]
         return msg
 
     def _text(self, index: int) -> str:
@@ -217,7 +212,7 @@ def _finite(v: Any, where: str) -> None:
             _finite(x, f"{where}[{i}]")
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -264,6 +259,7 @@ def to_sampling_params(
     logprobs: int | None,
     vocab_size: int,
     aliases: dict[str, str],
+    structured_outputs: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """Build SamplingParams: explicit request values, then the model's generation config, then OpenAI's."""
     kw: dict[str, Any] = {"temperature": 1.0, **defaults}
@@ -292,6 +288,7 @@ def to_sampling_params(
             stop_token_ids=req.stop_token_ids or [],
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
             **kw,
         )
     except UserError as e:

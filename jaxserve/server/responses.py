@@ -18,6 +18,8 @@ from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError, RequestStream
 from jaxserve.server.errors import APIError, error_body, internal_error
+from jaxserve.server.output_parser import OutputParser, Parsed, delta_json, message_json
+from jaxserve.server.output_parser import finish_reason as agent_finish_reason
 from jaxserve.server.streaming import DONE, sse
 from jaxserve.tokenizer import _byte_alphabet
 
@@ -43,6 +45,7 @@ class Kind:
     prompts: list[Prompt]
     echo: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
+    output: OutputParser | None = None  # chat: reasoning / tool calls out of the text
 
 
 class TokenTexts:
@@ -95,6 +98,7 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.chat = kind.object == "chat.completion"
         self._sent_prompt_ids: set[int] = set()  # streamed choices that carried prompt_token_ids
+        self._calls_sent: dict[int, int] = {}  # streamed tool calls per choice
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -146,17 +150,23 @@ class ResponseBuilder:
         return out
 
     def _choice(
-        self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool
+        self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool,
+        parsed: Parsed | None = None, made_calls: bool = False,
     ) -> dict:
         c: dict[str, Any] = {"index": index}
         if not self.chat:
             c["text"] = text
+        elif parsed is not None:  # split by the output parser
+            c["delta" if delta else "message"] = (
+                delta_json(parsed, self._calls_sent.get(index, 0)) if delta
+                else message_json(parsed)
+            )
         elif delta:
             c["delta"] = {"content": text} if text else {}
         else:
             c["message"] = {"role": "assistant", "content": text}
         c["logprobs"] = logprobs
-        c["finish_reason"] = o.finish_reason
+        c["finish_reason"] = agent_finish_reason(o.finish_reason, made_calls)
         c["stop_reason"] = o.stop_reason
         if self.kind.params.return_token_ids:
             c["token_ids"] = list(o.delta_token_ids if delta else o.token_ids)
@@ -189,9 +199,11 @@ class ResponseBuilder:
         for idx in sorted(finals):
             for o in finals[idx].outputs:
                 text = (self._echo(idx) + o.text) if self.kind.echo else o.text
+                parsed = self.kind.output.extract(text) if self.kind.output else None
                 choices.append(
                     self._choice(
-                        idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False
+                        idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False,
+                        parsed=parsed, made_calls=bool(parsed and parsed.calls),
                     )
                 )
         body = {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
@@ -216,6 +228,7 @@ class ResponseBuilder:
         started: set[int] = set()
         offsets: dict[int, int] = {}
         num_choices = len(self.kind.prompts) * self.n
+        incs = {}  # per choice: the output parser's stream state
         try:
             if self.chat:
                 for i in range(num_choices):
@@ -255,14 +268,28 @@ class ResponseBuilder:
                         offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
                     if o.finished:
                         done.add(index)
-                    chunk = {**head, "choices": [self._choice(index, text, lps, o, delta=True)]}
+                    parsed = None
+                    if self.kind.output is not None:
+                        inc = incs.setdefault(index, self.kind.output.stream())
+                        parsed = inc.feed(text, final=o.finished)
+                        if not (parsed.content or parsed.reasoning or parsed.calls or o.finished
+                                or lps or (o.delta_token_ids and self.kind.params.return_token_ids)):
+                            continue  # held back: it may still become a call or a tag
+                    choice = self._choice(index, text, lps, o, delta=True, parsed=parsed,
+                                          made_calls=bool(index in incs and incs[index].sent.calls))
+                    if parsed is not None:
+                        self._calls_sent[index] = len(incs[index].sent.calls)
+                    chunk = {**head, "choices": [choice]}
                     if continuous:
                         chunk["usage"] = self._usage(latest)
                     yield sse(chunk)
             if stream.aborted:  # by the server (a client that left reads nothing more)
                 for index in sorted(set(range(num_choices)) - done):
+                    # what the output parser still held back, then finish_reason "abort"
+                    parsed = incs[index].feed("", final=True) if index in incs else None
                     choice = self._choice(
-                        index, "", None, CompletionOutput(index, finish_reason="abort"), delta=True
+                        index, "", None, CompletionOutput(index, finish_reason="abort"),
+                        delta=True, parsed=parsed,
                     )
                     yield sse({**head, "choices": [choice]})
             if include_usage:

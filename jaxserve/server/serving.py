@@ -16,7 +16,9 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import protocol as P
+from jaxserve.server import tools as T
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.chat_template import ChatTemplate
 from jaxserve.server.config import ServerConfig
@@ -24,6 +26,8 @@ from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.offload import run_bounded
 from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
 from jaxserve.server.streaming import EventStream, until_disconnect
+from jaxserve.server.tool_parsers import detect_tool_parser
+from jaxserve.structured import StructuredOutputs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -65,6 +69,8 @@ class OpenAIServing:
         longest = max((len(p) for p in tokenizer.hf.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
         self.chat_template = ChatTemplate(tokenizer, cfg, self.check_chars)
+        self.grammar = getattr(engine, "grammar_compiler", None)  # structured outputs, if wired
+        self.tool_parser = cfg.tool_call_parser or detect_tool_parser(tokenizer.chat_template)
 
     # ---- shared checks ---------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -238,7 +244,9 @@ class OpenAIServing:
                 self.max_model_len - max(len(p.ids) for p in prompts),
             )
         kind = Kind("text_completion", "text_completion", "cmpl", req, prompts, echo=req.echo)
-        params = self.sampling_params(req, max_tokens, req.logprobs, {})
+        spec, spec_param = T.structured_spec(req)
+        params = self.sampling_params(req, max_tokens, req.logprobs, {}, spec)
+        await T.check_grammar(self.grammar, spec, spec_param)
         return await self._generate(request, kind, params, model)
 
     # ---- /v1/chat/completions --------------------------------------------------------------------
@@ -250,12 +258,14 @@ class OpenAIServing:
         req.check()
         model = self.check_model(req.model)
         self.admit(req.n, 1)
+        plan = T.plan(req, self.tool_parser, self.cfg.reasoning_parser)
         ids = await self.chat_template.render(
             req.messages,
             req.add_generation_prompt,
             req.chat_template_kwargs,
             chat_template=req.chat_template,
             continue_final_message=req.continue_final_message,
+            tools=plan.template_tools,
         )
         max_param = (
             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -276,10 +286,22 @@ class OpenAIServing:
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
         )
-        params = self.sampling_params(req, max_tokens, logprobs, kind.aliases)
+        spec, spec_param = T.structured_spec(req, plan.tool_call)
+        kind.output = plan.output_for(spec)
+        params = self.sampling_params(req, max_tokens, logprobs, kind.aliases, spec)
+        if plan.skip_special_tokens is not None:
+            params.skip_special_tokens = plan.skip_special_tokens
+        await T.check_grammar(self.grammar, spec, spec_param)
         return await self._generate(request, kind, params, model)
 
-    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None, aliases: dict):
+    def sampling_params(
+        self,
+        req: P.SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        aliases: dict,
+        structured_outputs: StructuredOutputs | None = None,
+    ) -> SamplingParams:
         for name in ("logit_bias", "stop_token_ids"):
             self.check_token_ids([int(t) for t in getattr(req, name) or ()], name)
         return P.to_sampling_params(
@@ -289,6 +311,7 @@ class OpenAIServing:
             logprobs=logprobs,
             vocab_size=self.vocab_size,
             aliases=aliases,
+            structured_outputs=structured_outputs,
         )
 
     # ---- /invocations (SageMaker) ----------------------------------------------------------------

@@ -7,6 +7,25 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+# (Hq, Hkv, head_dim) of each family; several share a shape and are tested once.
+MODELS = {
+    "llama3.1-8b/mistral-7b/qwen3-8b": (32, 8, 128),  # G=4
+    "llama3.1-70b/qwen2.5-72b/qwen3-32b": (64, 8, 128),  # G=8
+    "llama3.2-1b": (32, 8, 64),  # G=4
+    "llama3.2-3b": (24, 8, 128),  # G=3
+    "qwen2.5-0.5b": (14, 2, 64),  # G=7
+    "qwen2.5-1.5b": (12, 2, 128),  # G=6
+    "qwen2.5-3b": (16, 2, 128),  # G=8
+    "qwen2.5-7b": (28, 4, 128),  # G=7
+    "qwen2.5-14b/32b": (40, 8, 128),  # G=5
+    "qwen3-0.6b": (16, 8, 128),  # G=2
+    "qwen3-30b-a3b": (32, 4, 128),  # G=8
+    "smollm2-135m": (9, 3, 64),  # G=3 (the default model)
+    "smollm2-360m": (15, 5, 64),  # G=3
+    "smollm2-1.7b": (32, 32, 64),  # G=1
+    "gqa16": (16, 1, 128),
+}
+
 
 @dataclasses.dataclass
 class Batch:

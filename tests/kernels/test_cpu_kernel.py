@@ -177,7 +177,7 @@ def test_cpu_matmul_row_does_not_depend_on_the_batch():
 def test_runner_packs_linear_kernels_only_for_the_cpu_backend(tiny_model):
     path = tiny_model("llama", layers=2, heads=4, kv_heads=2)
     kw = dict(precompile=False, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_blocks=16)
-    attn = lambda llm: llm.engine.runner.params["layers_0"]["self_attn"]  # noqa: E731
+    attn = lambda llm: llm.engine.runner.params["layers_0"]["self_attn"]
     ref = LLM(path, attention_backend="xla", **kw)
     assert attn(ref)["q_proj"]["kernel"].shape == (64, 64) and not ref.engine.runner.backend.native_linear
     if WHY is not None:

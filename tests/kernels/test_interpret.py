@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import gpu, reference, tpu
 from tests.kernels.batch import assert_close, make_batch
 
@@ -28,11 +29,11 @@ HEADS = [(2, 2), (4, 2), (8, 2), (8, 1)]  # GQA ratios 1, 2, 4, 8
 
 
 def _check(kernel_fn, batch, *, rtol, atol, sliding_window=None, soft_cap=None, to_f32=False):
-    kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = {"sm_scale": 0.125, "sliding_window": sliding_window, "soft_cap": soft_cap}
     out = jax.jit(functools.partial(kernel_fn, **kw))(*batch.args)
     ref_args = batch.args
     if to_f32:
-        ref_args = tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in ref_args)
+        ref_args = tuple(a.astype(jnp.float32) if a.dtype != jnp.int32 else a for a in ref_args)
     ref = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*ref_args)
     assert out.dtype == batch.args[0].dtype
     assert_close(out, ref, batch.num_real_tokens, rtol=rtol, atol=atol)
@@ -111,3 +112,68 @@ def test_gpu_rejects_float32():
     b = make_batch(np.random.default_rng(12), [1], [1])
     with pytest.raises(ValueError, match="bfloat16"):
         gpu_kernel(*b.args, sm_scale=0.1)
+
+
+# Odd GQA ratios (tiles padded to 64 rows on GPU, to the sublane multiple on TPU), every block
+# size, float16, window and soft cap together; a context long enough for several chunks.
+SHAPES = [
+    # (Hq, Hkv, D, block_size, dtype, window, cap)
+    (9, 3, 64, 16, jnp.bfloat16, None, None),
+    (10, 2, 80, 16, jnp.float16, 24, None),
+    (12, 2, 96, 32, jnp.bfloat16, None, 30.0),
+    (14, 2, 128, 64, jnp.float16, 40, 20.0),
+    (16, 1, 256, 32, jnp.bfloat16, None, None),
+]
+SHAPE_IDS = [f"g{s[0] // s[1]}-d{s[2]}-bs{s[3]}-{jnp.dtype(s[4]).name}" for s in SHAPES]
+
+
+def _shape_batch(seed, hq, hkv, d, bs, dtype):
+    rng = np.random.default_rng(seed)
+    return make_batch(rng, [1, 9, 1, 3], [200, 9, 70, 33], num_q_heads=hq, num_kv_heads=hkv,
+                      head_dim=d, block_size=bs, dtype=dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_gpu_shapes(shape):
+    hq, hkv, d, bs, dtype, window, cap = shape
+    b = _shape_batch(20 + d, hq, hkv, d, bs, dtype)
+    kernel = functools.partial(gpu.ragged_paged_attention, interpret=True)  # table's chunk
+    _check(kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=window, soft_cap=cap)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_tpu_shapes(shape):
+    hq, hkv, d, bs, dtype, window, cap = shape
+    b = _shape_batch(40 + d, hq, hkv, d, bs, dtype)
+    _check(tpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=window, soft_cap=cap)
+
+
+@pytest.mark.parametrize("case", ["chunked", "decode"])
+def test_tpu_block_tables_in_hbm(case):
+    """Tables too large for SMEM stay in HBM (forced here with a 0-byte SMEM budget)."""
+    b = make_batch(np.random.default_rng(30), *CASES[case], num_q_heads=6, num_kv_heads=2)
+    kernel = functools.partial(tpu_kernel, table_smem_bytes=0)
+    _check(kernel, b, rtol=1e-5, atol=1e-5, sliding_window=7)
+
+
+def test_gpu_ring_deeper_than_a_sequence():
+    """More chunks than ring slots (64-token chunks, 4 slots at head_dim 64), and sequences with
+    1, 3 and 10 chunks in one tile, so the ring restarts mid-way through its slots."""
+    assert gpu.num_stages(64, 64, jnp.bfloat16) == 4
+    b = make_batch(np.random.default_rng(31), [1, 2, 1], [600, 170, 1], num_q_heads=6,
+                   num_kv_heads=2, dtype=jnp.bfloat16)
+    _check(gpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True, sliding_window=500)
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "general"])
+def test_tpu_block_size_table(decode_only):
+    """The table's block sizes (one sequence per program for decode, ~128-row tiles otherwise)
+    on a decode batch with an odd GQA ratio; the general row also on a mixed batch."""
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu", interpret=True)
+    b = make_batch(np.random.default_rng(32), [1, 1, 1], [300, 1, 77], num_q_heads=10,
+                   num_kv_heads=2, block_size=16)
+    _check(step, b, rtol=1e-5, atol=1e-5)
+    if not decode_only:
+        b = make_batch(np.random.default_rng(33), [1, 30, 2], [300, 30, 77], num_q_heads=10,
+                       num_kv_heads=2, block_size=16)
+        _check(step, b, rtol=1e-5, atol=1e-5, soft_cap=25.0)

@@ -11,7 +11,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import pallas_kernels
+from jaxserve.runtime import compat
 from pallas_kernels import ragged_paged_attention
+from tests.kernels.batch import MODELS
 
 
 def _shapes(dtype, head_dim, num_q_heads=8, num_kv_heads=2, num_tokens=64, num_seqs=8):
@@ -29,7 +32,7 @@ def _shapes(dtype, head_dim, num_q_heads=8, num_kv_heads=2, num_tokens=64, num_s
 
 
 def _custom_calls(fn, platform, shapes) -> set[str]:
-    text = jax.export.export(jax.jit(fn), platforms=[platform])(*shapes).mlir_module()
+    text = compat.export(jax.jit(fn), platforms=[platform])(*shapes).mlir_module()
     return set(re.findall(r"custom_call @(\w+)", text)) | set(
         re.findall(r'call_target_name = "(\w+)"', text)
     )
@@ -52,3 +55,68 @@ def test_cuda_lowering(head_dim, heads):
     )
     shapes = _shapes(jnp.bfloat16, head_dim, *heads)
     assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
+
+
+def _model_shapes(dtype, heads, block_size=16):
+    hq, hkv, d = heads
+    shapes = list(_shapes(dtype, d, hq, hkv))
+    pages = jax.ShapeDtypeStruct((64, block_size, hkv, d), dtype)
+    shapes[1] = shapes[2] = pages
+    return shapes
+
+
+MODEL_HEADS = sorted(set(MODELS.values()))
+
+
+@pytest.mark.parametrize("heads", MODEL_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_model_shapes_lower(platform, heads):
+    backend, target = {"cuda": ("gpu", "mosaic_gpu_v2"), "tpu": ("tpu", "tpu_custom_call")}[platform]
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, backend=backend)
+    assert target in _custom_calls(fn, platform, _model_shapes(jnp.bfloat16, heads))
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_head_dims_block_sizes_dtypes_lower(platform, head_dim, dtype, block_size):
+    backend, target = {"cuda": ("gpu", "mosaic_gpu_v2"), "tpu": ("tpu", "tpu_custom_call")}[platform]
+    fn = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, soft_cap=30.0, sliding_window=100, backend=backend
+    )
+    shapes = _model_shapes(dtype, (9, 3, head_dim), block_size)
+    assert target in _custom_calls(fn, platform, shapes)
+
+
+@pytest.mark.parametrize("heads", MODEL_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
+def test_split_kv_decode_lowers_for_cuda(heads):
+    step = pallas_kernels.for_step(decode_only=True, backend="gpu")
+    fn = functools.partial(step, sm_scale=0.1, soft_cap=30.0, sliding_window=100)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", _model_shapes(jnp.bfloat16, heads))
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 256])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_split_kv_decode_head_dims_lower(head_dim, block_size):
+    fn = functools.partial(pallas_kernels.for_step(decode_only=True, backend="gpu"), sm_scale=0.1)
+    shapes = _model_shapes(jnp.float16, (10, 2, head_dim), block_size)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
+
+
+def test_tpu_long_block_tables_stay_in_hbm():
+    """256 sequences x 8192 pages (128k tokens of 16) is 8 MiB of table: no scalar prefetch of it."""
+    shapes = list(_model_shapes(jnp.bfloat16, (32, 8, 128)))
+    shapes[3] = jax.ShapeDtypeStruct((256,), jnp.int32)
+    shapes[4] = jax.ShapeDtypeStruct((257,), jnp.int32)
+    shapes[5] = jax.ShapeDtypeStruct((256, 8192), jnp.int32)
+    fn = functools.partial(ragged_paged_attention, sm_scale=0.1, backend="tpu")
+    assert "tpu_custom_call" in _custom_calls(fn, "tpu", shapes)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (28, 4, 128)])
+def test_tpu_table_block_sizes_lower(heads, decode_only):
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu")
+    fn = functools.partial(step, sm_scale=0.1, sliding_window=100)
+    assert "tpu_custom_call" in _custom_calls(fn, "tpu", _model_shapes(jnp.bfloat16, heads))

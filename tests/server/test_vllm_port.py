@@ -12,15 +12,16 @@ test_drain_refuses_new_work_and_aborts_at_timeout. basic's test_server_load -> t
 test_load_counts_generate_calls_in_flight; completion's truncation-side test ->
 test_truncate_prompt_tokens.
 
-Expected to be a 400 until the structured-output / tools / prompt-logprobs work lands (never a
-silent 200): prompt_logprobs 0 and 1 (completion and chat), structured_outputs (json / regex /
-grammar / choice), response_format json_object / json_schema, use_beam_search, echo with logprobs
-(needs prompt logprobs), min_characters.
+Expected to be a 400 until the prompt-logprobs work lands (never a silent 200): prompt_logprobs 0
+and 1 (completion and chat), use_beam_search, echo with logprobs (needs prompt logprobs),
+min_characters. Structured outputs (structured_outputs json / regex / choice, response_format
+json_object / json_schema) are obeyed once the engine applies grammars, a 400 until then.
+The structured-output, tool and reasoning cases are tested in test_structured.py and test_tools.py.
 
 Not applicable, and why:
 - LoRA adapters (zephyr-lora), prompt embeddings, multimodal (vision, audio, video), embeddings,
-  scoring, transcription, harmony/reasoning parsers, tool parsers: features this server does not
-  have; their fields are refused with a 400 naming them (see test_errors.py).
+  scoring, transcription, harmony: features this server does not have; their fields are refused
+  with a 400 naming them (see test_errors.py).
 - Assertions on a real model's text ("content == '2'", JSON answers, distinct lengths because some
   samples stop at EOS early, exact prompt token counts of opt-125m/zephyr): a random-weight model
   writes noise and rarely meets EOS; the shapes, counts and invariants are asserted instead.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import defaultdict
 
 import httpx
@@ -44,6 +46,7 @@ import openai
 import pytest
 
 import jaxserve
+from tests.server.agent_models import ENGINE_SUPPORTS_STRUCTURED
 from tests.server.conftest import ServerThread
 
 MSGS = [
@@ -412,34 +415,37 @@ def test_chat_streaming(server, client):
 
 
 @pytest.mark.parametrize(
-    "extra",
+    "extra,check",
     [
-        {"structured_outputs": {"choice": ["Python", "Rust"]}},
-        {"structured_outputs": {"regex": "a+"}},
-        {"structured_outputs": {"json": {"type": "object"}}},
-        {"min_characters": 10},
+        ({"structured_outputs": {"choice": ["Python", "Rust"]}}, lambda t: t in ("Python", "Rust")),
+        ({"structured_outputs": {"regex": "a+"}}, lambda t: re.fullmatch("a+", t)),
+        ({"structured_outputs": {"json": {"type": "object"}}}, lambda t: t.startswith("{")),
+        ({"response_format": {"type": "json_object"}}, lambda t: t.startswith("{")),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "foo", "schema": {"type": "object"}}}}, lambda t: t.startswith("{")),
     ],
-    ids=["choice", "regex", "json", "min_characters"],
+    ids=["choice", "regex", "json", "json_object", "json_schema"],
 )
-def test_structured_outputs_chat_refused_until_implemented(server, client, extra):
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(
-            model=server.model, messages=MSGS, max_completion_tokens=10, extra_body=extra
-        )
+def test_structured_outputs_chat(server, client, extra, check):
+    """Obeyed once the engine applies grammars; until then a 400 naming the field, never a
+    silent unconstrained 200."""
+    kw = {"model": server.model, "messages": MSGS, "max_completion_tokens": 10, "extra_body": extra}
+    if not ENGINE_SUPPORTS_STRUCTURED:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw)
+        assert e.value.body["param"].split(".")[0] == next(iter(extra))
+        return
+    c = client.chat.completions.create(**kw)
+    assert check(c.choices[0].message.content), c.choices[0].message.content
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {"name": "foo", "schema": {"type": "object"}}},
-    ],
-    ids=["json_object", "json_schema"],
-)
-def test_response_format_refused_until_implemented(server, client, fmt):
+def test_min_characters_refused(server, client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=server.model, messages=MSGS, response_format=fmt)
-    assert e.value.body["param"] == "response_format"
+        client.chat.completions.create(
+            model=server.model, messages=MSGS, max_completion_tokens=10,
+            extra_body={"min_characters": 10},
+        )
+    assert e.value.body["param"] == "min_characters"
 
 
 def test_response_format_text(server, client):

@@ -1,0 +1,147 @@
+"""How many KV blocks fit on a device: sized after the weights are placed and the largest step
+is compiled, from the device's own numbers, so that what we plan is what the allocator can give.
+
+KV bytes = utilization x the device's memory limit - bytes already in use (the weights, the
+runtime's own buffers) - the step's peak temporary bytes (XLA's memory analysis of the compiled
+largest bucket) - a margin. A pure function of those numbers, so it is tested with fake device
+stats; the engine supplies the real ones (``compat.memory_stats``, ``compat.peak_temp_bytes``).
+Under tensor parallelism every number is per device (KV bytes per block too: each device holds
+its share of the kv heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.errors import UserError
+from jaxserve.runtime import compat
+
+GiB = 1 << 30
+DEFAULT_UTILIZATION = 0.9
+DEFAULT_MARGIN = 256 << 20  # allocator fragmentation, small runtime buffers allocated later
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    device_limit: int  # bytes the device's allocator can hand out
+    utilization: float
+    weight_bytes: int  # in use after the weights were placed (weights + runtime buffers)
+    activation_bytes: int  # the compiled step's peak temporaries
+    margin_bytes: int
+    kv_bytes: int  # num_blocks * block_bytes
+    block_bytes: int  # KV bytes of one block on one device
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    tensor_parallel_size: int = 1
+    reserved_blocks: int = 0  # allocated but holding no request's KV (the engine's null block)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of KV that requests can use."""
+        return (self.num_blocks - self.reserved_blocks) * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of ``max_model_len`` tokens fit in the KV cache at once."""
+        return self.kv_tokens / self.max_model_len
+
+
+def device_memory(device: Any) -> tuple[int, int] | None:
+    """(bytes_limit, bytes_in_use) of a device, None where the backend keeps no stats (CPU)."""
+    stats = compat.memory_stats(device)
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def has_device_stats() -> bool:
+    """Whether the default device reports its memory (accelerators do; XLA:CPU does not)."""
+    import jax
+
+    return device_memory(jax.devices()[0]) is not None
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def plan_kv_memory(
+    *,
+    device_limit: int,
+    bytes_in_use: int,
+    activation_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    utilization: float = DEFAULT_UTILIZATION,
+    margin_bytes: int = DEFAULT_MARGIN,
+    tensor_parallel_size: int = 1,
+    reserved_blocks: int = 0,
+) -> MemoryPlan:
+    """The KV plan, or a UserError naming what does not fit and the flags that change it."""
+    if not 0.0 < utilization <= 1.0:
+        raise UserError(
+            f"--gpu-memory-utilization={utilization} must be in (0, 1]: it is the fraction of "
+            "each device's memory jaxserve may use (default 0.9)",
+            param="gpu_memory_utilization",
+        )
+    if block_bytes <= 0 or block_size <= 0 or max_model_len <= 0:
+        raise ValueError(f"bad KV geometry: {block_bytes=} {block_size=} {max_model_len=}")
+    budget = int(utilization * device_limit)
+    tp = f" per device (tensor parallel size {tensor_parallel_size})" if tensor_parallel_size > 1 else ""
+    where = (
+        f"the model's weights take {_gib(bytes_in_use)}{tp} and the largest compiled step "
+        f"{_gib(activation_bytes)} of temporaries, against {_gib(budget)} usable "
+        f"(--gpu-memory-utilization {utilization} x {_gib(device_limit)} device memory)"
+    )
+    kv_bytes = budget - bytes_in_use - activation_bytes - margin_bytes
+    if kv_bytes < (reserved_blocks + 1) * block_bytes:
+        if bytes_in_use + margin_bytes > budget:
+            fix = (
+                "raise --tensor-parallel-size to split the weights over more devices, use a "
+                "smaller or quantized model, or raise --gpu-memory-utilization"
+            )
+        else:
+            fix = (
+                "lower --max-num-batched-tokens or --max-num-seqs (smaller compiled steps), "
+                "raise --tensor-parallel-size, or raise --gpu-memory-utilization"
+            )
+        raise UserError(f"out of device memory: {where}; no room is left for the KV cache: {fix}",
+                        param="gpu_memory_utilization")
+    num_blocks = kv_bytes // block_bytes
+    plan = MemoryPlan(
+        device_limit=device_limit,
+        utilization=utilization,
+        weight_bytes=bytes_in_use,
+        activation_bytes=activation_bytes,
+        margin_bytes=margin_bytes,
+        kv_bytes=num_blocks * block_bytes,
+        block_bytes=block_bytes,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        reserved_blocks=reserved_blocks,
+    )
+    if plan.kv_tokens < max_model_len:
+        raise UserError(
+            f"the KV cache holds {plan.kv_tokens} tokens ({_gib(plan.kv_bytes)}) but "
+            f"--max-model-len is {max_model_len}: {where}. Lower --max-model-len to at most "
+            f"{plan.kv_tokens}, or raise --gpu-memory-utilization or --tensor-parallel-size",
+            param="max_model_len",
+        )
+    return plan
+
+
+def summary(plan: MemoryPlan) -> str:
+    """One log line: where each byte of the device goes, and what that buys."""
+    tp = f" x tp {plan.tensor_parallel_size}" if plan.tensor_parallel_size > 1 else ""
+    return (
+        f"memory per device{tp}: {_gib(plan.device_limit)} x {plan.utilization:g} = "
+        f"weights {_gib(plan.weight_bytes)} + activations {_gib(plan.activation_bytes)} + "
+        f"margin {_gib(plan.margin_bytes)} + KV {_gib(plan.kv_bytes)} "
+        f"({plan.num_blocks} blocks x {plan.block_size} tokens = {plan.kv_tokens} tokens); "
+        f"max concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len} tokens/request"
+    )

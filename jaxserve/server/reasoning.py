@@ -1,0 +1,47 @@
+"""Thinking out of model text (`--reasoning-parser`): `<think>...</think>` -> reasoning_content.
+
+- qwen3: thinking only when the answer opens with `<think>` (Qwen3 can be told not to think).
+- deepseek_r1: the chat template opens `<think>` in the prompt, so the answer starts inside the
+  thinking; everything before `</think>` is reasoning (an opening tag, if written, is dropped),
+  and an answer that never closes it is all reasoning.
+
+Like the tool parsers, `extract(text, final)` keeps back a half-written tag while streaming, so the
+reported reasoning and content only grow.
+"""
+
+from __future__ import annotations
+
+from jaxserve.server.tool_parsers import Parsed, held_prefix
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    name = "qwen3"
+    starts_inside = False  # True: the prompt opened the thinking block
+
+    def extract(self, text: str, final: bool) -> Parsed:
+        head = text.lstrip()
+        if not final and len(head) < len(START) and START.startswith(head):
+            return Parsed()  # may still open with <think>
+        if head.startswith(START):
+            body = head[len(START):]
+        elif self.starts_inside:
+            body = text
+        else:
+            return Parsed(content=text)
+        j = body.find(END)
+        if j >= 0:
+            return Parsed(reasoning=body[:j], content=body[j + len(END):].lstrip("\n"))
+        return Parsed(reasoning=body if final else body[: len(body) - held_prefix(body, END)])
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+    starts_inside = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+}

@@ -1,0 +1,309 @@
+"""Tools through a real server and the openai client, on a tiny random model whose tokenizer has a
+tool-capable chat template (tests/fixtures/tool_chat_template.jinja).
+
+The checks that need grammars in the engine (tool_choice required / named always give valid calls)
+are skipped until the engine applies them; the rest (validation, template rendering, parsing the
+model's free text, reasoning split) run now.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from jaxserve.server.output_parser import OutputParser
+from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.tool_parsers import TOOL_PARSERS, detect_tool_parser
+from tests.server.agent_models import (
+    AGENT_ENGINE,
+    ENGINE_SUPPORTS_STRUCTURED,
+    NEEDS_ENGINE,
+    TOOLS,
+    WEATHER,
+    with_tool_template,
+)
+from tests.server.conftest import ServerThread
+
+needs_engine = pytest.mark.skipif(not ENGINE_SUPPORTS_STRUCTURED, reason=NEEDS_ENGINE)
+USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model, tmp_path_factory):
+    return with_tool_template(tiny_model("llama", max_pos=2048), tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture(scope="module")
+def srv(tool_model):
+    s = ServerThread(tool_model, AGENT_ENGINE, tool_call_parser="hermes",
+                     reasoning_parser="deepseek_r1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tool_model):
+    """No parsers configured."""
+    s = ServerThread(tool_model, AGENT_ENGINE)
+    yield s
+    s.stop()
+
+
+def raw_text(s: ServerThread, messages, tools=None, max_tokens=12, **template_kw) -> str:
+    """The model's greedy answer to the chat prompt, unparsed (through /v1/completions)."""
+    tok = s.app.state.serving.tok
+    ids = tok.apply_chat_template(messages, tools=tools, **template_kw)
+    r = s.client().completions.create(model=s.model, prompt=ids, max_tokens=max_tokens,
+                                      temperature=0)
+    return r.choices[0].text
+
+
+def collect_stream(stream):
+    """Content, reasoning and tool calls of a streamed choice, rebuilt as a client would."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            d = c.delta
+            content += d.content or ""
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function:
+                    slot["name"] += tc.function.name or ""
+                    slot["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+# ---- validation (runs now) -----------------------------------------------------------------------
+@pytest.mark.parametrize("kw, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parametrs": {}}}]},
+     "tools[0].function.parametrs"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(srv, kw, param):
+    extra = {k: v for k, v in kw.items() if k not in ("tools", "tool_choice")}
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(
+            model=srv.model, messages=USER, max_tokens=2, tools=kw.get("tools", openai.omit),
+            tool_choice=kw.get("tool_choice", openai.omit), extra_body=extra or None)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_auto_needs_a_tool_call_parser(server):
+    """The plain tiny model's template shows no tool-call format, and no flag names one."""
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model=server.model, messages=USER, max_tokens=2,
+                                                tools=TOOLS)
+    assert e.value.body["param"] == "tool_choice"
+    assert "--tool-call-parser" in e.value.body["message"]
+    # "none" needs no parser
+    r = server.client().chat.completions.create(model=server.model, messages=USER, max_tokens=2,
+                                                tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_the_parser_comes_from_the_template_when_unambiguous(plain):
+    """No --tool-call-parser, but the fixture template writes <tool_call>: hermes is used."""
+    assert plain.app.state.serving.tool_parser == "hermes"
+    r = plain.client().chat.completions.create(model=plain.model, messages=USER, max_tokens=4,
+                                               tools=TOOLS, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_detect_tool_parser():
+    assert detect_tool_parser("... <tool_call> ...") == "hermes"
+    assert detect_tool_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect_tool_parser("<|python_tag|>") == "llama3"
+    assert detect_tool_parser("<tool_call> [TOOL_CALLS]") is None  # ambiguous
+    assert detect_tool_parser(None) is None
+
+
+def test_bad_tool_call_arguments_in_history_are_a_400(srv):
+    msgs = USER + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                      "arguments": "{not json"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        srv.client().chat.completions.create(model=srv.model, messages=msgs, max_tokens=2,
+                                             tools=TOOLS, tool_choice="none")
+    assert e.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+# ---- the chat template sees tools, calls and results (runs now) --------------------------------
+def test_tools_calls_and_results_reach_the_chat_template(srv):
+    tok = srv.app.state.serving.tok
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather",
+                          "arguments": json.dumps({"city": "Oslo", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21"},
+    ]
+    r = srv.client().chat.completions.create(model=srv.model, messages=history, max_tokens=1,
+                                             tools=TOOLS, tool_choice="none")
+    as_template = [dict(m) for m in history]
+    as_template[1] = {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}}]}
+    want = tok.apply_chat_template(as_template, tools=TOOLS)
+    text = tok.decode(want, skip_special_tokens=False)
+    assert "<tools>" in text and "get_time" in text
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"' in text
+    assert "<tool_response>sunny, 21</tool_response>" in text
+    assert r.usage.prompt_tokens == len(want)
+    no_tools = srv.client().chat.completions.create(model=srv.model, messages=USER, max_tokens=1)
+    assert no_tools.usage.prompt_tokens < r.usage.prompt_tokens - 100
+
+
+# ---- free text through the parsers (runs now) ---------------------------------------------------
+def test_auto_and_reasoning_split_the_models_own_text(srv):
+    """The answer is what the hermes + deepseek_r1 parsers make of the model's raw text, streamed
+    or not; with the template's <think> opened, text before any </think> is reasoning."""
+    kw = {"extra_body": {"chat_template_kwargs": {"think": True}}, "temperature": 0,
+          "max_tokens": 12}
+    raw = raw_text(srv, USER, TOOLS, think=True)
+    want = OutputParser(REASONING_PARSERS["deepseek_r1"](), TOOL_PARSERS["hermes"]()).extract(raw)
+    assert want.reasoning or want.content
+    r = srv.client().chat.completions.create(model=srv.model, messages=USER, tools=TOOLS, **kw)
+    m = r.choices[0].message
+    assert (getattr(m, "reasoning_content", None) or "") == want.reasoning
+    assert (m.content or "") == want.content
+    assert bool(m.tool_calls) == bool(want.calls)
+    s = srv.client().chat.completions.create(model=srv.model, messages=USER, tools=TOOLS,
+                                             stream=True, **kw)
+    content, reasoning, calls, finish = collect_stream(s)
+    assert (content, reasoning) == (want.content, want.reasoning)
+    assert len(calls) == len(m.tool_calls or [])
+    assert finish == r.choices[0].finish_reason
+
+
+def test_parsed_stream_still_carries_every_token_id(srv):
+    """return_token_ids with the output parser on: a delta held back by the parser still sends
+    its token ids, so the streamed ids add up to the whole answer's."""
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "temperature": 0, "max_tokens": 12,
+          "extra_body": {"return_token_ids": True, "chat_template_kwargs": {"think": True}}}
+    whole = srv.client().chat.completions.create(**kw)
+    want = whole.choices[0].model_extra["token_ids"]
+    assert len(want) == whole.usage.completion_tokens
+    got = []
+    for chunk in srv.client().chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got += (c.model_extra or {}).get("token_ids") or []
+    assert got == want
+
+
+# ---- grammar-enforced calls (need the engine's wiring) ------------------------------------------
+def _check_calls(calls, names):
+    assert calls, "no tool call"
+    for c in calls:
+        name = c["name"] if isinstance(c, dict) else c.function.name
+        args = c["arguments"] if isinstance(c, dict) else c.function.arguments
+        assert name in names
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+@needs_engine
+@pytest.mark.parametrize("seed", range(4))
+def test_required_always_gives_a_valid_call(srv, seed):
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "tool_choice": "required",
+          "max_tokens": 400, "seed": seed, "temperature": 1.0, "parallel_tool_calls": False}
+    c = srv.client().chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert c.message.content is None
+    assert len(c.message.tool_calls) == 1
+    _check_calls(c.message.tool_calls, set(SCHEMAS))
+    content, _, streamed, finish = collect_stream(srv.client().chat.completions.create(
+        stream=True, **kw))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(x["name"], x["arguments"]) for x in streamed] == [
+        (x.function.name, x.function.arguments) for x in c.message.tool_calls]
+
+
+@needs_engine
+def test_required_parallel_calls_are_each_valid(srv):
+    """A random model may chain many calls: every complete one parses, with distinct ids, even
+    when max_tokens cuts the array short."""
+    r = srv.client().chat.completions.create(
+        model=srv.model, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=600,
+        n=3, seed=2, temperature=1.0)
+    for c in r.choices:
+        assert c.finish_reason in ("tool_calls", "length")
+        _check_calls(c.message.tool_calls, set(SCHEMAS))
+        assert len({tc.id for tc in c.message.tool_calls}) == len(c.message.tool_calls)
+
+
+@needs_engine
+@pytest.mark.parametrize("seed", range(3))
+def test_named_function_streamed_and_not(srv, seed):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "tool_choice": choice,
+          "max_tokens": 200, "seed": seed, "temperature": 1.0}
+    r = srv.client().chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    _check_calls(calls, {"get_time"})
+    content, _, streamed, finish = collect_stream(srv.client().chat.completions.create(
+        stream=True, **kw))
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls]
+
+
+@needs_engine
+def test_auto_parses_a_call_written_in_the_parsers_format(srv):
+    """A grammar makes the random model think, then write a hermes call; 'auto' must find it
+    (after the reasoning parser has taken the thinking)."""
+    regex = (r'[a-z]{1,6}</think>\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", '
+             r'"unit": "celsius"\}\}</tool_call>')
+    for stream in (False, True):
+        kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "max_tokens": 200,
+              "extra_body": {"structured_outputs": {"regex": regex}}}
+        if stream:
+            content, _, calls, finish = collect_stream(
+                srv.client().chat.completions.create(stream=True, **kw))
+        else:
+            m = srv.client().chat.completions.create(**kw).choices[0]
+            content, finish = m.message.content, m.finish_reason
+            calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                     for c in m.message.tool_calls]
+        assert finish == "tool_calls" and not content, (finish, content)
+        _check_calls(calls, {"get_weather"})
+
+
+@needs_engine
+def test_json_answers_are_content_not_reasoning(srv):
+    """deepseek_r1 would read an answer without </think> as all thinking; a JSON grammar's
+    answer is content."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    m = srv.client().chat.completions.create(
+        model=srv.model, messages=USER, max_tokens=50, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).choices[0]
+    assert json.loads(m.message.content) in ({"ok": True}, {"ok": False})
+    assert not getattr(m.message, "reasoning_content", None)
+
+
+@needs_engine
+def test_reasoning_split_on_forced_think_output(srv):
+    regex = r"[a-z ]{1,20}</think>\n[a-z ]{1,20}"
+    kw = {"model": srv.model, "messages": USER, "max_tokens": 100, "extra_body": {
+        "structured_outputs": {"regex": regex}, "chat_template_kwargs": {"think": True}}}
+    m = srv.client().chat.completions.create(**kw).choices[0].message
+    assert m.reasoning_content and "</think>" not in m.reasoning_content
+    assert m.content and "</think>" not in m.content
+    content, reasoning, _, _ = collect_stream(srv.client().chat.completions.create(
+        stream=True, **{**kw, "seed": 0}))
+    assert content and reasoning
