@@ -17,6 +17,7 @@ from jaxserve.errors import UserError
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf")  # weights kept quantized: runtime/quant.py
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).
@@ -73,6 +74,9 @@ class EngineConfig:
     kv_cache_dtype: str | None = _knob(None, "KV cache storage (default: --dtype, but bfloat16 for a bfloat16 or "
                                        "quantized checkpoint run in float32)", choices=DTYPES)
     tensor_parallel_size: int = _knob(1, "shard the model over N devices", aliases=("--tp",))
+    quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
+                                     "q4_1 (GGUF's blocks) made at load from any checkpoint; gguf: a GGUF "
+                                     "file's Q8_0/Q4_0/Q4_1 blocks as stored", choices=QUANTIZATIONS)
     async_scheduling: bool = _knob(True, "dispatch step n+1 before reading step n's tokens, so host work "
                                    "overlaps the device")
     precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")

@@ -87,7 +87,7 @@ class LLMEngine:
         if config.compilation_cache:
             rt.enable_compilation_cache()
         dtype = config.dtype or rt.default_dtype()
-        self.loaded = load_model(config.model)
+        self.loaded = load_model(config.model, quantization=config.quantization)
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
@@ -109,6 +109,7 @@ class LLMEngine:
                 dtype=dtype,
                 kv_cache_dtype=kv_dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
+                quantization=config.quantization,
             ),
         )
         self.loaded.params = None  # host copy no longer needed

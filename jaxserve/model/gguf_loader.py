@@ -2,6 +2,8 @@
 
     config, weights = load_gguf("model.gguf")
 
+With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices stay in their blocks (runtime/quant.py formats).
+
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
 `gguf.quants.dequantize`. Llama-arch q/k weights are stored permuted for llama.cpp's interleaved
@@ -319,8 +321,25 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     raise KeyError(gguf_name)
 
 
-def load_gguf(path: os.PathLike | str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(HF-style config dict, {HF tensor name: float32 ndarray in HF shape}) for a GGUF model file."""
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types `keep_quantized` holds as stored
+
+
+def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
+    """Tensor `info` in its quantized format (runtime/quant.py: the [in, out] kernel's panels), or
+    None where it is dequantized instead (another type, or a shape without whole panels).
+    qk_heads: the heads of a llama-permuted q/k projection, whose rows are put back in order."""
+    from jaxserve.runtime import quant
+
+    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not quant.quantizable(info.shape[::-1]):
+        return None
+    raw = g.raw(info)  # (out rows, bytes per row): a permutation of rows applies to it as is
+    return quant.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)
+
+
+def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:
+    """(HF-style config dict, {HF tensor name: float32 ndarray in HF shape}) for a GGUF model file.
+    With `keep_quantized`, 2-D tensors of a KEPT_TYPES type stay in their blocks instead, as the
+    quantized format of their [in, out] kernel (no float copy is made of them)."""
     path = str(path)
     if not os.path.isfile(path):
         raise UserError(f"GGUF file not found: {path}")
@@ -338,13 +357,16 @@ def load_gguf(path: os.PathLike | str) -> tuple[dict, dict[str, np.ndarray]]:
             raise UserError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}") from None
         if hf is None:
             continue
+        heads = None
+        if arch in _PERMUTED_QK and ".attn_q." in name:
+            heads = cfg["num_attention_heads"]
+        elif arch in _PERMUTED_QK and ".attn_k." in name:
+            heads = cfg["num_key_value_heads"]
+        if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
+            weights[hf] = kept
+            continue
         w = g.dequantize(name)
-        if arch in _PERMUTED_QK:
-            if ".attn_q." in name:
-                w = unpermute_qk(w, cfg["num_attention_heads"])
-            elif ".attn_k." in name:
-                w = unpermute_qk(w, cfg["num_key_value_heads"])
-        weights[hf] = w
+        weights[hf] = w if heads is None else unpermute_qk(w, heads)
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
     if missing:
         raise UserError(f"{path}: missing tensors {missing}")

@@ -45,21 +45,26 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None, dtype=np.float32) -> LoadedModel:
+def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
+    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1 matrices in their blocks (runtime/quant.py)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
-    if path.is_file() and path.suffix == ".gguf":
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if quantization == "gguf" and not is_gguf:
+        raise UserError(f"quantization='gguf' keeps a GGUF file's blocks, but {str(path)!r} is not a .gguf file: "
+                        "use int8, q8_0, q4_0 or q4_1 for other checkpoints.", param="quantization")
+    if is_gguf:
         from jaxserve.model.gguf_loader import load_gguf
 
-        hf_config, weights = load_gguf(path)
+        hf_config, weights = load_gguf(path, keep_quantized=quantization == "gguf")
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
         from jaxserve.model.orbax_io import open_orbax
 
         hf_config, params, gen = open_orbax(path)  # lazy: the runner restores it onto the mesh
     elif path.is_dir():
-        hf_config, weights, gen = _load_hf_dir(path)
+        hf_config, weights, gen = _load_hf_dir(path, keep_fp8=quantization == "fp8")
     else:
         raise UserError(
             f"Cannot load {str(path)!r}: expected a directory with config.json and *.safetensors, "
@@ -89,7 +94,7 @@ def _replace(cfg: ModelConfig, **kw) -> ModelConfig:
     return dataclasses.replace(cfg, **kw)
 
 
-def _load_hf_dir(path: Path) -> tuple[dict, dict, dict]:
+def _load_hf_dir(path: Path, keep_fp8: bool = False) -> tuple[dict, dict, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise MissingFileError(f"{str(path)!r} has no config.json: it is not a Hugging Face model directory.")
@@ -107,6 +112,8 @@ def _load_hf_dir(path: Path) -> tuple[dict, dict, dict]:
     weights = {}
     for f in files:
         weights.update(_read_safetensors(path / f))
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    weights = fold_weight_scales(weights, block, keep_fp8)
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
     return hf_config, weights, gen
@@ -118,7 +125,74 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     if not file.exists():
         raise MissingFileError(f"Weight file {str(file)!r} named in the index is missing.")
     out = {}
+    fp8 = _fp8_tensors(file)  # safetensors' flax reader has no float8 (numpy lacks the dtype)
     with safe_open(str(file), framework="flax") as f:  # flax: handles bfloat16 too
         for name in f.keys():
-            out[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+            if name not in fp8:
+                out[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+    return out | fp8
+
+
+def _fp8_tensors(file: Path) -> dict[str, np.ndarray]:
+    """The file's float8 tensors (ml_dtypes arrays), read from the safetensors layout directly (u64 header
+    size, JSON header of dtype / shape / data_offsets, then the data)."""
+    import ml_dtypes
+
+    kinds = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    size = int(data[:8].view("<u8")[0])
+    header = json.loads(bytes(data[8:8 + size]))
+    out = {}
+    for name, t in header.items():
+        if name != "__metadata__" and t["dtype"] in kinds:
+            lo, hi = (8 + size + o for o in t["data_offsets"])
+            out[name] = data[lo:hi].view(kinds[t["dtype"]]).reshape(t["shape"])  # float8 (fold_weight_scales)
     return out
+
+
+def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None = None,
+                       keep_fp8: bool = False) -> dict:
+    """FP8 (and other scaled) checkpoints -> float weights: `X.weight` times `X.weight_scale`
+    (compressed-tensors: per tensor [] / [1], or per output channel [N] / [N, 1]) or times
+    `X.weight_scale_inv` (HF's fp8 layout: one scale per `block` = [bn, bk] tile, default 128 x 128).
+    Activation scales (`input_scale`) are dropped: activations are not quantized here. With
+    `keep_fp8`, float8_e4m3fn matrices with per-tensor / per-channel scales stay as they are stored
+    (runtime/quant.py's Fp8Weight of their [in, out] kernel)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            continue
+        scale = weights.get(f"{name}_scale", weights.get(f"{name}_scale_inv"))
+        if scale is None or not name.endswith(".weight"):
+            out[name] = np.asarray(w, np.float32)  # float8 -> float32; float32 as it is
+            continue
+        if keep_fp8 and (kept := _kept_fp8(w, scale)) is not None:
+            out[name] = kept
+            continue
+        w = np.asarray(w, np.float32)
+        if f"{name}_scale_inv" in weights and scale.ndim == 2 and scale.shape[0] != w.shape[0]:  # blocks
+            bn, bk = block or (128, 128)
+            scale = np.repeat(np.repeat(scale, bn, axis=0), bk, axis=1)[: w.shape[0], : w.shape[1]]
+        elif scale.ndim == 1 and scale.size == w.shape[0] and w.ndim == 2:
+            scale = scale[:, None]
+        if np.broadcast_shapes(scale.shape, w.shape) != w.shape:
+            raise UserError(f"Weight {name!r} {w.shape} has a scale of shape {scale.shape} this loader does not "
+                            "read: supported are per-tensor, per-output-channel and 2-D block scales.",
+                            param="model")
+        out[name] = (w * scale).astype(np.float32)
+    return out
+
+
+def _kept_fp8(w: np.ndarray, scale: np.ndarray):
+    """An e4m3 [N, K] matrix with one scale or one per output channel as an Fp8Weight, else None."""
+    import ml_dtypes
+
+    from jaxserve.runtime import quant
+
+    if w.dtype != ml_dtypes.float8_e4m3fn or w.ndim != 2 or not quant.quantizable(w.shape[::-1]):
+        return None
+    if scale.size not in (1, w.shape[0]):
+        return None
+    per_channel = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (w.shape[0],))
+    return quant.Fp8Weight(np.ascontiguousarray(quant.to_panels(w.view(np.uint8).T)),
+                           np.ascontiguousarray(per_channel))

@@ -8,6 +8,7 @@ import re
 import numpy as np
 
 from jaxserve.model.config import ModelConfig
+from jaxserve.runtime.quant import is_quantized
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 _LAYER_NORM = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
@@ -32,19 +33,21 @@ def param_path(name: str) -> tuple[str, ...] | None:
 
 
 def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
-    """Build the nested param dict (numpy, on host). Linear weights go from [out, in] to [in, out]."""
+    """Build the nested param dict (numpy, on host). Linear weights go from [out, in] to [in, out];
+    quantized ones (runtime/quant.py) come in their kernel layout and are kept as they are."""
     params: dict = {}
     for name, w in hf_weights.items():
         path = param_path(name)
         if path is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        w = np.asarray(w)
-        if path[-1] == "kernel":
-            w = w.T
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = np.ascontiguousarray(w, dtype=dtype)
+        if is_quantized(w):  # already in its kernel layout (a GGUF's blocks, runtime/quant.py)
+            node[path[-1]] = w
+            continue
+        w = np.asarray(w)
+        node[path[-1]] = np.ascontiguousarray(w.T if path[-1] == "kernel" else w, dtype=dtype)
     _check_complete(params, cfg)
     return params
 

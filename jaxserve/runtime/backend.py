@@ -79,6 +79,12 @@ class Backend:
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 
     def ops(self, attention_wrapper: Callable = lambda f: f) -> ModelOps:
+        """The model's ops; each also takes weights in runtime/quant.py's formats."""
+        from jaxserve.runtime import quant
+
+        return quant.quantized_ops(self._float_ops(attention_wrapper), self.native_linear)
+
+    def _float_ops(self, attention_wrapper: Callable) -> ModelOps:
         from jaxserve.runtime.attention import layer_attention
 
         attend = attention_wrapper(layer_attention(self.attention))

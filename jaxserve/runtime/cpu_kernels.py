@@ -32,7 +32,9 @@ from jaxserve.runtime.compat import ffi
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
            "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_gated": "JaxserveMatmulGated",
-           "jaxserve_argmax": "JaxserveArgmax"}
+           "jaxserve_argmax": "JaxserveArgmax",
+           "jaxserve_quant_matmul": "JaxserveQuantMatmul",
+           "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated"}
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()

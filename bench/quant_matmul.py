@@ -1,0 +1,73 @@
+"""Time the linear layers' native matmul per weight format: float32 panels against int8, fp8, Q8_0
+and Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers).
+
+`jaxserve bench quant_matmul --out bench/out/quant_matmul.json`
+
+Shapes, rows and weight rotation as in `jaxserve bench matmul` (SmolLM2-135M's layers). GFLOP/s =
+2 M K N / median time; GB/s = the format's weight bytes / median time (what decoding streams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench import common
+from bench.matmul import LM_HEAD, SHAPES
+
+FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jaxserve bench quant_matmul", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8,64", help="comma-separated M values (default 1,8,64)")
+    p.add_argument("--weights", type=int, default=8, help="distinct weight matrices per shape (default 8)")
+    p.add_argument("--repeats", type=int, default=15, help="timed calls per case (default 15)")
+    p.add_argument("--out", default=None, help="write JSON here")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.runtime import cpu_kernels, quant
+
+    why = cpu_kernels.available()
+    if why is not None:
+        raise SystemExit(f"the native kernels cannot be built here ({why}); nothing to compare")
+    rng = np.random.default_rng(0)
+
+    def timed(fn, x, ws):
+        jax.block_until_ready(fn(x, ws))
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x, ws))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) / len(ws)
+
+    run = {"float32": jax.jit(lambda x, ws: [cpu_kernels.cpu_matmul(x, w) for w in ws]),
+           "quant": jax.jit(lambda x, ws: [quant.linear(x, w, native=True) for w in ws])}
+    results = []
+    for k, n in SHAPES:
+        floats = [rng.standard_normal((k, n)).astype(np.float32) * 0.1
+                  for _ in range(1 if (k, n) == LM_HEAD else args.weights)]
+        weights = {"float32": [cpu_kernels.pack_kernel(jnp.asarray(w)) for w in floats]}
+        weights.update({f: [jax.device_put(quant.quantize(w, f)) for w in floats] for f in FORMATS[1:]})
+        for m in (int(v) for v in args.rows.split(",")):
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            for f, ws in weights.items():
+                t = timed(run["float32" if f == "float32" else "quant"], x, ws)
+                results.append({"k": k, "n": n, "m": m, "format": f, "gflops": 2 * m * k * n / t / 1e9,
+                                "weight_gb_s": quant.weight_bytes(ws[0]) / t / 1e9})
+    print(common.table([(f"{r['k']} x {r['n']}", r["m"], r["format"], r["gflops"], r["weight_gb_s"])
+                        for r in results], ("K x N", "M", "format", "GFLOP/s", "weight GB/s"),
+                       "Linear-layer matmul per weight format (native kernels)"))
+    common.report("quant_matmul", argv, model={"shapes": SHAPES}, config=vars(args), results={"cases": results},
+                  out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,364 @@
+// The linear layers over quantized weights (runtime/quant.py), as XLA FFI custom calls:
+//
+//   jaxserve_quant_matmul:       y[M, N] = x[M, K] @ W
+//   jaxserve_quant_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
+//
+// W is held in the 64-column panels of csrc/matmul.cc, quantized (attribute `fmt`):
+//   0 int8:  q i8[N / 64, K, 64], scale f32[N]               W = q * scale  (scale after the sum)
+//   1 Q8_0:  q i8[N / 64, K, 64], d f16[N / 64, K / 32, 64]  W = q * d
+//   2 Q4:    q u8[N / 64, K / 2, 64] (k = 2j low nibble, 2j + 1 high), d and m f16 like Q8_0's d,
+//            W = q * d + m
+//   3 fp8:   q u8[N / 64, K, 64] float8_e4m3fn bits, scale f32[N]  W = q * scale (scale after the sum)
+// Why: decoding streams every weight once per step, so bytes per weight bound its speed. Each
+// k-row of a panel (64 weights) is decoded in registers into four 16-lane float vectors right
+// before the FMAs that use it, so memory traffic is that of the packed form, and the arithmetic
+// is the float32 kernel's: y[i, j] sums x[i, k] * W[k, j] over k = 0..K-1 in order, whatever M is
+// and however the work is split. Plain vector extensions: the compiler uses the widest the build
+// targets (-march=native, per machine, see cpu_kernels.py), no instruction set is assumed here.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "parallel.h"
+#include "vec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxserve::kW;
+using jaxserve::v16;
+using i8x16 = int8_t __attribute__((vector_size(16)));
+using u8x16 = uint8_t __attribute__((vector_size(16)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+using h16 = _Float16 __attribute__((vector_size(32)));
+constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
+
+enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kFp8 = 3, kDecoded = 4 };  // kDecoded: a panel already decoded
+
+// One panel of a quantized weight: its quants and, for the block formats, per-block d and m.
+struct Panel {
+  const uint8_t* q;
+  const _Float16* d;
+  const _Float16* m;
+  const float* f = nullptr;  // kDecoded
+};
+
+template <typename V, typename T>
+inline V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// 16 small integers -> floats, through int32 (gcc scalarizes a direct int8 -> float conversion,
+// and the signed widening too, where it can use an instruction for it).
+template <typename V>
+inline v16 Float(V q) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<V, i8x16>) {
+    __m128i b;
+    std::memcpy(&b, &q, sizeof(b));
+    const __m512i i = _mm512_cvtepi8_epi32(b);
+    i32x16 out;
+    std::memcpy(&out, &i, sizeof(out));
+    return __builtin_convertvector(out, v16);
+  }
+#endif
+  return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16);
+}
+
+inline v16 Half(const _Float16* p) {
+#ifdef __F16C__  // gcc scalarizes the generic _Float16 conversion where the CPU lacks AVX512-FP16
+  v16 out;
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
+#else
+  return __builtin_convertvector(Load<h16>(p), v16);
+#endif
+}
+
+// 16 float8_e4m3fn values (bits) -> floats, exactly: sign, 4 exponent bits (bias 7), 3 mantissa
+// bits; exponent 0 is subnormal (m * 2^-9). NaN (0x7f, 0xff) is not decoded (no checkpoint has it).
+inline v16 E4m3(u8x16 b) {
+#ifdef __AVX512F__  // gcc scalarizes this widening here too
+  __m128i raw;
+  std::memcpy(&raw, &b, sizeof(raw));
+  const __m512i wide = _mm512_cvtepu8_epi32(raw);
+  i32x16 i;
+  std::memcpy(&i, &wide, sizeof(i));
+#else
+  const i32x16 i = __builtin_convertvector(b, i32x16);
+#endif
+  const i32x16 e = (i >> 3) & 15, m = i & 7, sign = (i & 0x80) << 24;
+  const i32x16 normal = sign | ((e + 120) << 23) | (m << 20);
+  const v16 sub = __builtin_convertvector(m, v16) * (1.0f / 512);
+  i32x16 sub_bits;
+  std::memcpy(&sub_bits, &sub, sizeof(sub));
+  const i32x16 bits = e == 0 ? (sub_bits | sign) : normal;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline void Halves(const _Float16* p, v16 out[kNV]) {
+  for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
+}
+
+// A value the compiler must materialize as it is: -ffast-math may then neither fold a decoded
+// weight's scale into the FMAs (it did so for some MR and not others, so a row's result depended
+// on the batch) nor add two k steps' products together before adding them to the sum.
+inline void Opaque(v16& w) { asm("" : "+v"(w)); }
+
+// Calls use(k, w) for k = 0..K-1 in order, w[kNV] the panel's row k decoded (int8: q, unscaled),
+// and fence() between the two rows a Q4 byte holds.
+template <Fmt F, typename Use, typename Fence>
+inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) {
+  v16 w[kNV], hi[kNV], d[kNV], m[kNV];
+  if constexpr (F == kDecoded) {
+    for (int64_t k = 0; k < k_len; ++k) {
+      for (int v = 0; v < kNV; ++v) w[v] = Load<v16>(p.f + k * kPanel + v * kW);
+      use(k, w);
+    }
+  } else if constexpr (F == kInt8 || F == kFp8) {
+    for (int64_t k = 0; k < k_len; ++k) {
+      for (int v = 0; v < kNV; ++v) {
+        if constexpr (F == kInt8)
+          w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
+        else
+          w[v] = E4m3(Load<u8x16>(p.q + k * kPanel + v * kW));
+        Opaque(w[v]);
+      }
+      use(k, w);
+    }
+  } else {
+    for (int64_t b = 0; b < k_len / kBlock; ++b) {
+      Halves(p.d + b * kPanel, d);
+      if constexpr (F == kQ4) Halves(p.m + b * kPanel, m);
+      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += F == kQ4 ? 2 : 1) {
+        for (int v = 0; v < kNV; ++v) {
+          if constexpr (F == kQ4) {
+            const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
+            w[v] = Float(byte & 15) * d[v] + m[v];
+            hi[v] = Float(byte >> 4) * d[v] + m[v];
+            Opaque(hi[v]);
+          } else {
+            w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW)) * d[v];
+          }
+          Opaque(w[v]);
+        }
+        use(k, w);
+        if constexpr (F == kQ4) {
+          fence();
+          use(k + 1, hi);
+        }
+      }
+    }
+  }
+}
+
+// out[K, 64] = the panel decoded (int8: q, unscaled): what the row tiles of a chunk share.
+template <Fmt F>
+void Decode(const Panel& p, int64_t k_len, float* out) {
+  ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) { std::memcpy(out + k * kPanel, w, kNV * sizeof(v16)); },
+                [] {});
+}
+
+// y[0:MR, 0:64] = x[0:MR, :] @ panel, times `scale` per column where given (int8); x rows K apart,
+// y rows ldy apart.
+template <Fmt F, int MR>
+void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
+  v16 c[MR][kNV] = {};
+  ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) {
+    for (int r = 0; r < MR; ++r) {
+      const float a = x[r * k_len + k];
+      for (int v = 0; v < kNV; ++v) c[r][v] += a * w[v];
+    }
+  }, [&] {  // k's products summed before k + 1's, not the two added together first
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < kNV; ++v) Opaque(c[r][v]);
+  });
+  if (scale)
+    for (int v = 0; v < kNV; ++v) {
+      const v16 s = Load<v16>(scale + v * kW);
+      for (int r = 0; r < MR; ++r) c[r][v] *= s;
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kNV; ++v) std::memcpy(y + r * ldy + v * kW, &c[r][v], sizeof(v16));
+}
+
+template <Fmt F>
+void Tile(int64_t mr, const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
+  switch (mr) {
+    case 1: return Kernel<F, 1>(x, p, scale, y, k_len, ldy);
+    case 2: return Kernel<F, 2>(x, p, scale, y, k_len, ldy);
+    case 3: return Kernel<F, 3>(x, p, scale, y, k_len, ldy);
+    case 4: return Kernel<F, 4>(x, p, scale, y, k_len, ldy);
+    case 5: return Kernel<F, 5>(x, p, scale, y, k_len, ldy);
+    case 6: return Kernel<F, 6>(x, p, scale, y, k_len, ldy);
+    default: return;
+  }
+}
+static_assert(kMR == 6, "Tile covers MR = 1..6");
+
+// A quantized weight as the kernel reads it: base pointers and per-panel strides.
+struct Weight {
+  const uint8_t* q;
+  const void* d;  // int8: f32 scale[N]; else f16[P, K / 32, 64]
+  const _Float16* m;
+  Panel At(int64_t panel, int64_t k_len, Fmt f) const {
+    const int64_t qs = f == kQ4 ? k_len / 2 * kPanel : k_len * kPanel, ds = k_len / kBlock * kPanel;
+    if (f == kInt8 || f == kFp8) return {q + panel * qs, nullptr, nullptr};
+    return {q + panel * qs, static_cast<const _Float16*>(d) + panel * ds, m ? m + panel * ds : nullptr};
+  }
+  const float* Scale(int64_t panel, Fmt f) const {
+    return f == kInt8 || f == kFp8 ? static_cast<const float*>(d) + panel * kPanel : nullptr;
+  }
+};
+
+template <Fmt F>
+void Run(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t m_padded, int64_t k_len, int64_t panels,
+         const Weight& w, const Weight* w_up, float* ys) {
+  const int64_t n = panels * kPanel, chunks = (m + kRowChunk - 1) / kRowChunk;
+  std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
+  jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
+    const int64_t panel = i % panels, r0 = (i / panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, m - r0);
+    const Panel pg = w.At(panel, k_len, F), pu = w_up ? w_up->At(panel, k_len, F) : Panel{};
+    const float *sg = w.Scale(panel, F), *su = w_up ? w_up->Scale(panel, F) : nullptr;
+    // A chunk of more than one row tile decodes the panel once, into this thread's buffer, and runs
+    // the kernel over the floats: the same values, summed in the same order, decoded 1 / 8 as often.
+    thread_local std::vector<float> buf_g, buf_u;
+    const bool shared = rows > kMR;
+    if (shared) {
+      buf_g.resize(k_len * kPanel);
+      Decode<F>(pg, k_len, buf_g.data());
+      if (w_up) {
+        buf_u.resize(k_len * kPanel);
+        Decode<F>(pu, k_len, buf_u.data());
+      }
+    }
+    auto tile = [&](int64_t mr, const float* x, bool up, float* y, int64_t ldy) {
+      if (!shared) return Tile<F>(mr, x, up ? pu : pg, up ? su : sg, y, k_len, ldy);
+      Panel decoded{};
+      decoded.f = (up ? buf_u : buf_g).data();
+      Tile<kDecoded>(mr, x, decoded, up ? su : sg, y, k_len, ldy);
+    };
+    for (int64_t r = r0; r < r0 + rows; r += kMR) {
+      const int64_t mr = std::min<int64_t>(kMR, r0 + rows - r);
+      const float* x = xs + r * k_len;
+      float* y = ys + r * n + panel * kPanel;
+      if (!w_up) {
+        tile(mr, x, false, y, n);
+        continue;
+      }
+      alignas(64) float g[kMR * kPanel], u[kMR * kPanel];
+      tile(mr, x, false, g, kPanel);
+      tile(mr, x, true, u, kPanel);
+      for (int64_t j = 0; j < mr; ++j)
+        for (int v = 0; v < kPanel; v += kW) {
+          const v16 gv = Load<v16>(g + j * kPanel + v), uv = Load<v16>(u + j * kPanel + v);
+          const v16 out = gv * uv / (1.0f + jaxserve::Exp(-gv));  // silu(g) * u
+          std::memcpy(y + j * n + v, &out, sizeof(out));
+        }
+    }
+  });
+}
+
+// The weight's panel count if (q, d, m) is a well-formed weight of format f for x[., K], else -1.
+int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3 || qd[2] != kPanel) return -1;
+  const int64_t panels = qd[0], blocks = k_len / kBlock;
+  const auto dd = d.dimensions();
+  const bool block_scales = dd.size() == 3 && dd[0] == panels && dd[1] == blocks && dd[2] == kPanel &&
+                            d.element_type() == ffi::F16 && k_len % kBlock == 0;
+  switch (f) {
+    case kInt8:
+    case kFp8:
+      return q.element_type() == (f == kInt8 ? ffi::S8 : ffi::U8) && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
+                     d.element_type() == ffi::F32 ? panels : -1;
+    case kQ8:
+      return q.element_type() == ffi::S8 && qd[1] == k_len && block_scales ? panels : -1;
+    case kQ4:
+      return q.element_type() == ffi::U8 && 2 * qd[1] == k_len && block_scales && m.element_type() == ffi::F16 &&
+                     m.dimensions().size() == 3 && m.element_count() == d.element_count() ? panels : -1;
+  }
+  return -1;
+}
+
+Weight Of(ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m, Fmt f) {
+  return {static_cast<const uint8_t*>(q.untyped_data()), d.untyped_data(),
+          f == kQ4 ? static_cast<const _Float16*>(m.untyped_data()) : nullptr};
+}
+
+ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t fmt, const Weight& w, const Weight* up,
+                    int64_t panels, ffi::Buffer<ffi::S32> rows, float* y) {
+  const auto xd = x.dimensions();
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  switch (fmt) {
+    case kInt8: Run<kInt8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ8: Run<kQ8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ4: Run<kQ4>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kFp8: Run<kFp8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+  }
+  return ffi::Error::Success();
+}
+
+bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, ffi::Buffer<ffi::S32> rows) {
+  return x.dimensions().size() == 2 && fmt >= kInt8 && fmt <= kFp8 && rows.element_count() == 1;
+}
+
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
+                       ffi::AnyBuffer m, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
+  const int64_t panels = Valid(x, fmt, rows) ? Check(Fmt(fmt), x.dimensions()[1], q, d, m) : -1;
+  if (panels < 0)
+    return ffi::Error::InvalidArgument("quant matmul: expected x[M, K], a weight of format fmt (quant.py), rows[1]");
+  const Weight w = Of(q, d, m, Fmt(fmt));
+  return Dispatch(pool, x, fmt, w, nullptr, panels, rows, y->typed_data());
+}
+
+ffi::Error QuantMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qg, ffi::AnyBuffer dg,
+                            ffi::AnyBuffer mg, ffi::AnyBuffer qu, ffi::AnyBuffer du, ffi::AnyBuffer mu,
+                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
+  const int64_t panels = Valid(x, fmt, rows) ? Check(Fmt(fmt), x.dimensions()[1], qg, dg, mg) : -1;
+  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], qu, du, mu) != panels)
+    return ffi::Error::InvalidArgument("gated quant matmul: expected x[M, K], two weights of format fmt alike, rows[1]");
+  const Weight g = Of(qg, dg, mg, Fmt(fmt)), u = Of(qu, du, mu, Fmt(fmt));
+  return Dispatch(pool, x, fmt, g, &u, panels, rows, y->typed_data());
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, QuantMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // scale (int8) or d
+                                  .Arg<ffi::AnyBuffer>()         // m (Q4; else empty)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
+                                  .Attr<int32_t>("fmt"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGated, QuantMatmulGated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                                  .Arg<ffi::AnyBuffer>()         // gate: q
+                                  .Arg<ffi::AnyBuffer>()         // gate: scale or d
+                                  .Arg<ffi::AnyBuffer>()         // gate: m
+                                  .Arg<ffi::AnyBuffer>()         // up: q
+                                  .Arg<ffi::AnyBuffer>()         // up: scale or d
+                                  .Arg<ffi::AnyBuffer>()         // up: m
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
+                                  .Attr<int32_t>("fmt"));

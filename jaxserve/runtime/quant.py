@@ -1,0 +1,315 @@
+"""Linear weights that stay quantized in memory: int8 per output channel and GGUF's Q8_0 / Q4_0 /
+Q4_1 blocks, made at load time from float weights, or kept as a GGUF file stores them.
+
+Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
+matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
+blocks of 32 running along K (GGUF's blocks run along a row of the [out, in] matrix: the same K).
+`linear` runs the native kernel (csrc/quant_matmul.cc, which decodes each weight in registers
+just before its FMA) where the backend runs native linear layers; elsewhere it dequantizes inside
+the computation, so no float copy of a weight is ever stored. `quantized_ops` hands the model
+(through runtime/backend.py's ModelOps) ops that take these formats as well as float weights.
+
+A tied embedding table [V, H] is held once as its LM head's panels ([H, V] kernel), as the float
+packed path does; `embed` gathers and decodes token rows from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import QUANTIZATIONS
+from jaxserve.errors import UserError
+
+PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
+BLOCK = 32  # weights per GGUF block, along K
+SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf")  # what `quantize_params` makes
+
+
+class Int8Weight(NamedTuple):
+    """Symmetric int8 per output channel: W[k, n] = q[k, n] * scale[n]."""
+
+    q: jax.Array  # i8[N / 64, K, 64], |q| <= 127
+    scale: jax.Array  # f32[N]: max_k |W[k, n]| / 127
+
+
+class Fp8Weight(NamedTuple):
+    """float8_e4m3fn per output channel: W[k, n] = e4m3(q[k, n]) * scale[n]."""
+
+    q: jax.Array  # u8[N / 64, K, 64]: float8_e4m3fn bits
+    scale: jax.Array  # f32[N]
+
+
+class Q8Weight(NamedTuple):
+    """GGUF Q8_0: W[k, n] = q[k, n] * d[k / 32, n]."""
+
+    q: jax.Array  # i8[N / 64, K, 64]
+    d: jax.Array  # f16[N / 64, K / 32, 64]
+
+
+class Q4Weight(NamedTuple):
+    """GGUF Q4_1 (and Q4_0, with m = -8 d): W[k, n] = q[k, n] * d[k / 32, n] + m[k / 32, n],
+    q in 0..15, two per byte along K: W[2j] in the low nibble, W[2j + 1] in the high one."""
+
+    q: jax.Array  # u8[N / 64, K / 2, 64]
+    d: jax.Array  # f16[N / 64, K / 32, 64]
+    m: jax.Array  # f16[N / 64, K / 32, 64]
+
+
+QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight
+_FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3}  # the `fmt` attribute of csrc/quant_matmul.cc
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight))
+
+
+def quantizable(shape) -> bool:
+    """Whether a [K, N] kernel has a quantized layout: N in whole panels, K in whole blocks."""
+    return len(shape) == 2 and shape[1] % PANEL == 0 and shape[0] % BLOCK == 0
+
+
+# ---- layout (numpy, at load time; jnp inside the computation) ---------------------------------
+def to_panels(a, xp=np):
+    """[K, N, ...] -> [N / 64, K, 64, ...] (cpu_kernels.pack_kernel, for any dtype and library)."""
+    k, n = a.shape[:2]
+    return xp.moveaxis(a.reshape(k, n // PANEL, PANEL, *a.shape[2:]), 1, 0)
+
+
+def from_panels(p, xp=np):
+    """Inverse of `to_panels`."""
+    panels, k = p.shape[:2]
+    return xp.moveaxis(p, 0, 1).reshape(k, panels * PANEL, *p.shape[3:])
+
+
+def _nibbles(q4):
+    """u8[P, K / 2, 64] -> u8[P, K, 64] values 0..15 (numpy or jnp)."""
+    p, half, c = q4.shape
+    return (q4[:, :, None, :] >> np.array([0, 4], np.uint8)[:, None] & 15).reshape(p, 2 * half, c)
+
+
+def _per_block(s, xp=jnp):
+    """[P, K / 32, 64] -> [P, K, 64]: each block's value on its 32 rows."""
+    return xp.repeat(s.astype(xp.float32), BLOCK, axis=1)
+
+
+def dequantize(w: QuantWeight) -> jax.Array:
+    """The float32 [K, N] kernel a quantized weight stands for (inside a computation: XLA's path)."""
+    if isinstance(w, Int8Weight):
+        return from_panels(w.q.astype(jnp.float32), jnp) * w.scale
+    if isinstance(w, Fp8Weight):
+        return from_panels(_e4m3(w.q), jnp) * w.scale
+    if isinstance(w, Q8Weight):
+        return from_panels(w.q.astype(jnp.float32) * _per_block(w.d), jnp)
+    return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
+
+
+def _e4m3(bits):
+    """u8 float8_e4m3fn bits -> float32 (jnp, inside a computation)."""
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def quantize_fp8(w) -> Fp8Weight:
+    """Float [K, N] -> float8_e4m3fn per output channel (scale max |W| / 448, round to nearest)."""
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
+    q = (w / scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return Fp8Weight(np.ascontiguousarray(to_panels(q)), scale)
+
+
+def quantize_int8(w) -> Int8Weight:
+    """Float [K, N] (N % 64 == 0) -> symmetric int8 per output channel, round to nearest."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    return Int8Weight(np.ascontiguousarray(to_panels(q)), scale)
+
+
+# GGUF block layouts (ggml-common.h): bytes per block, and where d, m and the quants sit in it.
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def from_gguf(raw: np.ndarray, type_name: str) -> QuantWeight:
+    """A GGUF tensor's raw bytes (N rows = output channels, bytes per row), type Q8_0, Q4_0 or
+    Q4_1, -> its format here, for the [K, N] kernel (the transpose of the [N, K] file matrix).
+    Values are bit for bit what `gguf.quants.dequantize` gives."""
+    bb = GGUF_BLOCK_BYTES[type_name]
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, bb)  # [N, K / 32, bb]
+    d = to_panels(np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].T)
+    if type_name == "Q8_0":
+        q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)
+        return Q8Weight(np.ascontiguousarray(to_panels(q.T)), np.ascontiguousarray(d))
+    start = 2 if type_name == "Q4_0" else 4
+    m = (d * np.float16(-8) if type_name == "Q4_0"
+         else to_panels(np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].T))
+    qs = blocks[:, :, start:]  # [N, K / 32, 16]: element i low nibble, element i + 16 high
+    vals = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, -1)  # [N, K] in 0..15
+    q = to_panels(np.ascontiguousarray(vals.T))  # [P, K, 64]
+    return Q4Weight(np.ascontiguousarray(q[:, 0::2] | q[:, 1::2] << 4), np.ascontiguousarray(d),
+                    np.ascontiguousarray(m))
+
+
+def quantize(w, scheme: str) -> QuantWeight:
+    """Float [K, N] kernel -> `scheme`'s format: int8, or a GGUF block type quantized as llama.cpp
+    does (`gguf.quants.quantize`)."""
+    if scheme == "int8":
+        return quantize_int8(w)
+    if scheme == "fp8":
+        return quantize_fp8(w)
+    import gguf
+
+    raw = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T),
+                               gguf.GGMLQuantizationType[scheme.upper()])
+    return from_gguf(raw, scheme.upper())
+
+
+# ---- the parameter tree -------------------------------------------------------------------------
+def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> None:
+    """A UserError naming `name` and the choices unless it is one of them."""
+    if name not in choices:
+        raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
+                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time).",
+                        param="quantization")
+
+
+def quantize_params(params: dict, scheme: str) -> dict:
+    """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
+    panels: see the module docstring) by `scheme`'s format; leaves whose shape has no quantized
+    layout stay as they are. Leaves already quantized (a GGUF's blocks) are kept. The float
+    leaves are dropped: nothing here holds on to them."""
+    check_quantization(scheme, SCHEMES)
+
+    def convert(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        if is_quantized(leaf):
+            return leaf
+        on_device = isinstance(leaf, jax.Array)
+        if names[-1] == "kernel" and quantizable(leaf.shape):
+            w = quantize(leaf, scheme)
+        elif names[-2:] == ["embed_tokens", "embedding"] and quantizable(leaf.T.shape):
+            w = quantize(np.asarray(leaf).T, scheme)
+        else:
+            return leaf
+        return type(w)(*map(jnp.asarray, w)) if on_device else w
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+
+
+def has_quantized(params) -> bool:
+    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def place_params(params: dict, dtype, sharding) -> dict:
+    """Put a tree holding quantized weights on devices: float leaves cast to `dtype`, quantized ones
+    as they are (their scales stay float32 / float16 whatever the compute dtype)."""
+    def put(w):
+        return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)
+
+    return jax.tree.map(put, params, is_leaf=is_quantized)
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every array in the tree (quantized formats count their parts): what the weights
+    hold in memory."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+
+
+# ---- the ops ------------------------------------------------------------------------------------
+def _native(native: bool | None, x, *ws) -> bool:
+    """Whether the native kernel runs this call: where the backend said so (None: where the library
+    is built, on a CPU backend), for float32 x[M, K] and weights of one format."""
+    if native is None:
+        from jaxserve.runtime import cpu_kernels
+
+        native = jax.default_backend() == "cpu" and cpu_kernels.available() is None
+    return native and x.ndim == 2 and x.dtype == jnp.float32 and all(type(w) is type(ws[0]) for w in ws)
+
+
+def _operands(w):
+    """(q, scales, mins) as the native kernel takes them; a format without mins passes an empty one."""
+    return (w.q, w.scale, jnp.zeros((0,), jnp.float16)) if isinstance(w, (Int8Weight, Fp8Weight)) else (
+        (w.q, w.d, jnp.zeros((0,), jnp.float16)) if isinstance(w, Q8Weight) else (w.q, w.d, w.m))
+
+
+def _n(w) -> int:
+    return w.q.shape[0] * PANEL
+
+
+def _rows(x, num_rows):
+    return jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
+
+
+def linear(x, w, num_rows=None, native: bool | None = None):
+    """x f32[M, K] @ W -> f32[M, N] for any weight format (a plain [K, N] array too). With
+    `num_rows` (i32[1] or int: the step's real tokens) the native kernel computes only those rows
+    and the rest come out zero; each row is summed in the same order whatever the batch. `native`:
+    the backend's choice (see `_native`); elsewhere W is dequantized inside the computation."""
+    if not is_quantized(w):
+        return x @ w.astype(x.dtype)
+    if not _native(native, x, w):
+        # in x's dtype (bfloat16 on accelerators), accumulated in float32
+        return jnp.dot(x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_quant_matmul", out, vmap_method="sequential")(
+        x, *_operands(w), _rows(x, num_rows), fmt=np.int32(_FMT[type(w)]))
+
+
+def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
+    """silu(x @ W_gate) * (x @ W_up), the gated MLP's first half, in one native call where both
+    weights share a format (SiLU and the product applied to each tile as it is computed)."""
+    if not (is_quantized(w_gate) and _native(native, x, w_gate, w_up)):
+        return jax.nn.silu(linear(x, w_gate, num_rows, native)) * linear(x, w_up, num_rows, native)
+    out = jax.ShapeDtypeStruct((x.shape[0], _n(w_gate)), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_quant_matmul_gated", out, vmap_method="sequential")(
+        x, *_operands(w_gate), *_operands(w_up), _rows(x, num_rows), fmt=np.int32(_FMT[type(w_gate)]))
+
+
+def embed(w, ids):
+    """Rows `ids` (i32[T]) of the embedding table whose LM head is `w` ([H, V] panels: a
+    quantized format, or float panels [V / 64, H, 64]) -> f32[T, H], decoded from the panels."""
+    p, c = ids // PANEL, ids % PANEL
+    if not is_quantized(w):
+        return w[p, :, c]
+    if isinstance(w, Int8Weight):
+        return w.q[p, :, c].astype(jnp.float32) * w.scale[ids][:, None]
+    if isinstance(w, Fp8Weight):
+        return _e4m3(w.q[p, :, c]) * w.scale[ids][:, None]
+    d = jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1)  # [T, H]
+    if isinstance(w, Q8Weight):
+        return w.q[p, :, c].astype(jnp.float32) * d
+    b = w.q[p, :, c]  # [T, H / 2]
+    q = jnp.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(jnp.float32)
+    return q * d + jnp.repeat(w.m[p, :, c].astype(jnp.float32), BLOCK, axis=1)
+
+
+def quantized_ops(ops, native: bool):
+    """A backend's `ModelOps` (runtime/backend.py) that also take weights in these formats: the
+    native kernels where `native` (the backend's choice for the linear layers), else dequantized
+    inside the computation; every other weight goes to `ops` as before."""
+
+    def lin(x, w, num_rows=None):
+        return linear(x, w, num_rows, native) if is_quantized(w) else ops.linear(x, w, num_rows)
+
+    def gated(x, w_gate, w_up, num_rows=None):
+        if is_quantized(w_gate) and type(w_gate) is type(w_up):
+            return linear_gated(x, w_gate, w_up, num_rows, native)
+        if is_quantized(w_gate) or is_quantized(w_up):  # formats differ (a GGUF may mix types)
+            return jax.nn.silu(lin(x, w_gate, num_rows)) * lin(x, w_up, num_rows)
+        return ops.gated(x, w_gate, w_up, num_rows)
+
+    def lookup(table, ids):
+        return embed(table, ids) if is_quantized(table) else ops.embed(table, ids)
+
+    def lm_head(x, table, num_rows=None):
+        return linear(x, table, num_rows, native) if is_quantized(table) else ops.lm_head(x, table, num_rows)
+
+    return dataclasses.replace(ops, linear=lin, gated=gated, embed=lookup, lm_head=lm_head)

@@ -1,0 +1,93 @@
+"""GGUF blocks kept quantized (`load_gguf(keep_quantized=True)`): every kept tensor reads exactly as
+`gguf.quants.dequantize` (with llama.cpp's q/k row permutation undone) gives it, no float copy is
+made of them, and the weights in memory stay within the 4-bit / 8-bit budgets."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxserve.model import default_model as dm
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.gguf_loader import load_gguf
+from jaxserve.model.weights import hf_to_params
+from jaxserve.runtime import quant
+
+RNG = np.random.default_rng(0)
+HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 64, 2, 2, 128, 128
+
+
+def float_bytes(params) -> int:
+    """Bytes of the same weights in float32."""
+    import jax
+
+    shapes = [jax.eval_shape(quant.dequantize, x) if quant.is_quantized(x) else x
+              for x in jax.tree.leaves(params, is_leaf=quant.is_quantized)]
+    return sum(int(np.prod(x.shape)) * 4 for x in shapes)
+
+
+def write_tiny_gguf(path, matrix_type: str, arch: str = "llama") -> None:
+    """A 2-layer model whose matrices are `matrix_type` blocks (as `gguf` quantizes them), norms F32."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", 2), ("context_length", 256), ("embedding_length", HIDDEN),
+                       ("feed_forward_length", INTER), ("attention.head_count", HEADS),
+                       ("attention.head_count_kv", KV_HEADS)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    qt = gguf.GGMLQuantizationType[matrix_type]
+
+    def matrix(name, rows, cols):
+        raw = gguf.quants.quantize(RNG.standard_normal((rows, cols)).astype(np.float32) * 0.1, qt)
+        w.add_tensor(name, raw, raw_dtype=qt)
+
+    matrix("token_embd.weight", VOCAB, HIDDEN)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(2):
+        for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", KV_HEADS * 32, HIDDEN),
+                                 ("attn_v", KV_HEADS * 32, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
+                                 ("ffn_gate", INTER, HIDDEN), ("ffn_up", INTER, HIDDEN), ("ffn_down", HIDDEN, INTER)):
+            matrix(f"blk.{i}.{name}.weight", rows, cols)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def assert_kept_exactly(path) -> dict:
+    """Every tensor of `path`: kept-quantized reads bit for bit as the float load; returns the
+    kept weights."""
+    _, floats = load_gguf(path)
+    _, kept = load_gguf(path, keep_quantized=True)
+    assert set(kept) == set(floats)
+    for name, w in kept.items():
+        if quant.is_quantized(w):
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)).T, floats[name], err_msg=name)
+        else:
+            np.testing.assert_array_equal(w, floats[name], err_msg=name)
+    return kept
+
+
+@pytest.mark.parametrize("matrix_type,budget", [("Q4_0", 0.17), ("Q4_1", 0.17), ("Q8_0", 0.30)])
+def test_tiny_gguf_kept_packed(tmp_path, matrix_type, budget):
+    p = tmp_path / "m.gguf"
+    write_tiny_gguf(p, matrix_type)  # llama: q/k rows are stored permuted
+    kept = assert_kept_exactly(p)
+    matrices = [n for n in kept if kept[n].__class__ is not np.ndarray]
+    assert len(matrices) == 1 + 2 * 7  # every matrix stayed in its blocks
+    cfg = ModelConfig.from_hf(load_gguf(p)[0])
+    params = hf_to_params(kept, cfg)
+    assert quant.weight_bytes(params) <= budget * float_bytes(params)
+
+
+def test_default_model_kept_as_q4_1_and_q8_0():
+    path = dm.default_model_path(download=False)
+    kept = assert_kept_exactly(path)
+    kinds = {type(w).__name__ for w in kept.values()}
+    assert kinds == {"Q4Weight", "Q8Weight", "ndarray"}  # Q4_1 layers, a Q8_0 embedding, F32 norms
+    assert sum(isinstance(w, np.ndarray) and w.ndim == 2 for w in kept.values()) == 0
+    total = quant.weight_bytes(kept)
+    assert total <= 0.18 * 134_515_008 * 4  # 4.5-5 bits a weight (the Q8_0 embedding: 8.5)
