@@ -84,7 +84,9 @@ class IncrementalDetokenizer:
         delta = ""
         if self._read_offset < len(self._ids):
             new_text = self._decode(self._ids[self._prefix_offset:])
-            delta = new_text[len(self._prefix_text):].rstrip(_REPLACEMENT)
+            delta = new_text[len(self._prefix_text):]
+            if delta.endswith(_REPLACEMENT):  # one incomplete character: cut, not written
+                delta = delta[:-1]
             self._read_offset = len(self._ids)
         return self._append(delta, final=True)
 

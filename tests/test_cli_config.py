@@ -62,3 +62,41 @@ def test_missing_file_is_one_clear_error(capsys):
     assert main(["generate", "--config", "/no/such.yaml", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["jaxserve: error: Config file '/no/such.yaml' does not exist."]
+
+
+def test_only_user_errors_are_one_line(monkeypatch, capsys):
+    """A UserError is `jaxserve: error: ...` and exit 2; any other exception is a bug and keeps
+    its traceback (it propagates), never a silent exit."""
+    from jaxserve import cli
+    from jaxserve.errors import UserError
+
+    def bad_input(args):
+        raise UserError("Invalid max_tokens=0: must be >= 1.", param="max_tokens")
+
+    def bug(args):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(cli, "cmd_generate", bad_input)
+    assert cli.main(["generate", "hi"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["jaxserve: error: Invalid max_tokens=0: must be >= 1."]
+    monkeypatch.setattr(cli, "cmd_generate", bug)
+    with pytest.raises(KeyError, match="internal"):
+        cli.main(["generate", "hi"])
+
+
+def test_flags_are_generated_from_the_config():
+    """Every EngineConfig field is a `serve` flag (scheduler knobs included), with its default."""
+    import dataclasses
+
+    from jaxserve.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "some/model", "--lpm-max-queue", "7", "--no-async-scheduling",
+                                      "--memory-fraction", "0.5", "--decode-first"])
+    cfg = engine_config(args)
+    assert cfg.model == "some/model" and cfg.lpm_max_queue == 7 and cfg.async_scheduling is False
+    assert cfg.gpu_memory_utilization == 0.5 and cfg.prefill_first is False
+    defaults = engine_config(build_parser().parse_args(["serve"]))
+    for f in dataclasses.fields(EngineConfig):
+        assert getattr(defaults, f.name) == getattr(EngineConfig(), f.name), f.name
+    sched = defaults.scheduler_config(num_blocks=10, max_model_len=64)
+    assert sched.lpm_max_wait_steps == defaults.lpm_max_wait_steps and sched.policy == defaults.schedule

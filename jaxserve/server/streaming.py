@@ -21,12 +21,14 @@ log = logging.getLogger("jaxserve.server")
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters that str.splitlines (and so httpx's aiter_lines) treats as line ends but JSON leaves
+# raw: escaped, so a model's text can never split an event's data line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict) -> bytes:
-    return (
-        b"data: "
-        + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def _wait_disconnect(receive: Receive) -> None:
