@@ -105,6 +105,7 @@ class ModelRunner:
         tp = meshlib.tp_size(self.mesh)
         shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
         self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, str(self.kv_dtype), tp, shape)
+        log.info(self.backend.describe())
         self.source_config = model_cfg
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
