@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.errors import UserError
-
 from .batch import PENDING
+from .errors import UserError
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
 from .request import Request, RequestStatus

@@ -25,6 +25,7 @@ from typing import Any
 
 from jaxserve.errors import UserError
 from jaxserve.outputs import RequestOutput
+from jaxserve.server.offload import settle
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxserve.server")
@@ -234,20 +235,20 @@ class AsyncEngine:
                     self.engine.add_request(
                         rid, None, params, prompt_token_ids=ids, priority=priority, cache_salt=salt
                     )
-                    self._post(_resolve, fut, None, None)
+                    self._post(settle, fut, None, None)
                 except UserError as e:
-                    self._post(_resolve, fut, None, e)
+                    self._post(settle, fut, None, e)
                 except Exception as e:  # noqa: BLE001 - a bug: this request fails (a 500), others go on
                     log.exception("Adding request %s failed", rid)
-                    self._post(_resolve, fut, None, e)
+                    self._post(settle, fut, None, e)
             elif kind == "abort":
                 self.engine.abort_request(cmd[1])
             elif kind == "call":
                 _, fut, fn = cmd
                 try:
-                    self._post(_resolve, fut, fn(self.engine), None)
+                    self._post(settle, fut, fn(self.engine), None)
                 except Exception as e:  # noqa: BLE001 - handed to the caller
-                    self._post(_resolve, fut, None, e)
+                    self._post(settle, fut, None, e)
             elif kind == "stop":
                 self._stop = True
                 return added, ran
@@ -283,12 +284,3 @@ class AsyncEngine:
         for stream in {r[0] for r in self._routes.values()}:
             stream._put(dead)
         self._routes.clear()
-
-
-def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)

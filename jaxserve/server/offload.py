@@ -31,7 +31,9 @@ def _interrupt(thread: threading.Thread) -> None:
         )
 
 
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Complete a future from the loop thread (call it with call_soon_threadsafe), unless it is
+    already done (cancelled meanwhile)."""
     if fut.done():
         return
     if error is not None:
@@ -51,9 +53,9 @@ async def run_bounded(fn: Callable[[], Any], timeout: float, what: str, param: s
         except _Interrupted:
             return
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
-            loop.call_soon_threadsafe(_settle, fut, None, e)
+            loop.call_soon_threadsafe(settle, fut, None, e)
             return
-        loop.call_soon_threadsafe(_settle, fut, result, None)
+        loop.call_soon_threadsafe(settle, fut, result, None)
 
     thread = threading.Thread(target=work, name="jaxserve-offload", daemon=True)
     thread.start()
