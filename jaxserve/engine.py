@@ -2,47 +2,33 @@
 
     add_request -> [schedule -> build padded batch -> runner (forward + sample) -> update]* -> outputs
 
-The engine owns what the host must do around a step: tokenizing, per-request seeds, incremental
-detokenization, stop conditions, logprobs, and fanning out n > 1 into sibling sequences that share
-the prompt's cached blocks.
+The engine owns what the host must do around a step: tokenizing, per-request seeds, grammars,
+building and dispatching the batch with one step in flight, reading tokens back, and fanning out
+n > 1 into sibling sequences that share the prompt's cached blocks. What a token does to a
+request's output (detokenization, stop strings, logprobs) is in sequence.py.
 """
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
-import dataclasses
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.batch import BucketKey, RowSpec, Sampling
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.errors import UserError
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from jaxserve.core.batch import BucketKey, RowSpec, Sampling
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.sequence import Group, Seq
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve")
-
-
-@dataclass(eq=False)
-class _Seq:
-    """One completion (choice) of a request; its core Request is what the scheduler sees."""
-
-    group_id: str
-    req: Request
-    index: int
-    seed: int
-    detok: IncrementalDetokenizer
-    out: CompletionOutput
-    prompt_set: frozenset = frozenset()  # for the repetition penalty
-    counts: dict = field(default_factory=dict)  # output token counts, for penalties
-    matcher: object | None = None  # structured.matcher.Matcher: its place in the grammar
 
 
 @dataclass(eq=False)
@@ -50,28 +36,12 @@ class _Inflight:
     """A dispatched step whose tokens the host has not read yet."""
 
     sched: SchedulerOutput
-    seqs: list[_Seq]  # per row
+    seqs: list[Seq]  # per row
     result: object  # runner.StepResult (device arrays)
     key: BucketKey
     want_logprobs: bool
     needs_tokens: bool  # a row's sampling needs its last token's value (penalties, grammars)
     row_of: dict[str, int]  # request id -> row, for rows that sample
-
-
-@dataclass(eq=False)
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_Seq] = field(default_factory=list)
-    metrics: RequestMetrics | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.out.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -118,8 +88,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=self.max_model_len))
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self._rng = random.Random(config.seed)
-        self._groups: dict[str, _Group] = {}
-        self._seqs: dict[str, _Seq] = {}  # core request id -> seq
+        self._groups: dict[str, Group] = {}
+        self._seqs: dict[str, Seq] = {}  # core request id -> seq
         self._inflight: _Inflight | None = None  # the dispatched step not yet read
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
         # Host time in step() other than waiting for the device, and that wait (bench/host_overhead.py).
@@ -140,7 +110,7 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._bitmask_filler = BitmaskFiller()
-        self._waiting_grammar: list[tuple[_Group, object]] = []  # (group, Future) until compiled
+        self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
 
     def _plan_device_memory(self, kv_dtype: str) -> int:
         import jax
@@ -206,7 +176,7 @@ class LLMEngine:
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt, prompt_token_ids, params, metrics=RequestMetrics(arrival_time=now),
+        group = Group(request_id, prompt, prompt_token_ids, params, metrics=RequestMetrics(arrival_time=now),
                        priority=priority, cache_salt=cache_salt)
         eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         prompt_set = frozenset(prompt_token_ids) if params.uses_penalties else frozenset()
@@ -222,7 +192,7 @@ class LLMEngine:
             )
             out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
-            group.seqs.append(_Seq(request_id, req, i, seed, detok, out, prompt_set))
+            group.seqs.append(Seq(request_id, req, i, seed, detok, out, prompt_set))
             reqs.append(req)
         for req in reqs:
             self.scheduler.check_request(req)  # raises for requests the cache can never hold
@@ -267,7 +237,7 @@ class LLMEngine:
                 self.scheduler.abort_request(s.req.request_id)
         return True
 
-    def _admit_compiled(self, outputs: dict[str, _Group]) -> None:
+    def _admit_compiled(self, outputs: dict[str, Group]) -> None:
         """Requests whose grammar is compiled join the scheduler, each sequence with a matcher."""
         still = []
         for group, future in self._waiting_grammar:
@@ -302,7 +272,7 @@ class LLMEngine:
         runs (overlap: one step in flight; `async_scheduling=False` processes each step at once)."""
         t0 = time.perf_counter()
         wait0 = self.timing["device_wait_s"]
-        outputs: dict[str, _Group] = {}
+        outputs: dict[str, Group] = {}
         if self._waiting_grammar:
             self._admit_compiled(outputs)
         if self._inflight is not None and self._inflight.needs_tokens:
@@ -362,7 +332,7 @@ class LLMEngine:
             row_of={sr.request.request_id: i for i, sr in enumerate(scheduled) if sr.samples},
         )
 
-    def _sampling(self, p: SamplingParams, seq: _Seq) -> Sampling:
+    def _sampling(self, p: SamplingParams, seq: Seq) -> Sampling:
         req = seq.req
         n_out = req.num_output_tokens
         bias = dict(p.logit_bias or {})
@@ -377,7 +347,7 @@ class LLMEngine:
             output_counts=seq.counts if p.uses_penalties else {}, constrained=seq.matcher is not None,
         )
 
-    def _process(self, step: _Inflight, outputs: dict[str, _Group]) -> None:
+    def _process(self, step: _Inflight, outputs: dict[str, Group]) -> None:
         """Read a dispatched step's tokens and update its requests: token-level stops in the
         scheduler, then detokenization, stop strings and logprobs here."""
         t0 = time.perf_counter()
@@ -402,79 +372,31 @@ class LLMEngine:
             self._append(group, seq, tok, lp, stops.get(id(seq.req)))
             outputs[group.request_id] = group
 
-    def _append(self, group: _Group, seq: _Seq, token: int, lp: TokenLogprob | None, stop) -> None:
+    def _append(self, group: Group, seq: Seq, token: int, lp: TokenLogprob | None, stop) -> None:
         """Record a sampled token; `stop` is the scheduler's token-level verdict (status, reason)."""
-        p, out = group.params, seq.out
         now = time.time()
         m = group.metrics
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
         self.counters["generation_tokens"] += 1
-        out.token_ids.append(token)
-        out.delta_token_ids.append(token)
-        if p.uses_penalties:
-            seq.counts[token] = seq.counts.get(token, 0) + 1
-        if lp is not None:
-            out.logprobs.append(lp)
-            out.delta_logprobs.append(lp)
-            out.cumulative_logprob += lp.logprob
-        if seq.matcher is not None:
-            if token in self.eos_token_ids:  # the mask allows EOS only where the grammar is complete
-                stop = stop or (RequestStatus.FINISHED_STOPPED, None)  # (under ignore_eos too)
-            elif not seq.matcher.accept(token):
-                log.error("request %s: token %d is outside its grammar", group.request_id, token)
-                stop = stop or (RequestStatus.FINISHED_STOPPED, None)
-            elif seq.matcher.is_terminated():  # complete: nothing but EOS can follow; keep the token
-                stop = None if stop is not None and stop[0] == RequestStatus.FINISHED_STOPPED else stop
-                out.delta_text += seq.detok.add(token)
-                self._finish(group, seq, RequestStatus.FINISHED_STOPPED, None)
-                return
-        if stop is not None and stop[0] == RequestStatus.FINISHED_STOPPED:
-            self._finish(group, seq, *stop)  # EOS or a stop token: never part of the text
-            return
-        out.delta_text += seq.detok.add(token)
-        if seq.detok.stopped and len(out.token_ids) >= p.min_tokens:
-            self._finish(group, seq, RequestStatus.FINISHED_STOPPED, seq.detok.stop_str)
-        elif stop is not None:
+        stop = seq.add_token(token, lp, stop, group.params, self.eos_token_ids)
+        if stop is not None:
             self._finish(group, seq, *stop)
 
-    def _finish(self, group: _Group, seq: _Seq, status: RequestStatus, stop_reason) -> None:
-        out = seq.out
-        if not seq.detok.stopped:
-            out.delta_text += seq.detok.flush()
-        out.text = seq.detok.text
-        out.finish_reason = status.finish_reason
-        out.stop_reason = stop_reason
+    def _finish(self, group: Group, seq: Seq, status: RequestStatus, stop_reason) -> None:
+        seq.finish(status, stop_reason)
         if not seq.req.is_finished:
             self.scheduler.finish_request(seq.req, status)
         if group.finished:
             group.metrics.finished_time = time.time()
 
-    def _output(self, group: _Group) -> RequestOutput:
-        """A snapshot for the consumer (the server's event loop may read it a step later). An
-        unfinished output carries only this step's deltas (token_ids and logprobs lists are
-        empty; `logprobs` is [] rather than None when asked for), so a request's host work stays
-        linear in its length; the final output carries everything."""
-        finished = group.finished
-        outs = []
-        for s in group.seqs:
-            o = s.out
-            done = o.finished
-            outs.append(CompletionOutput(
-                index=o.index, text=o.text if done else "", token_ids=list(o.token_ids) if done else [],
-                cumulative_logprob=o.cumulative_logprob,
-                logprobs=(list(o.logprobs) if done else []) if o.logprobs is not None else None,
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason, delta_text=o.delta_text,
-                delta_token_ids=o.delta_token_ids, delta_logprobs=o.delta_logprobs,
-            ))
-            o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
-        if finished:
+    def _output(self, group: Group) -> RequestOutput:
+        out = group.snapshot()
+        if out.finished:
             self._groups.pop(group.request_id, None)
             for s in group.seqs:
                 self._seqs.pop(s.req.request_id, None)
-        cached = max((s.req.num_cached_tokens for s in group.seqs), default=0)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             max(cached, 0), dataclasses.replace(group.metrics))
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Forget cached prefixes no running request uses (as vLLM's reset_prefix_cache), e.g.
