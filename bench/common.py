@@ -15,6 +15,7 @@ import random
 import shlex
 import signal
 import subprocess
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -32,6 +33,19 @@ def percentile(values: Sequence[float], p: float) -> float:
     k = (len(xs) - 1) * p / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median_seconds(fn, *args, repeats: int) -> float:
+    """Median wall time of fn(*args) over `repeats` synced calls, after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def summarize(values: Sequence[float], percentiles: Iterable[float] = (50, 90, 99)) -> dict:

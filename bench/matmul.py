@@ -11,8 +11,6 @@ model's layers do (the LM head: one, as in the model). GFLOP/s = 2 M K N / media
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from bench import common
 
@@ -40,13 +38,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
 
     def timed(fn, x, ws):
-        jax.block_until_ready(fn(x, ws))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x, ws))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) / len(ws)
+        return common.median_seconds(fn, x, ws, repeats=args.repeats) / len(ws)
 
     xla = jax.jit(lambda x, ws: [x @ w for w in ws])
     native = jax.jit(lambda x, ws: [cpu_kernels.cpu_matmul(x, w) for w in ws])

@@ -10,8 +10,6 @@ Shapes, rows and weight rotation as in `jaxserve bench matmul` (SmolLM2-135M's l
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from bench import common
 from bench.matmul import LM_HEAD, SHAPES
@@ -39,13 +37,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
 
     def timed(fn, x, ws):
-        jax.block_until_ready(fn(x, ws))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x, ws))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) / len(ws)
+        return common.median_seconds(fn, x, ws, repeats=args.repeats) / len(ws)
 
     run = {"float32": jax.jit(lambda x, ws: [cpu_kernels.cpu_matmul(x, w) for w in ws]),
            "quant": jax.jit(lambda x, ws: [quant.linear(x, w, native=True) for w in ws])}

@@ -10,8 +10,6 @@ candidates and takes the exact full-vocabulary path). Median of --repeats synced
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from bench import common
 
@@ -52,13 +50,7 @@ def main(argv=None) -> int:
     fn = jax.jit(sample)
     results = []
     for name, logits, t in cases:
-        jax.block_until_ready(fn(logits, t))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(logits, t))
-            times.append(time.perf_counter() - t0)
-        results.append({"case": name, "ms": 1e3 * statistics.median(times)})
+        results.append({"case": name, "ms": 1e3 * common.median_seconds(fn, logits, t, repeats=args.repeats)})
     print(common.table([(r["case"], r["ms"]) for r in results], ("case", "ms per step"),
                        f"Sampler, {n} rows x {args.vocab} vocabulary"))
     common.report("sampler", argv, model={}, config=vars(args), results={"cases": results}, out=args.out)
