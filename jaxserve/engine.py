@@ -316,9 +316,12 @@ class LLMEngine:
                                 prev.get(req.request_id, -1)))
             seqs.append(seq)
         batch, key = self.runner.builder.build(rows)
-        constrained = [seq.matcher if r.sampling is not None else None for seq, r in zip(seqs, rows)]
+        constrained = [None] * key.s
+        for seq, r in zip(seqs, rows):
+            if r.sampling is not None:
+                constrained[r.out_row] = seq.matcher
         if any(m is not None for m in constrained):  # filled on the host, applied in the executable
-            self._bitmask_filler.fill(constrained + [None] * (key.s - len(rows)), batch.bitmask)
+            self._bitmask_filler.fill(constrained, batch.bitmask)
         want_logprobs = any(r.sampling is not None and r.sampling.num_logprobs >= 0 for r in rows)
         result = self.runner.execute(batch, key)
         sched.scheduled = scheduled  # row order
@@ -329,7 +332,7 @@ class LLMEngine:
             sched, seqs, result, key, want_logprobs,
             needs_tokens=any(r.sampling is not None and (r.sampling.uses_penalties or r.sampling.constrained)
                              for r in rows),
-            row_of={sr.request.request_id: i for i, sr in enumerate(scheduled) if sr.samples},
+            row_of={sr.request.request_id: r.out_row for sr, r in zip(scheduled, rows) if sr.samples},
         )
 
     def _sampling(self, p: SamplingParams, seq: Seq) -> Sampling:
@@ -353,22 +356,22 @@ class LLMEngine:
         t0 = time.perf_counter()
         got = self.runner.fetch(step.result, step.key.s, step.want_logprobs)
         self.timing["device_wait_s"] += time.perf_counter() - t0
-        tokens = got[0]
-        rows = [i for i, sr in enumerate(step.sched.scheduled) if sr.samples and not sr.request.is_finished]
-        sampled = {step.sched.scheduled[i].request.request_id: int(tokens[i]) for i in rows}
+        tokens = got.tokens
+        rows = [(i, step.row_of[sr.request.request_id]) for i, sr in enumerate(step.sched.scheduled)
+                if sr.samples and not sr.request.is_finished]
+        sampled = {step.sched.scheduled[i].request.request_id: int(tokens[j]) for i, j in rows}
         stops = {id(r): (st, reason) for r, st, reason in self.scheduler.update_from_output(step.sched, sampled)}
-        for i in rows:
+        for i, j in rows:
             seq = step.seqs[i]
             group = self._groups.get(seq.group_id)
             if group is None or seq.out.finished:
                 continue
-            tok = int(tokens[i])
+            tok = int(tokens[j])
             lp = None
             if seq.out.logprobs is not None:
                 n = group.params.logprobs
-                _, chosen, top_ids, top_lps = got
-                lp = TokenLogprob(tok, float(chosen[i]),
-                                  [(int(a), float(b)) for a, b in zip(top_ids[i, :n], top_lps[i, :n])])
+                lp = TokenLogprob(tok, float(got.logprobs[j]),
+                                  [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
             self._append(group, seq, tok, lp, stops.get(id(seq.req)))
             outputs[group.request_id] = group
 

@@ -11,6 +11,12 @@ step of one sequence (a lone prefill or a single stream), else the T bucket's se
 Every 32-bit field travels in one buffer, so a step is one host-to-device copy and a multi-host
 leader broadcasts exactly that buffer.
 
+Logits rows: S counts sequences (attention's seq_lens, block tables) and, separately, logits rows
+(sampling parameters, `logits_indices`): a row samples its last token and may ask for logits at
+earlier tokens too (`RowSpec.extra`: speculative verification, prompt logprobs). Such a logits row
+verifies the row's next input token (`verify_ids`): the sampler says whether its distribution
+accepts that token (rejection sampling) and returns its logprob.
+
 Overlap: a row whose last token is still being sampled by the step in flight carries the token id
 PENDING and `prev_index` = its row in that step; the executable takes the token from the previous
 step's device output.
@@ -52,7 +58,7 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
 
 class BucketKey(NamedTuple):
     t: int  # token rows
-    s: int  # sequence rows (logits rows)
+    s: int  # sequence rows, and logits rows (each at most s)
     w: int  # sparse logit adjustments per row (0: none in this step)
 
 
@@ -68,7 +74,8 @@ class StepBatch(NamedTuple):
     query_start_loc: np.ndarray  # i32[S+1]
     block_tables: np.ndarray  # i32[S, max_blocks]
     num_seqs: np.ndarray  # i32[1]
-    logits_indices: np.ndarray  # i32[S]
+    logits_indices: np.ndarray  # i32[S] token row of each logits row
+    verify_ids: np.ndarray  # i32[S] token the logits row verifies (the next input token), or -1
     temperature: np.ndarray  # f32[S] (0 = greedy)
     top_k: np.ndarray  # i32[S] (0 = off)
     top_p: np.ndarray  # f32[S]
@@ -103,6 +110,7 @@ _FIELDS = (
     ("input_ids", "T", "int32"), ("prev_index", "T", "int32"), ("positions", "T", "int32"),
     ("slot_mapping", "T", "int32"), ("seq_lens", "S", "int32"), ("query_start_loc", "S+1", "int32"),
     ("block_tables", "SB", "int32"), ("num_seqs", "1", "int32"), ("logits_indices", "S", "int32"),
+    ("verify_ids", "S", "int32"),
     ("temperature", "S", "float32"), ("top_k", "S", "int32"), ("top_p", "S", "float32"),
     ("min_p", "S", "float32"), ("seed_lo", "S", "uint32"), ("seed_hi", "S", "uint32"),
     ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("presence", "S", "float32"),
@@ -172,7 +180,15 @@ class RowSpec:
     num_new: int
     block_ids: list[int]
     sampling: Sampling | None = None  # None: this row does not sample (a prefill chunk)
-    prev_index: int = -1  # the row of the step in flight that samples token_ids[-1] (PENDING)
+    prev_index: int = -1  # the logits row of the step in flight that samples token_ids[-1] (PENDING)
+    # Logits rows before the last token: (offset in [0, num_new - 1), sampling); each verifies
+    # token_ids[start + offset + 1] (a draft to accept or a prompt token to score).
+    extra: list[tuple[int, Sampling]] = field(default_factory=list)
+    out_row: int = -1  # set by build(): the logits row of the last token (extra rows just before it)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return len(self.extra) + (self.sampling is not None)
 
 
 class BatchBuilder:
@@ -200,11 +216,15 @@ class BatchBuilder:
     def _min_tokens(self, w: int) -> int:
         return ADJUST_MIN_TOKENS[0] if w == self.adjust_widths[0] else ADJUST_MIN_TOKENS[1]
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, adjustments: int = -1) -> BucketKey:
-        """adjustments: the most sparse entries a row needs (-1: no row adjusts anything)."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, adjustments: int = -1, logit_rows: int = 1) -> BucketKey:
+        """adjustments: the most sparse entries a row needs (-1: no row adjusts anything);
+        logit_rows: logits rows in the step (at most num_tokens and s_max)."""
+        if logit_rows > self.s_max:
+            raise ValueError(f"{logit_rows} logits rows exceed the step's {self.s_max}")
         if adjustments < 0:
             t = self._t(num_tokens)
-            return BucketKey(t, 1 if num_seqs == 1 and t >= SINGLE_SEQ_MIN_TOKENS else self.seq_bucket(t), 0)
+            lone = max(num_seqs, logit_rows) == 1 and t >= SINGLE_SEQ_MIN_TOKENS
+            return BucketKey(t, 1 if lone else self.seq_bucket(t), 0)
         w = next((w for w in self.adjust_widths if w >= adjustments), None)
         if w is None:
             raise ValueError(f"{adjustments} logit adjustments exceed the widest row ({self.max_adjustments})")
@@ -231,15 +251,16 @@ class BatchBuilder:
 
     # ---- one step ---------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey]:
-        """Decode rows should come first (the xla attention takes them in a loop of their own)."""
+        """Decode rows should come first (the xla attention takes them in a loop of their own).
+        Sets each row's `out_row`."""
         num_tokens = sum(r.num_new for r in rows)
-        need = max((r.sampling.num_adjustments() for r in rows if r.sampling is not None and r.sampling.adjusts),
-                   default=-1)
-        key = self.bucket_for(num_tokens, len(rows), need)
+        samplings = [p for r in rows for _, p in r.extra] + [r.sampling for r in rows if r.sampling is not None]
+        need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
+        key = self.bucket_for(num_tokens, len(rows), need, len(samplings))
         t, s, w = key
         bs = self.block_size
         b = self.empty(key)
-        n = 0
+        n = j = 0
         for i, r in enumerate(rows):
             end = r.start + r.num_new
             ids = r.token_ids[r.start:end]
@@ -254,11 +275,22 @@ class BatchBuilder:
             b.slot_mapping[n:n + r.num_new] = blocks[pos // bs] * bs + pos % bs
             b.seq_lens[i] = end
             b.block_tables[i, :len(blocks)] = blocks
+            for offset, p in r.extra:
+                assert 0 <= offset < r.num_new - 1, "an extra logits row verifies a token of its row"
+                b.logits_indices[j] = n + offset
+                b.verify_ids[j] = ids[offset + 1]
+                self._fill_sampling(b, j, p, w)
+                j += 1
             n += r.num_new
             b.query_start_loc[i + 1] = n
-            b.logits_indices[i] = n - 1
             if r.sampling is not None:
-                self._fill_sampling(b, i, r.sampling, w)
+                b.logits_indices[j] = n - 1
+                self._fill_sampling(b, j, r.sampling, w)
+                r.out_row = j
+                j += 1
+            else:
+                r.out_row = -1
+        b.logits_indices[j:] = max(n - 1, 0)
         b.query_start_loc[len(rows) + 1:] = n
         b.num_seqs[0] = len(rows)
         return b, key
@@ -269,7 +301,7 @@ class BatchBuilder:
         return StepBatch(
             input_ids=z(t), prev_index=z(t, v=-1), positions=z(t), slot_mapping=z(t),
             seq_lens=z(s), query_start_loc=z(s + 1), block_tables=z((s, self.max_blocks)),
-            num_seqs=z(1), logits_indices=z(s), temperature=z(s, np.float32),
+            num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), temperature=z(s, np.float32),
             top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
             seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),
             presence=z(s, np.float32), frequency=z(s, np.float32), repetition=z(s, np.float32, 1.0),

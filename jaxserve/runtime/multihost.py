@@ -97,5 +97,5 @@ def follower_loop(runner) -> int:
         key = BucketKey(int(h[1]), int(h[2]), int(h[3]))
         flat = np.asarray(_broadcast(np.zeros(runner.builder.packed_size(key), np.int32)))
         result = runner.execute(flat, key)
-        runner.fetch(result, key.s, True)  # keep in lock step with the leader
+        runner.fetch(result, key.s, True, True)  # keep in lock step with the leader
         steps += 1

@@ -72,8 +72,12 @@ class KVCaches(NamedTuple):
 
 
 class StepResult(NamedTuple):
+    """Per logits row (sampler.SampleResult); tokens padded to s_max for the next step."""
+
     tokens: jax.Array  # i32[s_max] sampled tokens (rows past S are 0); the next step's last_tokens
+    accepted: jax.Array  # bool[S] the row's verify token is accepted
     logprobs: jax.Array  # f32[S]
+    verify_logprobs: jax.Array  # f32[S]
     top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
 
@@ -202,7 +206,7 @@ class ModelRunner:
             logits = jax.lax.with_sharding_constraint(logits, self._replicated)
         r = sample(logits, b, self._argmax, adjust=key.w > 0, keep_topk=self.tensor_parallel_size == 1)
         tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
-        return StepResult(tokens, r.logprobs, r.top_ids, r.top_logprobs), layers
+        return StepResult(tokens, *r[1:]), layers
 
     def _compile(self, key: BucketKey):
         rep, kv = self._replicated, self.kv_sharding
@@ -251,14 +255,17 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def fetch(result: StepResult, s: int, logprobs: bool) -> tuple[np.ndarray, ...]:
-        """The step's tokens (and logprobs when asked) on the host; blocks until the step ran."""
-        parts = tuple(result) if logprobs else (result.tokens,)
+    def fetch(result: StepResult, s: int, logprobs: bool, accepted: bool = False) -> StepResult:
+        """The step's tokens on the host (and `accepted` / the logprobs when asked; None
+        otherwise); blocks until the step ran."""
+        want = [True, accepted, logprobs, logprobs, logprobs, logprobs]
+        parts = tuple(x for x, w in zip(result, want) if w)
         if jax.process_count() > 1:  # replicated over processes: read the local copy
-            host = tuple(meshlib.to_host(x) for x in parts)
+            host = iter([meshlib.to_host(x) for x in parts])
         else:
-            host = tuple(np.asarray(x) for x in jax.device_get(parts))
-        return (host[0][:s], *host[1:])
+            host = iter([np.asarray(x) for x in jax.device_get(parts)])
+        out = StepResult(*(next(host) if w else None for w in want))
+        return out._replace(tokens=out.tokens[:s])
 
     # ---- for tests and tools: logits of a batch, no sampling ------------------------------------
     def forward_logits(self, batch: StepBatch, key: BucketKey):

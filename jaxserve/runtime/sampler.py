@@ -8,6 +8,12 @@ bucket (0 when no row uses them). Each row draws two uniforms from its own key,
 fold_in(fold_in(key(seed_lo), seed_hi), output index), so a seeded request samples the same tokens
 whatever else is in the batch.
 
+Verification (speculative decoding; `verify_ids` >= 0): drafts are proposed deterministically (an
+n-gram lookup, a draft model's argmax), so the proposal puts all its mass q on the draft token d.
+Rejection sampling then accepts d with probability p(d) (p: the row's distribution after every
+adjustment, temperature and truncation) and otherwise draws from p with d removed, renormalised:
+each emitted token is distributed exactly as p. A greedy row accepts d iff d is its argmax.
+
 Sampling is an exact inverse-CDF draw in two levels (a block of 256 tokens by block mass, then a
 token inside it), not Gumbel noise over the whole vocabulary: on CPU that noise cost 67 ms per
 step at 64 rows. Truncation looks at the top 256 logits of each row first and applies top-k/top-p/
@@ -28,8 +34,10 @@ from jaxserve.runtime.bitmask import apply_token_bitmask
 
 
 class SampleResult(NamedTuple):
-    tokens: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S] logprob of the sampled token (raw model distribution)
+    tokens: jax.Array  # i32[S] the row's token: its verify id when accepted, else a draw
+    accepted: jax.Array  # bool[S] the row's verify id (>= 0) is accepted
+    logprobs: jax.Array  # f32[S] logprob of `tokens` (raw model distribution)
+    verify_logprobs: jax.Array  # f32[S] logprob of the verify id (0 where there is none)
     top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
 
@@ -90,9 +98,33 @@ def draw(weights, u):
     return b * BLOCK + _first_above(cum_inner, u[:, 1] * cum_inner[:, -1])
 
 
+def _residual_draw(weights, ids, verify, u):
+    """(a draw from weights without each row's verify token, that token's probability under
+    weights). ids: the token id of each column, or None when columns are the vocabulary. Rows
+    without a verify token (-1) draw from all their weights; a step without any skips the work."""
+    s, v = weights.shape
+
+    def verifying():
+        if ids is None:
+            col = jnp.where(verify >= 0, verify, v)[:, None]  # out of range: nothing dropped
+            w_verify = jnp.take_along_axis(weights, col, axis=-1, mode="fill", fill_value=0.0)[:, 0]
+            rest = jnp.put_along_axis(weights, col, 0.0, axis=-1, inplace=False, mode="drop")
+        else:
+            hit = ids == verify[:, None]
+            w_verify = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1)
+            rest = jnp.where(hit, 0.0, weights)
+        p_verify = w_verify / jnp.sum(weights, axis=-1)
+        # All mass on the verify token: it is always accepted; keep the unused draw a valid token.
+        rest = jnp.where((p_verify >= 1.0)[:, None], weights, rest)
+        return draw(rest, u), p_verify
+
+    return jax.lax.cond(jnp.any(verify >= 0), verifying, lambda: (draw(weights, u), jnp.zeros((s,), jnp.float32)))
+
+
 def _truncated_draw(scaled, t, u, keep_topk: bool):
     """Sample under top-k/top-p/min-p: on each row's top CANDIDATES logits when that is exact for
-    every row (the kept set ends inside them), else with truncation_mask over the vocabulary."""
+    every row (the kept set ends inside them), else with truncation_mask over the vocabulary.
+    Returns (token, probability of the row's verify token)."""
     vocab = scaled.shape[-1]
     c = min(CANDIDATES, vocab)
     # The barrier keeps XLA:CPU's TopK (11 ms at 64 rows): without it, next to the fallback's sort,
@@ -109,11 +141,13 @@ def _truncated_draw(scaled, t, u, keep_topk: bool):
 
     def on_candidates():
         w = jnp.where(vals >= threshold, jnp.exp(vals - vals[:, :1]), 0.0)
-        kept = jnp.take_along_axis(ids, draw(w, u)[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(truncating, kept, draw(weights, u))
+        pick, p_kept = _residual_draw(w, ids, t.verify_ids, u)
+        kept = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        full, p_full = _residual_draw(weights, None, t.verify_ids, u)
+        return jnp.where(truncating, kept, full), jnp.where(truncating, p_kept, p_full)
 
     def on_vocabulary():
-        return draw(jnp.where(truncation_mask(scaled, t), weights, 0.0), u)
+        return _residual_draw(jnp.where(truncation_mask(scaled, t), weights, 0.0), None, t.verify_ids, u)
 
     return jax.lax.cond(exact, on_candidates, on_vocabulary)
 
@@ -136,6 +170,7 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, ke
         logits = jax.lax.cond(jnp.any(b.bitmask != -1), lambda: apply_token_bitmask(logits, b.bitmask),
                               lambda: logits)
     greedy_tokens = argmax(logits)
+    verify = b.verify_ids
 
     def random_tokens():
         temp = jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
@@ -143,28 +178,41 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, ke
 
         def uniforms(lo, hi, step):  # all 64 bits of the seed count
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), step)
-            return jax.random.uniform(key, (2,), jnp.float32)
+            accept_key = jax.random.fold_in(key, 1)  # the draws' own stream is unchanged
+            return jax.random.uniform(key, (2,), jnp.float32), jax.random.uniform(accept_key, (), jnp.float32)
 
-        u = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
+        u, u_accept = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
         truncating = (b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)
-        sampled = jax.lax.cond(
+
+        def untruncated():
+            weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+            return _residual_draw(weights, None, verify, u)
+
+        sampled, p_verify = jax.lax.cond(
             jnp.any(truncating & (b.temperature > 0)),
             lambda: _truncated_draw(scaled, b, u, keep_topk),
-            lambda: draw(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), u),
+            untruncated,
         )
-        return jnp.where(b.temperature > 0, sampled, greedy_tokens)
+        random = b.temperature > 0
+        accepted = jnp.where(random, (verify >= 0) & (u_accept < p_verify), greedy_tokens == verify)
+        return jnp.where(random, sampled, greedy_tokens), accepted
 
-    tokens = jax.lax.cond(jnp.any(b.temperature > 0), random_tokens, lambda: greedy_tokens)
+    drawn, accepted = jax.lax.cond(jnp.any(b.temperature > 0), random_tokens,
+                                   lambda: (greedy_tokens, greedy_tokens == verify))
+    accepted = accepted & (verify >= 0)
+    tokens = jnp.where(accepted, verify, drawn)
     k = min(MAX_LOGPROBS, vocab)
 
     def with_logprobs():
         logp = jax.nn.log_softmax(raw, axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        verified = jnp.take_along_axis(logp, jnp.maximum(verify, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, k)
-        return chosen, top_ids.astype(jnp.int32), top_lp
+        return chosen, jnp.where(verify >= 0, verified, 0.0), top_ids.astype(jnp.int32), top_lp
 
     def without():
-        return jnp.zeros((s,), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+        z = jnp.zeros((s,), jnp.float32)
+        return z, z, jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
 
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(b.num_logprobs >= 0), with_logprobs, without)
-    return SampleResult(tokens, chosen, top_ids, top_lp)
+    chosen, verified, top_ids, top_lp = jax.lax.cond(jnp.any(b.num_logprobs >= 0), with_logprobs, without)
+    return SampleResult(tokens, accepted, chosen, verified, top_ids, top_lp)
