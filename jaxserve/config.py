@@ -21,7 +21,8 @@ QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf")  # weights kept 
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).
-DERIVED_SCHEDULER_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+DERIVED_SCHEDULER_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                            "max_num_logit_rows")
 
 
 def _knob(default, help: str, *, choices=None, flag: str | None = None, aliases=(), metavar=None, **kw):
@@ -116,12 +117,12 @@ class EngineConfig:
     def memory_fraction(self) -> float:  # the older name of gpu_memory_utilization
         return self.gpu_memory_utilization
 
-    def scheduler_config(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(self, *, num_blocks: int, max_model_len: int, **derived) -> SchedulerConfig:
         own = {f.name for f in fields(SchedulerConfig)} - set(DERIVED_SCHEDULER_FIELDS) - {"policy"}
         return SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len, policy=self.schedule,
-            **{name: getattr(self, name) for name in own},
+            **{name: getattr(self, name) for name in own - set(derived)}, **derived,
         )
 
     @classmethod

@@ -41,7 +41,8 @@ class _Inflight:
     key: BucketKey
     want_logprobs: bool
     needs_tokens: bool  # a row's sampling needs its last token's value (penalties, grammars)
-    row_of: dict[str, int]  # request id -> row, for rows that sample
+    row_of: dict[str, int]  # request id -> logits row, for rows that sample
+    scored: list[tuple[int, int, int, int]]  # prompt logprobs: (row, first logits row, position, count)
 
 
 class LLMEngine:
@@ -85,7 +86,9 @@ class LLMEngine:
         self.loaded.params = None  # host copy no longer needed
         if size_on_device:
             self.num_blocks = self._plan_device_memory(kv_dtype)
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks=self.num_blocks, max_model_len=self.max_model_len))
+        self.scheduler = Scheduler(config.scheduler_config(
+            num_blocks=self.num_blocks, max_model_len=self.max_model_len,
+            max_num_logit_rows=self.runner.builder.s_max))
         self.eos_token_ids = set(mc.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._groups: dict[str, Group] = {}
@@ -194,6 +197,10 @@ class LLMEngine:
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             group.seqs.append(Seq(request_id, req, i, seed, detok, out, prompt_set))
             reqs.append(req)
+        if params.prompt_logprobs is not None:  # computed once, by the first sequence's prefill
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+            group.prompt_logprobs_missing = len(prompt_token_ids) - 1
+            reqs[0].score_prompt = group.prompt_logprobs_missing > 0
         for req in reqs:
             self.scheduler.check_request(req)  # raises for requests the cache can never hold
         spec = getattr(params, "structured_outputs", None)
@@ -312,8 +319,13 @@ class LLMEngine:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
             sampling = self._sampling(group.params, seq) if sr.samples else None
-            rows.append(RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
-                                prev.get(req.request_id, -1)))
+            row = RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
+                          prev.get(req.request_id, -1))
+            if req.score_prompt:  # a logits row at each prompt token that predicts the next one
+                score = Sampling(num_logprobs=group.params.prompt_logprobs)
+                end = min(sr.start + sr.num_new_tokens, len(req.prompt_token_ids) - 1)
+                row.extra = [(p - sr.start, score) for p in range(sr.start, end)]
+            rows.append(row)
             seqs.append(seq)
         batch, key = self.runner.builder.build(rows)
         constrained = [None] * key.s
@@ -322,7 +334,7 @@ class LLMEngine:
                 constrained[r.out_row] = seq.matcher
         if any(m is not None for m in constrained):  # filled on the host, applied in the executable
             self._bitmask_filler.fill(constrained, batch.bitmask)
-        want_logprobs = any(r.sampling is not None and r.sampling.num_logprobs >= 0 for r in rows)
+        want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra for r in rows)
         result = self.runner.execute(batch, key)
         sched.scheduled = scheduled  # row order
         self.scheduler.dispatched(sched)
@@ -333,6 +345,7 @@ class LLMEngine:
             needs_tokens=any(r.sampling is not None and (r.sampling.uses_penalties or r.sampling.constrained)
                              for r in rows),
             row_of={sr.request.request_id: r.out_row for sr, r in zip(scheduled, rows) if sr.samples},
+            scored=[(i, r.first_row, r.start, len(r.extra)) for i, r in enumerate(rows) if r.extra],
         )
 
     def _sampling(self, p: SamplingParams, seq: Seq) -> Sampling:
@@ -359,6 +372,8 @@ class LLMEngine:
         tokens = got.tokens
         rows = [(i, step.row_of[sr.request.request_id]) for i, sr in enumerate(step.sched.scheduled)
                 if sr.samples and not sr.request.is_finished]
+        for i, first, pos, count in step.scored:
+            self._score_prompt(step.seqs[i], got, first, pos, count)
         sampled = {step.sched.scheduled[i].request.request_id: int(tokens[j]) for i, j in rows}
         stops = {id(r): (st, reason) for r, st, reason in self.scheduler.update_from_output(step.sched, sampled)}
         for i, j in rows:
@@ -374,6 +389,23 @@ class LLMEngine:
                                   [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
             self._append(group, seq, tok, lp, stops.get(id(seq.req)))
             outputs[group.request_id] = group
+
+    def _score_prompt(self, seq: Seq, got, first: int, pos: int, count: int) -> None:
+        """Prompt logprobs from logits rows first.. (positions pos..: each scores the next token)."""
+        group = self._groups.get(seq.group_id)
+        if group is None or not seq.req.score_prompt:
+            return
+        n = group.params.prompt_logprobs
+        lps = group.prompt_logprobs
+        ids = group.prompt_token_ids
+        for k in range(count):
+            j, p = first + k, pos + k + 1
+            if lps[p] is None:
+                group.prompt_logprobs_missing -= 1
+            lps[p] = TokenLogprob(ids[p], float(got.verify_logprobs[j]),
+                                  [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
+        if group.prompt_logprobs_missing == 0:
+            seq.req.score_prompt = False  # from now on it is an ordinary request (cache included)
 
     def _append(self, group: Group, seq: Seq, token: int, lp: TokenLogprob | None, stop) -> None:
         """Record a sampled token; `stop` is the scheduler's token-level verdict (status, reason)."""

@@ -49,6 +49,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs, once computed: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -95,6 +96,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", self.logprobs, f"must be an integer between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer between 0 and {MAX_LOGPROBS}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_num(v) or not -2 <= v <= 2:

@@ -83,6 +83,8 @@ class Group:
     metrics: RequestMetrics | None = None
     priority: int = 0
     cache_salt: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prefill runs
+    prompt_logprobs_missing: int = 0  # prompt tokens whose logprob is still to come
 
     @property
     def finished(self) -> bool:
@@ -106,5 +108,6 @@ class Group:
             ))
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
         cached = max((s.req.num_cached_tokens for s in self.seqs), default=0)
+        prompt_lps = self.prompt_logprobs if self.prompt_logprobs_missing == 0 else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             max(cached, 0), dataclasses.replace(self.metrics))
+                             max(cached, 0), dataclasses.replace(self.metrics), prompt_lps)

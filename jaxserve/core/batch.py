@@ -76,6 +76,7 @@ class StepBatch(NamedTuple):
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S] token row of each logits row
     verify_ids: np.ndarray  # i32[S] token the logits row verifies (the next input token), or -1
+    num_logits: np.ndarray  # i32[1] logits rows in use (the LM head computes only these)
     temperature: np.ndarray  # f32[S] (0 = greedy)
     top_k: np.ndarray  # i32[S] (0 = off)
     top_p: np.ndarray  # f32[S]
@@ -110,7 +111,7 @@ _FIELDS = (
     ("input_ids", "T", "int32"), ("prev_index", "T", "int32"), ("positions", "T", "int32"),
     ("slot_mapping", "T", "int32"), ("seq_lens", "S", "int32"), ("query_start_loc", "S+1", "int32"),
     ("block_tables", "SB", "int32"), ("num_seqs", "1", "int32"), ("logits_indices", "S", "int32"),
-    ("verify_ids", "S", "int32"),
+    ("verify_ids", "S", "int32"), ("num_logits", "1", "int32"),
     ("temperature", "S", "float32"), ("top_k", "S", "int32"), ("top_p", "S", "float32"),
     ("min_p", "S", "float32"), ("seed_lo", "S", "uint32"), ("seed_hi", "S", "uint32"),
     ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("presence", "S", "float32"),
@@ -181,10 +182,12 @@ class RowSpec:
     block_ids: list[int]
     sampling: Sampling | None = None  # None: this row does not sample (a prefill chunk)
     prev_index: int = -1  # the logits row of the step in flight that samples token_ids[-1] (PENDING)
-    # Logits rows before the last token: (offset in [0, num_new - 1), sampling); each verifies
-    # token_ids[start + offset + 1] (a draft to accept or a prompt token to score).
+    # Logits rows before the last token: (offset into this step's tokens, sampling); each verifies
+    # token_ids[start + offset + 1] (a draft to accept or a prompt token to score); an offset can
+    # be num_new - 1 only in a row that does not sample.
     extra: list[tuple[int, Sampling]] = field(default_factory=list)
-    out_row: int = -1  # set by build(): the logits row of the last token (extra rows just before it)
+    out_row: int = -1  # set by build(): the logits row of the last token, or -1
+    first_row: int = -1  # set by build(): the row's first logits row (its extra rows come first)
 
     @property
     def num_logit_rows(self) -> int:
@@ -275,10 +278,13 @@ class BatchBuilder:
             b.slot_mapping[n:n + r.num_new] = blocks[pos // bs] * bs + pos % bs
             b.seq_lens[i] = end
             b.block_tables[i, :len(blocks)] = blocks
+            r.first_row = j
+            last = r.num_new - 1 if r.sampling is not None else r.num_new
             for offset, p in r.extra:
-                assert 0 <= offset < r.num_new - 1, "an extra logits row verifies a token of its row"
+                assert 0 <= offset < last and r.start + offset + 1 < len(r.token_ids), offset
                 b.logits_indices[j] = n + offset
-                b.verify_ids[j] = ids[offset + 1]
+                b.verify_ids[j] = r.token_ids[r.start + offset + 1]
+                assert b.verify_ids[j] != PENDING, "a verified token is known"
                 self._fill_sampling(b, j, p, w)
                 j += 1
             n += r.num_new
@@ -291,6 +297,7 @@ class BatchBuilder:
             else:
                 r.out_row = -1
         b.logits_indices[j:] = max(n - 1, 0)
+        b.num_logits[0] = j
         b.query_start_loc[len(rows) + 1:] = n
         b.num_seqs[0] = len(rows)
         return b, key
@@ -301,7 +308,7 @@ class BatchBuilder:
         return StepBatch(
             input_ids=z(t), prev_index=z(t, v=-1), positions=z(t), slot_mapping=z(t),
             seq_lens=z(s), query_start_loc=z(s + 1), block_tables=z((s, self.max_blocks)),
-            num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), temperature=z(s, np.float32),
+            num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), num_logits=z(1), temperature=z(s, np.float32),
             top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
             seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),
             presence=z(s, np.float32), frequency=z(s, np.float32), repetition=z(s, np.float32, 1.0),

@@ -50,6 +50,9 @@ class Request:
     # the engine's: they need text).
     eos_token_ids: frozenset = frozenset()  # empty with ignore_eos
     stop_token_ids: frozenset = frozenset()
+    # Prompt logprobs wanted and not all computed yet: every prompt token is a logits row, and the
+    # prefix cache is not used for it (its cached blocks would skip those rows; vLLM does the same).
+    score_prompt: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -60,6 +60,9 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7  # conservative: share of max_tokens expected still to come
     dedup_in_batch: bool = True  # defer a request whose uncached prefix another one is computing
     hash_seed: int = 0
+    # logits rows per step (0: max_num_seqs): a sampling row takes one, a prompt-logprobs prefill one
+    # per token; the engine sets what its step buckets hold
+    max_num_logit_rows: int = 0
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, fix: str) -> None:
@@ -79,6 +82,8 @@ class SchedulerConfig:
         need(0 <= self.watermark < 1, "watermark", "must be a fraction in [0, 1)")
         need(self.admission in ADMISSIONS, "admission", f"choose one of {ADMISSIONS}")
         need(0 <= self.init_new_token_ratio <= 1, "init_new_token_ratio", "must be a fraction in [0, 1]")
+        need(self.max_num_logit_rows in (0,) or self.max_num_logit_rows >= self.max_num_seqs,
+             "max_num_logit_rows", "must be 0 (max_num_seqs) or at least max_num_seqs")
 
 
 @dataclass(slots=True)
@@ -202,7 +207,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.step)
-        budget = [self.config.max_num_batched_tokens]
+        # [tokens, logits rows] left in this step
+        budget = [self.config.max_num_batched_tokens, self.config.max_num_logit_rows or self.config.max_num_seqs]
         if self.config.prefill_first:
             self._schedule_waiting(out, budget)
             self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
@@ -230,9 +236,10 @@ class Scheduler:
             num_tokens = len(req.token_ids)
             if req.reached_length or num_tokens >= self.config.max_model_len:
                 continue  # its last token is in flight: it ends when that lands
-            num_new = min(num_tokens - req.num_computed_tokens, budget[0])
+            num_new = self._fit_rows(req, req.num_computed_tokens, min(num_tokens - req.num_computed_tokens, budget[0]),
+                                     budget)
             if num_new <= 0:
-                continue  # waiting for the engine to append its sampled token
+                continue  # waiting for the engine to append its sampled token, or no logits row left
             while not allocate(req, num_new):
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
@@ -244,6 +251,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, num_tokens))
                 budget[0] -= num_new
+                budget[1] -= self._logit_rows(req, req.num_computed_tokens, num_new)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
         if not len(self.waiting) or out.preempted:
@@ -256,11 +264,14 @@ class Scheduler:
         for req in self.waiting.ordered(self.running, self.step):
             if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hits = self.kv.match(req)  # fresh: an admission before may have evicted blocks
+            # fresh: an admission before may have evicted blocks
+            hits = [] if req.score_prompt else self.kv.match(req)
             if self.waiting.should_defer(req, len(hits)):
                 continue
             cached = len(hits) * bs
-            num_new = min(req.num_tokens - cached, budget[0])
+            num_new = self._fit_rows(req, cached, min(req.num_tokens - cached, budget[0]), budget)
+            if num_new <= 0:
+                break
             grow = self._expected_growth([req], held=cdiv(cached + num_new, bs)) if conservative else 0
             # the first request into an empty batch goes in on its prompt alone: none waits forever
             own = grow if self.running else 0
@@ -276,8 +287,23 @@ class Scheduler:
             self.waiting.note_admitted(req, cached)
             out.scheduled.append(ScheduledRequest(req, num_new, cached))
             budget[0] -= num_new
+            budget[1] -= self._logit_rows(req, cached, num_new)
         self.waiting.remove_many(admitted)
         self.waiting.age(bool(admitted))
+
+    @staticmethod
+    def _logit_rows(req: Request, start: int, num_new: int) -> int:
+        """Logits rows of computing tokens [start, start + num_new): one per token of a prompt
+        being scored, else one if the chunk reaches the last token (it samples)."""
+        if req.score_prompt:
+            return num_new
+        return 1 if start + num_new == req.num_tokens else 0
+
+    def _fit_rows(self, req: Request, start: int, num_new: int, budget: list[int]) -> int:
+        """num_new cut to the logits rows left (0: the request waits for the next step)."""
+        if req.score_prompt:
+            return min(num_new, budget[1])
+        return num_new if budget[1] >= self._logit_rows(req, start, num_new) else 0
 
     def _expected_growth(self, reqs: list[Request], held: int | None = None) -> int:
         """Blocks the requests are expected to need beyond those they hold (or `held`, for one
@@ -320,6 +346,7 @@ class Scheduler:
         for i, s in enumerate(out.scheduled):
             if s.request is req:
                 budget[0] += s.num_new_tokens
+                budget[1] += self._logit_rows(req, s.start, s.num_new_tokens)
                 del out.scheduled[i]
                 break
         self.kv.free(req)

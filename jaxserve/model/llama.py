@@ -168,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
         positions,  # i32[T]
         kv_caches,  # list of (k_pages, v_pages) per layer
         md: AttentionMetadata,
-        logits_indices,  # i32[S] rows that sample
+        logits_indices,  # i32[S] rows that reach the LM head
         inv_freq,  # f32[D/2]
+        num_logits=None,  # i32[1] of those in use (default: md.num_seqs)
     ):
         c = self.cfg
         embed = Embed(c.vocab_size, c.hidden_size, self.dtype, self.ops, name="embed_tokens")
@@ -181,8 +182,9 @@ class LlamaForCausalLM(nn.Module):
             x, kv = DecoderLayer(c, self.dtype, self.ops, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md, rows)
             new_caches.append(kv)
         x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
+        num_logits = md.num_seqs if num_logits is None else num_logits
         if c.tie_word_embeddings:
-            logits = embed.attend(x, md.num_seqs)
+            logits = embed.attend(x, num_logits)
         else:
-            logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.ops, name="lm_head")(x, md.num_seqs)
+            logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.ops, name="lm_head")(x, num_logits)
         return logits.astype(jnp.float32), new_caches

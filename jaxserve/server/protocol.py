@@ -40,7 +40,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "prompt_logprobs": (),
     "best_of": (1,),
     "use_beam_search": (False,),
     "guided_decoding_backend": (),
@@ -90,6 +89,7 @@ class SamplingRequest(_Model, StructuredFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # -1: max_model_len - 1
     truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM: top-N logprobs of each prompt token
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -260,6 +260,7 @@ def to_sampling_params(
     vocab_size: int,
     aliases: dict[str, str],
     structured_outputs: StructuredOutputs | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Build SamplingParams: explicit request values, then the model's generation config, then OpenAI's."""
     kw: dict[str, Any] = {"temperature": 1.0, **defaults}
@@ -280,6 +281,7 @@ def to_sampling_params(
             stop=[] if req.stop is None else req.stop,
             seed=req.seed,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logit_bias=bias or None,

@@ -44,6 +44,7 @@ class Kind:
     params: P.SamplingRequest
     prompts: list[Prompt]
     echo: bool = False
+    echo_only: bool = False  # completions with echo and max_tokens 0: the prompt alone comes back
     aliases: dict[str, str] = field(default_factory=dict)
     output: OutputParser | None = None  # chat: reasoning / tool calls out of the text
 
@@ -149,6 +150,54 @@ class ResponseBuilder:
             offset += len(t)
         return out
 
+    def _echoed_logprobs(self, out: RequestOutput, o: CompletionOutput,
+                         generated: list[TokenLogprob]) -> dict | None:
+        """Completions' logprobs with echo: the prompt's tokens first (the first without a
+        logprob), then the generated ones (none when only the prompt is echoed)."""
+        if out.prompt_logprobs is None:
+            return self._logprobs(generated) if o.logprobs is not None else None
+        tt = self.tokens.text
+        offset = 0
+        head = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
+            t = tt(tid)
+            head["tokens"].append(t)
+            head["text_offset"].append(offset)
+            offset += len(t)
+            if lp is None:
+                head["token_logprobs"].append(None)
+                head["top_logprobs"].append(None)
+                continue
+            head["token_logprobs"].append(max(lp.logprob, MIN_LOGPROB))
+            top = {t: max(lp.logprob, MIN_LOGPROB)}
+            for i, v in lp.top:
+                top.setdefault(tt(i), max(v, MIN_LOGPROB))
+            head["top_logprobs"].append(top)
+        if self.kind.echo_only or o.logprobs is None:
+            return head
+        tail = self._logprobs(generated, offset)
+        return {k: head[k] + tail[k] for k in head}
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token None or {token id: logprob, rank, text},
+        the prompt's own token and the top-N (rank known within the top-N)."""
+        if out.prompt_logprobs is None:
+            return None
+        tt = self.tokens.text
+        rows: list = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                rows.append(None)
+                continue
+            ranks = {tid: r for r, (tid, _) in enumerate(lp.top, 1)}
+            entry = {str(lp.token_id): {"logprob": max(lp.logprob, MIN_LOGPROB),
+                                        "rank": ranks.get(lp.token_id), "decoded_token": tt(lp.token_id)}}
+            for tid, v in lp.top:
+                entry.setdefault(str(tid), {"logprob": max(v, MIN_LOGPROB), "rank": ranks[tid],
+                                            "decoded_token": tt(tid)})
+            rows.append(entry)
+        return rows
+
     def _choice(
         self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool,
         parsed: Parsed | None = None, made_calls: bool = False,
@@ -177,7 +226,7 @@ class ResponseBuilder:
 
     def _usage(self, outs: dict[int, RequestOutput]) -> dict:
         prompt = sum(len(p.ids) for p in self.kind.prompts)
-        completion = sum(len(o.token_ids) for r in outs.values() for o in r.outputs)
+        completion = 0 if self.kind.echo_only else sum(len(o.token_ids) for r in outs.values() for o in r.outputs)
         cached = sum(r.num_cached_tokens for r in outs.values())
         return {
             "prompt_tokens": prompt,
@@ -197,19 +246,35 @@ class ResponseBuilder:
     def body(self, finals: dict[int, RequestOutput]) -> dict:
         choices = []
         for idx in sorted(finals):
-            for o in finals[idx].outputs:
+            out = finals[idx]
+            for o in out.outputs:
+                if self.kind.echo_only:
+                    o = self._echo_only(o)
                 text = (self._echo(idx) + o.text) if self.kind.echo else o.text
                 parsed = self.kind.output.extract(text) if self.kind.output else None
-                choices.append(
-                    self._choice(
-                        idx * self.n + o.index, text, self._logprobs(o.logprobs), o, delta=False,
-                        parsed=parsed, made_calls=bool(parsed and parsed.calls),
-                    )
+                if self.kind.echo and not self.chat:
+                    lps = self._echoed_logprobs(out, o, o.logprobs)
+                else:
+                    lps = self._logprobs(o.logprobs)
+                choice = self._choice(
+                    idx * self.n + o.index, text, lps, o, delta=False,
+                    parsed=parsed, made_calls=bool(parsed and parsed.calls),
                 )
+                if not self.chat and self.kind.params.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+                choices.append(choice)
         body = {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
+        if self.chat and self.kind.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(finals[min(finals)])
         if self.chat and self.kind.params.return_token_ids:
             body["prompt_token_ids"] = self.kind.prompts[0].ids
         return body
+
+    @staticmethod
+    def _echo_only(o: CompletionOutput) -> CompletionOutput:
+        """The choice as the prompt alone: the one token the engine sampled is dropped."""
+        return CompletionOutput(o.index, finish_reason="length" if o.finished else None,
+                                logprobs=o.logprobs)
 
     # ---- streamed --------------------------------------------------------------------------------
     async def events(self, stream: RequestStream):
@@ -247,6 +312,8 @@ class ResponseBuilder:
             async for idx, out in stream:
                 latest[idx] = out
                 for o in out.outputs:
+                    if self.kind.echo_only:
+                        o = self._echo_only(o)
                     index = idx * self.n + o.index
                     if index in done or not (
                         o.delta_text
@@ -256,14 +323,16 @@ class ResponseBuilder:
                     ):
                         continue
                     text = o.delta_text
-                    if self.kind.echo and index not in started:
+                    first = index not in started
+                    if self.kind.echo and first:
                         text = self._echo(idx) + text
                     started.add(index)
-                    lps = (
-                        self._logprobs(o.delta_logprobs, offsets.get(index, 0))
-                        if o.logprobs is not None
-                        else None
-                    )
+                    if self.kind.echo and first and out.prompt_logprobs is not None:
+                        lps = self._echoed_logprobs(out, o, o.delta_logprobs)
+                    elif o.logprobs is not None:
+                        lps = self._logprobs(o.delta_logprobs, offsets.get(index, 0))
+                    else:
+                        lps = None
                     if lps is not None and not self.chat:
                         offsets[index] = offsets.get(index, 0) + sum(map(len, lps["tokens"]))
                     if o.finished:
@@ -280,6 +349,9 @@ class ResponseBuilder:
                     if parsed is not None:
                         self._calls_sent[index] = len(incs[index].sent.calls)
                     chunk = {**head, "choices": [choice]}
+                    if first and self.kind.params.prompt_logprobs is not None:
+                        where = chunk if self.chat else choice
+                        where["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
                     if continuous:
                         chunk["usage"] = self._usage(latest)
                     yield sse(chunk)

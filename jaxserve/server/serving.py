@@ -217,11 +217,12 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.suffix:
             raise bad_request("'suffix' is not supported.", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request(
-                "'echo' with 'logprobs' needs prompt logprobs, which this server does not compute.",
-                "echo",
-            )
+        # echo with max_tokens 0 (lm-eval's log-likelihood request): score the prompt and return
+        # only it; the engine samples one token (as vLLM does), which is dropped.
+        echo_only = req.echo and req.max_tokens == 0
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("'max_tokens' must be at least 1 (0 is allowed only with 'echo').",
+                              "max_tokens")
         raw = req.prompt
         if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
             raw = [raw]
@@ -243,9 +244,11 @@ class OpenAIServing:
                 COMPLETIONS_DEFAULT_MAX_TOKENS,
                 self.max_model_len - max(len(p.ids) for p in prompts),
             )
-        kind = Kind("text_completion", "text_completion", "cmpl", req, prompts, echo=req.echo)
+        kind = Kind("text_completion", "text_completion", "cmpl", req, prompts, echo=req.echo,
+                    echo_only=echo_only)
         spec, spec_param = T.structured_spec(req)
-        params = self.sampling_params(req, max_tokens, req.logprobs, {}, spec)
+        params = self.sampling_params(req, 1 if echo_only else max_tokens, req.logprobs, {}, spec,
+                                      prompt_logprobs=self.prompt_logprobs(req, req.echo))
         await T.check_grammar(self.grammar, spec, spec_param)
         return await self._generate(request, kind, params, model)
 
@@ -288,7 +291,8 @@ class OpenAIServing:
         )
         spec, spec_param = T.structured_spec(req, plan.tool_call)
         kind.output = plan.output_for(spec)
-        params = self.sampling_params(req, max_tokens, logprobs, kind.aliases, spec)
+        params = self.sampling_params(req, max_tokens, logprobs, kind.aliases, spec,
+                                      prompt_logprobs=self.prompt_logprobs(req, False))
         if plan.skip_special_tokens is not None:
             params.skip_special_tokens = plan.skip_special_tokens
         await T.check_grammar(self.grammar, spec, spec_param)
@@ -301,6 +305,7 @@ class OpenAIServing:
         logprobs: int | None,
         aliases: dict,
         structured_outputs: StructuredOutputs | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         for name in ("logit_bias", "stop_token_ids"):
             self.check_token_ids([int(t) for t in getattr(req, name) or ()], name)
@@ -312,7 +317,17 @@ class OpenAIServing:
             vocab_size=self.vocab_size,
             aliases=aliases,
             structured_outputs=structured_outputs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    @staticmethod
+    def prompt_logprobs(req: P.SamplingRequest, echo: bool) -> int | None:
+        """Top-N for the prompt's tokens: vLLM's `prompt_logprobs`, and on completions `echo`
+        with `logprobs` (the echoed prompt carries its logprobs, as OpenAI's legacy API did)."""
+        n = req.prompt_logprobs
+        if echo and getattr(req, "logprobs", None) is not None:
+            n = max(n or 0, req.logprobs)
+        return n
 
     # ---- /invocations (SageMaker) ----------------------------------------------------------------
     async def invocations(self, request: Request) -> Response:

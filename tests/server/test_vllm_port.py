@@ -12,9 +12,7 @@ test_drain_refuses_new_work_and_aborts_at_timeout. basic's test_server_load -> t
 test_load_counts_generate_calls_in_flight; completion's truncation-side test ->
 test_truncate_prompt_tokens.
 
-Expected to be a 400 until the prompt-logprobs work lands (never a silent 200): prompt_logprobs 0
-and 1 (completion and chat), use_beam_search, echo with logprobs (needs prompt logprobs),
-min_characters. Structured outputs (structured_outputs json / regex / choice, response_format
+Expected to be a 400 (never a silent 200): use_beam_search, min_characters. Structured outputs (structured_outputs json / regex / choice, response_format
 json_object / json_schema) are obeyed once the engine applies grammars, a 400 until then.
 The structured-output, tool and reasoning cases are tested in test_structured.py and test_tools.py.
 
@@ -151,16 +149,41 @@ def test_too_many_completion_logprobs(server, client):
     assert client.completions.create(model=server.model, prompt=[0] * 5, max_tokens=5).choices
 
 
-@pytest.mark.parametrize("prompt_logprobs", [-1, 0, 1, None])
+@pytest.mark.parametrize("prompt_logprobs", [-1, 0, 1, 5, None])
 def test_prompt_logprobs_completion(server, client, prompt_logprobs):
     kw = {"prompt": ["A robot may not injure another robot", "My name is"], "model": server.model}
     if prompt_logprobs is not None:
-        with pytest.raises(openai.BadRequestError) as e:  # -1 in vLLM too; 0, 1 until implemented
-            client.completions.create(extra_body={"prompt_logprobs": prompt_logprobs}, **kw)
+        kw["extra_body"] = {"prompt_logprobs": prompt_logprobs}
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw)
         assert e.value.body["param"] == "prompt_logprobs"
+        return
+    c = client.completions.create(**kw)
+    for choice in c.choices:
+        rows = (choice.model_extra or {}).get("prompt_logprobs")
+        if prompt_logprobs is None:
+            assert rows is None
+        else:
+            assert rows and rows[0] is None and len(rows) > 1
+
+
+@pytest.mark.parametrize("prompt_logprobs", [-1, 0, 1, None])
+def test_prompt_logprobs_chat(server, client, prompt_logprobs):
+    msgs = [*MSGS, {"role": "assistant", "content": "2"}, {"role": "user", "content": "Sure?"}]
+    kw = {"model": server.model, "max_tokens": 5, "messages": msgs}
+    if prompt_logprobs is not None:
+        kw["extra_body"] = {"prompt_logprobs": prompt_logprobs}
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**kw)
+        return
+    r = client.chat.completions.create(**kw)
+    rows = (r.model_extra or {}).get("prompt_logprobs")
+    if prompt_logprobs is None:
+        assert rows is None
     else:
-        c = client.completions.create(**kw)
-        assert getattr(c.choices[0], "prompt_logprobs", None) is None
+        assert rows and rows[0] is None and len(rows) > 1
 
 
 def test_completion_streaming(server, client):
@@ -272,16 +295,23 @@ def test_batch_completions(server, client):
 
 @pytest.mark.parametrize("logprobs", [1, 0])
 def test_echo_logprob_completion(server, client, logprobs):
-    """vLLM returns prompt logprobs here; until they are implemented, a 400 naming echo."""
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(
-            model=server.model,
-            prompt="Hello, my name is",
-            max_tokens=5,
-            echo=True,
+    """vLLM's test: echo with logprobs returns the prompt's logprobs first (the first None)."""
+    tok = server.engine.tokenizer
+    for prompt in ("Hello, my name is", [0, 0, 0, 0, 0]):
+        completion = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=5, temperature=0.0, echo=True,
             logprobs=logprobs,
         )
-    assert e.value.body["param"] == "echo"
+        prompt_text = tok.decode(prompt) if isinstance(prompt, list) else prompt
+        assert completion.choices[0].text.startswith(prompt_text)
+        lp = completion.choices[0].logprobs
+        assert lp is not None
+        assert len(lp.text_offset) > 5
+        assert len(lp.token_logprobs) > 5 and lp.token_logprobs[0] is None
+        assert len(lp.top_logprobs) > 5 and lp.top_logprobs[0] is None
+        for top in lp.top_logprobs[1:]:
+            assert max(logprobs, 1) <= len(top) <= logprobs + 1
+        assert len(lp.tokens) > 5
 
 
 @pytest.mark.parametrize(
@@ -359,19 +389,6 @@ def test_too_many_chat_logprobs(server, client):
         )
     c = client.chat.completions.create(model=server.model, messages=MSGS, max_completion_tokens=10)
     assert c.choices[0].message.content is not None
-
-
-@pytest.mark.parametrize("prompt_logprobs", [1, 0, -1, None])
-def test_prompt_logprobs_chat(server, client, prompt_logprobs):
-    msgs = [*MSGS, {"role": "assistant", "content": "2"}, {"role": "user", "content": "Sure?"}]
-    if prompt_logprobs is not None:
-        with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(
-                model=server.model, messages=msgs, extra_body={"prompt_logprobs": prompt_logprobs}
-            )
-    else:
-        c = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=4)
-        assert getattr(c, "prompt_logprobs", None) is None
 
 
 def test_single_chat_session(server, client):
