@@ -78,6 +78,11 @@ class EngineConfig:
     quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
                                      "q4_1 (GGUF's blocks) made at load from any checkpoint; gguf: a GGUF "
                                      "file's Q8_0/Q4_0/Q4_1 blocks as stored", choices=QUANTIZATIONS)
+    speculative_config: str | None = _knob(
+        None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", "model": PATH, '
+        '"num_speculative_tokens": 4}; "disable_by_batch_size": N turns it off above N running requests',
+        metavar="JSON")
     async_scheduling: bool = _knob(True, "dispatch step n+1 before reading step n's tokens, so host work "
                                    "overlaps the device")
     precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")
@@ -108,6 +113,9 @@ class EngineConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise bad(f.name, f"choose one of {', '.join(choices)}")
+        from jaxserve.spec import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)  # parsed, checked
         try:
             self.scheduler_config(num_blocks=2, max_model_len=2)  # the scheduler's own checks
         except ValueError as e:

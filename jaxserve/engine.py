@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.batch import BucketKey, RowSpec, Sampling
+from jaxserve.core.batch import PENDING, BucketKey, RowSpec, Sampling
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -42,6 +42,7 @@ class _Inflight:
     want_logprobs: bool
     needs_tokens: bool  # a row's sampling needs its last token's value (penalties, grammars)
     row_of: dict[str, int]  # request id -> logits row, for rows that sample
+    verifying: dict[str, tuple[int, int]]  # request id -> (first logits row, drafts) of verifying rows
     scored: list[tuple[int, int, int, int]]  # prompt logprobs: (row, first logits row, position, count)
 
 
@@ -86,6 +87,16 @@ class LLMEngine:
         self.loaded.params = None  # host copy no longer needed
         if size_on_device:
             self.num_blocks = self._plan_device_memory(kv_dtype)
+        self.spec = config.speculative
+        self.drafter = None
+        if self.spec is not None and self.spec.method == "draft":
+            from jaxserve.spec.draft import DraftModel
+
+            # mirrors the target's steps, so the target's tokens must be on the host each step
+            self.drafter = DraftModel(self.spec.model, self.runner.cfg, self.num_blocks, mc.vocab_size)
+        # speculative decoding: drafted / accepted tokens, and verifications by accepted count
+        self.spec_stats = dict(draft_tokens=0, accepted_tokens=0, verifications=0,
+                               acceptance_counts=[0] * ((self.spec.num_speculative_tokens + 1) if self.spec else 0))
         self.scheduler = Scheduler(config.scheduler_config(
             num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_logit_rows=self.runner.builder.s_max))
@@ -148,7 +159,10 @@ class LLMEngine:
         return int(blocks)
 
     def precompile(self, progress=None) -> float:
-        return self.runner.precompile(progress)
+        took = self.runner.precompile(progress)
+        if self.drafter is not None:
+            took += self.drafter.precompile()
+        return took
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -285,6 +299,8 @@ class LLMEngine:
         if self._inflight is not None and self._inflight.needs_tokens:
             self._process(self._inflight, outputs)  # its tokens feed the next step's sampling
             self._inflight = None
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         for req in sched.finished:  # ended by the scheduler (outgrew the whole KV cache)
             seq = self._seqs.get(req.request_id)
@@ -295,7 +311,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._process(self._inflight, outputs)
         self._inflight = new
-        if new is not None and not self.config.async_scheduling:
+        if new is not None and (not self.config.async_scheduling or self.drafter is not None):
             self._process(new, outputs)
             self._inflight = None
         elif new is not None and all(sr.request.is_finished for sr in new.sched.scheduled):
@@ -306,10 +322,69 @@ class LLMEngine:
         t["steps"] += 1
         return result
 
+    # ---- speculative decoding --------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for the running sequences whose last token is on the host (n-gram: the tokens;
+        draft model: how many, drafted once the step's slots are allocated). Off above
+        disable_by_batch_size running requests; a sequence whose lookup finds nothing waits
+        1, 2, 4, .. 16 steps before it tries again, so those steps keep the overlap."""
+        spec = self.spec
+        running = self.scheduler.running
+        active = len(running) <= spec.disable_by_batch_size
+        for req in running:
+            req.spec_token_ids = []
+            seq = self._seqs.get(req.request_id)
+            if not active or seq is None:
+                continue
+            if seq.spec_wait > 0:
+                seq.spec_wait -= 1
+                continue
+            if req.token_ids[-1] == PENDING or req.num_tokens - req.num_computed_tokens != 1 or req.score_prompt:
+                continue
+            k = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1)
+            if k <= 0:
+                continue
+            if self.drafter is not None:
+                req.spec_token_ids = [PENDING] * k
+                continue
+            from jaxserve.spec import ngram
+
+            drafts = ngram.propose(np.asarray(req.token_ids, np.int32), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts and seq.matcher is not None:
+                drafts = drafts[:seq.matcher.valid_prefix(drafts)]
+            if drafts:
+                seq.spec_misses = 0
+            else:
+                seq.spec_misses += 1
+                seq.spec_wait = min(1 << (seq.spec_misses - 1), 16)
+            req.spec_token_ids = drafts
+
+    def _speculating(self, seq: Seq) -> bool:
+        """Whether the sequence drafts at the next step (then this step's tokens must be read first)."""
+        return (self.spec is not None and seq.spec_wait == 0
+                and self.scheduler.num_running <= self.spec.disable_by_batch_size)
+
+    def _draft_tokens(self, scheduled) -> None:
+        """Fill the drafts of verifying rows from the draft model (their slots are allocated)."""
+        todo = [sr for sr in scheduled if sr.num_draft]
+        if not todo or self.drafter is None:
+            return
+        drafts = self.drafter.propose([(sr.request.token_ids, sr.request.block_ids, sr.num_draft) for sr in todo])
+        for sr, d in zip(todo, drafts):
+            req = sr.request
+            seq = self._seqs[req.request_id]
+            if seq.matcher is not None:  # a draft outside the grammar ends the run of drafts
+                n = seq.matcher.valid_prefix(d)
+                sr.num_new_tokens -= sr.num_draft - n
+                sr.num_draft = n
+                d = d[:n]
+            req.spec_token_ids = d
+
     def _dispatch(self, sched: SchedulerOutput) -> _Inflight:
         now = time.time()
         # Decode rows (one new token) first: the XLA attention takes them in a loop of their own.
         scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        self._draft_tokens(scheduled)
         prev = self._inflight.row_of if self._inflight is not None else {}
         rows, seqs = [], []
         for sr in scheduled:
@@ -318,6 +393,14 @@ class LLMEngine:
             group = self._groups[seq.group_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
+            if sr.num_draft:  # verify the drafts: a logits row at the last token and at each draft
+                drafts = req.spec_token_ids[:sr.num_draft]
+                row = RowSpec(req.token_ids + drafts, sr.start, sr.num_new_tokens, req.block_ids,
+                              self._sampling(group.params, seq, drafts), -1,
+                              extra=[(j, self._sampling(group.params, seq, drafts[:j])) for j in range(len(drafts))])
+                rows.append(row)
+                seqs.append(seq)
+                continue
             sampling = self._sampling(group.params, seq) if sr.samples else None
             row = RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
                           prev.get(req.request_id, -1))
@@ -329,28 +412,48 @@ class LLMEngine:
             seqs.append(seq)
         batch, key = self.runner.builder.build(rows)
         constrained = [None] * key.s
-        for seq, r in zip(seqs, rows):
-            if r.sampling is not None:
+        verifying = {}
+        for seq, r, sr in zip(seqs, rows, scheduled):
+            if sr.num_draft:
+                verifying[sr.request.request_id] = (r.first_row, sr.num_draft)
+            elif r.sampling is not None:
                 constrained[r.out_row] = seq.matcher
         if any(m is not None for m in constrained):  # filled on the host, applied in the executable
             self._bitmask_filler.fill(constrained, batch.bitmask)
+        for seq, r, sr in zip(seqs, rows, scheduled):
+            if sr.num_draft and seq.matcher is not None:  # the grammar's state after each draft
+                self._fill_draft_masks(seq.matcher, r.token_ids[-sr.num_draft:], batch.bitmask[r.first_row:])
         want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra for r in rows)
         result = self.runner.execute(batch, key)
+        if self.drafter is not None:
+            self.drafter.mirror(batch, key)
         sched.scheduled = scheduled  # row order
         self.scheduler.dispatched(sched)
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sched.num_batched_tokens
         return _Inflight(
             sched, seqs, result, key, want_logprobs,
-            needs_tokens=any(r.sampling is not None and (r.sampling.uses_penalties or r.sampling.constrained)
-                             for r in rows),
+            needs_tokens=any(r.sampling is not None and (r.sampling.uses_penalties or r.sampling.constrained
+                                                         or self._speculating(seq))
+                             for r, seq in zip(rows, seqs)),
             row_of={sr.request.request_id: r.out_row for sr, r in zip(scheduled, rows) if sr.samples},
+            verifying=verifying,
             scored=[(i, r.first_row, r.start, len(r.extra)) for i, r in enumerate(rows) if r.extra],
         )
 
-    def _sampling(self, p: SamplingParams, seq: Seq) -> Sampling:
+    @staticmethod
+    def _fill_draft_masks(matcher, drafts: list[int], rows) -> None:
+        for j, tok in enumerate(drafts):
+            matcher.fill_bitmask(rows[j])
+            matcher.accept(tok)  # valid: drafts are cut to the grammar's valid prefix
+        matcher.fill_bitmask(rows[len(drafts)])
+        matcher.rollback(len(drafts))
+
+    def _sampling(self, p: SamplingParams, seq: Seq, ahead: list[int] = ()) -> Sampling:
+        """The row's sampling; `ahead`: drafted tokens before it (a verification row samples as
+        if they were output already: its step, penalty counts and min_tokens bans)."""
         req = seq.req
-        n_out = req.num_output_tokens
+        n_out = req.num_output_tokens + len(ahead)
         bias = dict(p.logit_bias or {})
         if n_out < p.min_tokens:
             for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids):
@@ -360,34 +463,62 @@ class LLMEngine:
             step=n_out, num_logprobs=-1 if p.logprobs is None else p.logprobs,
             presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
             bias=bias, prompt_tokens=seq.prompt_set if p.uses_penalties else frozenset(),
-            output_counts=seq.counts if p.uses_penalties else {}, constrained=seq.matcher is not None,
+            output_counts=(self._counts_ahead(seq.counts, ahead) if ahead else seq.counts) if p.uses_penalties else {},
+            constrained=seq.matcher is not None,
         )
+
+    @staticmethod
+    def _counts_ahead(counts: dict, ahead: list[int]) -> dict:
+        out = dict(counts)
+        for t in ahead:
+            out[t] = out.get(t, 0) + 1
+        return out
 
     def _process(self, step: _Inflight, outputs: dict[str, Group]) -> None:
         """Read a dispatched step's tokens and update its requests: token-level stops in the
         scheduler, then detokenization, stop strings and logprobs here."""
         t0 = time.perf_counter()
-        got = self.runner.fetch(step.result, step.key.s, step.want_logprobs)
+        got = self.runner.fetch(step.result, step.key.s, step.want_logprobs, accepted=bool(step.verifying))
         self.timing["device_wait_s"] += time.perf_counter() - t0
         tokens = got.tokens
-        rows = [(i, step.row_of[sr.request.request_id]) for i, sr in enumerate(step.sched.scheduled)
-                if sr.samples and not sr.request.is_finished]
         for i, first, pos, count in step.scored:
             self._score_prompt(step.seqs[i], got, first, pos, count)
-        sampled = {step.sched.scheduled[i].request.request_id: int(tokens[j]) for i, j in rows}
+        emitted: dict[int, list[int]] = {}  # row -> logits rows of the tokens it emits, in order
+        for i, sr in enumerate(step.sched.scheduled):
+            if not sr.samples or sr.request.is_finished:
+                continue
+            v = step.verifying.get(sr.request.request_id)
+            if v is None:
+                emitted[i] = [step.row_of[sr.request.request_id]]
+                continue
+            first, k = v  # each accepted draft, then the token of the first row that rejects (or the bonus)
+            n = next((m for m in range(k) if not got.accepted[first + m]), k)
+            emitted[i] = list(range(first, first + n + 1))
+            st = self.spec_stats
+            st["verifications"] += 1
+            st["draft_tokens"] += k
+            st["accepted_tokens"] += n
+            st["acceptance_counts"][n] += 1
+        sched = step.sched.scheduled
+        sampled = {sched[i].request.request_id: ([int(tokens[j]) for j in rs] if sched[i].num_draft else int(tokens[rs[0]]))
+                   for i, rs in emitted.items()}
         stops = {id(r): (st, reason) for r, st, reason in self.scheduler.update_from_output(step.sched, sampled)}
-        for i, j in rows:
+        for i, rs in emitted.items():
             seq = step.seqs[i]
             group = self._groups.get(seq.group_id)
             if group is None or seq.out.finished:
                 continue
-            tok = int(tokens[j])
-            lp = None
-            if seq.out.logprobs is not None:
-                n = group.params.logprobs
-                lp = TokenLogprob(tok, float(got.logprobs[j]),
-                                  [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
-            self._append(group, seq, tok, lp, stops.get(id(seq.req)))
+            kept = min(len(rs), len(seq.req.token_ids) - sched[i].num_tokens)  # the scheduler cuts at a stop
+            for m, j in enumerate(rs[:kept]):
+                tok = int(tokens[j])
+                lp = None
+                if seq.out.logprobs is not None:
+                    n = group.params.logprobs
+                    lp = TokenLogprob(tok, float(got.logprobs[j]),
+                                      [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
+                self._append(group, seq, tok, lp, stops.get(id(seq.req)) if m == kept - 1 else None)
+                if seq.out.finished:
+                    break
             outputs[group.request_id] = group
 
     def _score_prompt(self, seq: Seq, got, first: int, pos: int, count: int) -> None:
@@ -444,5 +575,10 @@ class LLMEngine:
         stats.update(self.counters)
         stats.update(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                      num_compiles=self.runner.num_compiles)
+        if self.spec is not None:
+            st = self.spec_stats
+            stats.update({f"spec_{k}": (list(v) if isinstance(v, list) else v) for k, v in st.items()})
+            stats["spec_mean_acceptance_length"] = (
+                1 + st["accepted_tokens"] / st["verifications"] if st["verifications"] else 0.0)
         return stats
 

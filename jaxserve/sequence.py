@@ -32,6 +32,8 @@ class Seq:
     prompt_set: frozenset = frozenset()  # for the repetition penalty
     counts: dict = field(default_factory=dict)  # output token counts, for penalties
     matcher: object | None = None  # structured.matcher.Matcher: its place in the grammar
+    spec_wait: int = 0  # speculative decoding: steps until it drafts again (backs off on misses)
+    spec_misses: int = 0
 
     def add_token(self, token: int, lp: TokenLogprob | None, stop: Stop | None, params: SamplingParams,
                   eos_token_ids: set[int]) -> Stop | None:

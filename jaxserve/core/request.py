@@ -53,6 +53,9 @@ class Request:
     # Prompt logprobs wanted and not all computed yet: every prompt token is a logits row, and the
     # prefix cache is not used for it (its cached blocks would skip those rows; vLLM does the same).
     score_prompt: bool = False
+    # Speculative decoding: tokens drafted after token_ids for the next step to verify (the
+    # scheduler may drop them when the step has no room; the engine sets them each step).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -92,6 +92,7 @@ class ScheduledRequest:
     num_new_tokens: int
     start: int  # request.num_computed_tokens when scheduled; block_ids cover [0, start + num_new_tokens)
     num_tokens: int = -1  # request.num_tokens when scheduled
+    num_draft: int = 0  # of num_new_tokens, drafted tokens to verify (request.spec_token_ids[:n])
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -99,8 +100,8 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """This row reaches the end of the known tokens, so it produces the next token."""
-        return self.start + self.num_new_tokens == self.num_tokens
+        """This row reaches the end of the known tokens, so it produces the next token(s)."""
+        return self.start + self.num_new_tokens - self.num_draft == self.num_tokens
 
 
 @dataclass(slots=True)
@@ -240,6 +241,14 @@ class Scheduler:
                                      budget)
             if num_new <= 0:
                 continue  # waiting for the engine to append its sampled token, or no logits row left
+            draft = self._fit_draft(req, num_new, budget)
+            if draft and not allocate(req, num_new + draft):
+                draft = 0  # no room for the drafts' slots: decode without them, never preempt for them
+            if draft:
+                scheduled.append(ScheduledRequest(req, num_new + draft, req.num_computed_tokens, num_tokens, draft))
+                budget[0] -= num_new + draft
+                budget[1] -= 1 + draft
+                continue
             while not allocate(req, num_new):
                 victim = self._pick_victim()
                 if victim is req and len(self.running) == 1:
@@ -305,6 +314,14 @@ class Scheduler:
             return min(num_new, budget[1])
         return num_new if budget[1] >= self._logit_rows(req, start, num_new) else 0
 
+    def _fit_draft(self, req: Request, num_new: int, budget: list[int]) -> int:
+        """How many of the request's drafts this step verifies: all that fit the token and
+        logits-row budgets and max_model_len (a decode row only)."""
+        if not req.spec_token_ids or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        room = self.config.max_model_len - req.num_tokens  # the last draft's position < max_model_len
+        return max(0, min(len(req.spec_token_ids), budget[0] - 1, budget[1] - 1, room))
+
     def _expected_growth(self, reqs: list[Request], held: int | None = None) -> int:
         """Blocks the requests are expected to need beyond those they hold (or `held`, for one
         being admitted): the rest of the prompt (chunked prefill) and new_token_ratio x the output
@@ -369,34 +386,46 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             assert req.num_computed_tokens == s.start, "dispatched() applied twice?"
-            req.num_computed_tokens += s.num_new_tokens
+            # drafts count as computed once accepted (update_from_output)
+            req.num_computed_tokens += s.num_new_tokens - s.num_draft
             if s.samples:
                 req.append_token(PENDING)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, RequestStatus, int | None]]:
-        """A dispatched step's sampled tokens land: each replaces its PENDING placeholder, newly
-        full blocks are cached, and token-level stops (EOS, stop ids, max_tokens,
-        max_model_len) finish requests here. Returns (request, status, stop_reason) of those."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[tuple[Request, RequestStatus, int | None]]:
+        """A dispatched step's sampled tokens land: each replaces its PENDING placeholder (a
+        verifying row brings its accepted drafts and one more token: a list, whose drafts' K/V
+        is then computed), newly full blocks are cached, and token-level stops (EOS, stop ids,
+        max_tokens, max_model_len) finish requests here, dropping what followed the stop.
+        Returns (request, status, stop_reason) of those."""
         finished = []
         max_len = self.config.max_model_len
         for s in out.scheduled:
             req = s.request
             if req.is_finished:
                 continue  # aborted, or stopped by a token of an earlier step
+            stop = None
             if s.samples:
                 index = s.num_tokens  # where dispatched() put the placeholder
-                tok = sampled.get(req.request_id)
-                if tok is None:
+                toks = sampled.get(req.request_id)
+                if toks is None:
                     continue
-                req.token_ids[index] = tok
+                if isinstance(toks, int):
+                    toks = [toks]
+                for i, tok in enumerate(toks):
+                    if i == 0:
+                        req.token_ids[index] = tok
+                    else:
+                        req.append_token(tok)
+                        req.num_computed_tokens += 1  # the accepted draft before it has K/V
+                    stop = req.stop_for(index + i, max_len)
+                    if stop is not None:
+                        del req.token_ids[index + i + 1:]  # a token sampled after the stop never counts
+                        break
             if req.status == RequestStatus.RUNNING:
                 self.kv.commit(req)
-            if s.samples:
-                stop = req.stop_for(index, max_len)
-                if stop is not None:
-                    del req.token_ids[index + 1:]  # a token sampled after the stop never counts
-                    self.finish_request(req, stop[0])
-                    finished.append((req, *stop))
+            if stop is not None:
+                self.finish_request(req, stop[0])
+                finished.append((req, *stop))
         return finished
 
     # ---- numbers ------------------------------------------------------------------------------

@@ -26,6 +26,10 @@ class Matcher:
         then stays in an error state)."""
         return self._ll.consume_token(int(token))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, in order, the grammar accepts from here (nothing is consumed)."""
+        return self._ll.validate_tokens(tokens) if tokens else 0
+
     def fill_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (i32[ceil(V/32)], C-contiguous)."""
         if row.dtype != np.int32 or row.shape != (self.width,) or not row.flags.c_contiguous:
