@@ -100,3 +100,15 @@ def test_flags_are_generated_from_the_config():
         assert getattr(defaults, f.name) == getattr(EngineConfig(), f.name), f.name
     sched = defaults.scheduler_config(num_blocks=10, max_model_len=64)
     assert sched.lpm_max_wait_steps == defaults.lpm_max_wait_steps and sched.policy == defaults.schedule
+
+
+def test_speculative_config_from_a_flag_and_from_yaml(tmp_path):
+    flag = engine_config(parse(["serve", "--speculative-config",
+                                '{"method": "ngram", "num_speculative_tokens": 3}']))
+    assert flag.speculative.method == "ngram" and flag.speculative.num_speculative_tokens == 3
+    f = tmp_path / "spec.yaml"
+    f.write_text("speculative-config: {method: draft, model: /some/draft, num_speculative_tokens: 2}\n")
+    cfg = engine_config(parse(["serve", "--config", str(f)]))
+    assert cfg.speculative.method == "draft" and cfg.speculative.model == "/some/draft"
+    agents = engine_config(parse(["serve", "--config", str(Path(__file__).parent.parent / "configs" / "agents.yaml")]))
+    assert agents.speculative.method == "ngram"

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from jaxserve.outputs import RequestOutput
@@ -111,6 +111,22 @@ class _EngineCollector:
         )
         yield counter("prompt_tokens", "Prompt tokens admitted.", st.get("prompt_tokens", 0))
         yield counter("generation_tokens", "Tokens generated.", st.get("generation_tokens", 0))
+        if "spec_verifications" in st:  # speculative decoding (vLLM's names)
+            yield counter("spec_decode_num_drafts", "Draft runs verified (one per sequence and step).",
+                          st["spec_verifications"])
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", st["spec_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          st["spec_accepted_tokens"])
+            counts = st["spec_acceptance_counts"]  # by accepted drafts: tokens per step = n + 1
+            h = HistogramMetricFamily(NS + "spec_decode_acceptance_length",
+                                      "Tokens emitted per verification (accepted drafts + 1).", labels=labels)
+            cum, buckets = 0, []
+            for n, c in enumerate(counts):
+                cum += c
+                buckets.append((str(float(n + 1)), cum))
+            buckets.append(("+Inf", cum))
+            h.add_metric([self._model], buckets, sum_value=float(sum((n + 1) * c for n, c in enumerate(counts))))
+            yield h
 
 
 class ServerMetrics:
