@@ -225,14 +225,15 @@ class ModelRunner:
             self.num_compiles += 1
         return fn
 
-    def precompile(self, progress=None, workers: int | None = None) -> float:
-        """Compile every bucket now, so no request waits on a compile: in parallel, one XLA
-        compile per core (compiling releases the GIL), largest first."""
+    def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None) -> float:
+        """Compile every bucket (or `keys`) now, so no request waits on a compile: in parallel,
+        one XLA compile per core (compiling releases the GIL), largest first."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         t0 = time.perf_counter()
-        todo = [k for k in sorted(self.all_buckets(), reverse=True) if k not in self._compiled]
-        total, done = len(self.all_buckets()), len(self.all_buckets()) - len(todo)
+        keys = self.all_buckets() if keys is None else keys
+        todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
+        total, done = len(keys), len(keys) - len(todo)
         with ThreadPoolExecutor(max_workers=workers or min(len(todo) or 1, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(self._compile, k): k for k in todo}
             for f in as_completed(futures):

@@ -38,7 +38,8 @@ class DraftModel:
         self.runner.resize_kv(num_blocks)
 
     def precompile(self, progress=None) -> float:
-        return self.runner.precompile(progress)
+        """The buckets a draft meets: those without logit adjustments (`mirror` strips them)."""
+        return self.runner.precompile(progress, keys=[k for k in self.runner.all_buckets() if k.w == 0])
 
     def mirror(self, batch: StepBatch, key: BucketKey) -> None:
         """Run the target's step on the draft's cache (its sampled tokens are not used)."""
