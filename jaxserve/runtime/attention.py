@@ -174,20 +174,20 @@ BACKENDS = ("xla", "pallas", "cpu")
 log = logging.getLogger(__name__)
 
 
-def get_backend(name: str, platform: str | None = None) -> KernelFn:
+def get_backend(name: str, platform: str | None = None, decode_only: bool = False) -> KernelFn:
     """The attention kernel of a backend; ``platform`` (gpu/tpu) names the Pallas kernel's target
-    when it is not this host's (`jaxserve lower` exports for it)."""
+    when it is not this host's (`jaxserve lower` exports for it). ``decode_only``: a step of one
+    decode token per sequence, token t of sequence t (pallas: the split-KV kernel on GPU, the
+    decode block sizes on TPU; the other backends serve every step alike)."""
     if name == "xla":
         return xla_ragged_paged_attention
     if name == "pallas":
-        import functools
-
-        from pallas_kernels import ragged_paged_attention
+        import pallas_kernels
 
         kernel = {"gpu": "gpu", "tpu": "tpu"}.get(platform, "auto")
         # No Pallas lowering for CPU: run the kernel in interpret mode there (tests, numerics).
         interpret = kernel == "auto" and jax.default_backend() == "cpu"
-        return functools.partial(ragged_paged_attention, backend=kernel, interpret=interpret)
+        return pallas_kernels.for_step(decode_only=decode_only, backend=kernel, interpret=interpret)
     if name == "cpu":
         from jaxserve.runtime import cpu_kernels
 
@@ -195,9 +195,9 @@ def get_backend(name: str, platform: str | None = None) -> KernelFn:
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 
 
-def layer_attention(name: str, platform: str | None = None) -> AttentionFn:
+def layer_attention(name: str, platform: str | None = None, decode_only: bool = False) -> AttentionFn:
     """What one model layer calls: write this step's K/V into its pages, then attend over them."""
-    kernel = get_backend(name, platform)
+    kernel = get_backend(name, platform, decode_only)
     write = write_kv
     if name == "cpu":
         from jaxserve.runtime.cpu_kernels import cpu_write_kv as write

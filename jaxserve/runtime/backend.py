@@ -78,16 +78,19 @@ class Backend:
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 
-    def ops(self, attention_wrapper: Callable = lambda f: f) -> ModelOps:
-        """The model's ops; each also takes weights in runtime/quant.py's formats."""
+    def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
+        """The model's ops; each also takes weights in runtime/quant.py's formats.
+
+        ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
+        t), where the pallas backend runs the split-KV decode kernel on GPU."""
         from jaxserve.runtime import quant
 
-        return quant.quantized_ops(self._float_ops(attention_wrapper), self.native_linear)
+        return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear)
 
-    def _float_ops(self, attention_wrapper: Callable) -> ModelOps:
+    def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         from jaxserve.runtime.attention import layer_attention
 
-        attend = attention_wrapper(layer_attention(self.attention, self.platform))
+        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only))
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend)
