@@ -6,7 +6,10 @@ Lowering runs the Pallas -> Mosaic GPU / Mosaic TPU lowering and XLA's SPMD anno
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+from pathlib import Path
 
 import jax
 import pytest
@@ -143,3 +146,47 @@ def test_cli_failures_are_one_line(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("jaxserve: error: ") and message in err and err.count("\n") == 1, err
 
+
+
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.json"))
+
+
+def _one_layer(tmp_path, preset: str) -> str:
+    """A shipped preset cut to one layer: the real widths, heads, vocab and options, lowered fast."""
+    hf = json.loads((Path(__file__).parents[1] / "configs" / "models" / f"{preset}.json").read_text())
+    return _config(tmp_path, **{**hf, "num_hidden_layers": 1})
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_family_shapes_lower(tmp_path, preset, platform):
+    """Each supported family's shapes (configs/models), whole step, one bucket."""
+    lowering = prepare(_one_layer(tmp_path, preset), platform,
+                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096))
+    step = lowering.lower(BucketKey(16, 8, 0))
+    assert (step.kernel_calls, step.num_devices) == (1, 1), step.describe()
+
+
+@pytest.mark.parametrize("preset,tp", [("llama-3.1-8b", 8), ("qwen2.5-1.5b", 2), ("qwen3-32b", 8)])
+def test_family_shapes_lower_under_tp(tmp_path, preset, tp):
+    lowering = prepare(_one_layer(tmp_path, preset), "cuda",
+                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096,
+                                    tensor_parallel_size=tp))
+    step = lowering.lower(BucketKey(16, 8, 0))
+    assert (step.kernel_calls, step.num_devices) == (1, tp), step.describe()
+
+
+def test_presets_are_the_models_they_name():
+    """Parameter counts of the presets against the published sizes (weights in bfloat16)."""
+    billions = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21,
+                "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.7, "qwen3-8b": 8.19,
+                "mistral-7b-v0.3": 7.25, "smollm2-135m": 0.135, "smollm2-1.7b": 1.71}
+    def count(tree) -> int:
+        return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+
+    for name, want in billions.items():
+        path = Path(__file__).parents[1] / "configs" / "models" / f"{name}.json"
+        mc = load_model_config(str(path))
+        shapes = AbstractCheckpoint(dataclasses.replace(mc, num_layers=1)).shapes()  # layers alike
+        got = (count(shapes) + (mc.num_layers - 1) * count(shapes["layers_0"])) / 1e9
+        assert abs(got - want) / want < 0.02, (name, got, want)
