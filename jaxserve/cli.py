@@ -1,4 +1,4 @@
-"""The `jaxserve` command: generate, serve, bench, convert.
+"""The `jaxserve` command: generate, serve, bench, convert, lower.
 
 Every error a user can cause (a `UserError`) ends in one line on stderr (`jaxserve: error: ...`) and
 exit code 2; any other exception is a bug and shows its traceback. The engine flags are generated
@@ -215,6 +215,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return convert(args)
 
 
+# The engine settings that shape the lowered steps and the memory plan.
+LOWER_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
+                "attention_backend", "dtype", "kv_cache_dtype", "tensor_parallel_size")
+
+
+def cmd_lower(args: argparse.Namespace) -> int:
+    from jaxserve.runtime.lower import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jaxserve",
@@ -253,6 +264,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="benchmark name, e.g. sim")
     b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     b.set_defaults(func=cmd_bench)
+
+    lw = sub.add_parser("lower", help="lower every step for a GPU or TPU from a model config: no device, no weights",
+                        description="Export the engine's whole step (forward, attention kernels, sampler) for every "
+                        "bucket with jax.export for --platform, from the model's config.json alone (weights are "
+                        "shapes), on an abstract mesh of --tensor-parallel-size devices; print the memory plan "
+                        "for --device-memory. The target's own compiler does not run here.")
+    lw.add_argument("--platform", required=True, choices=("cuda", "tpu"), help="the target platform")
+    lw.add_argument("--model", "-m", required=True, metavar="CONFIG",
+                    help="HF model directory (its config.json is read) or a config.json file")
+    lw.add_argument("--device-memory", type=_bytes_arg, default=None, metavar="BYTES",
+                    help="memory per device the allocator can hand out, e.g. 141GiB, as jax's memory_stats() "
+                    "bytes_limit reports it (on GPU jax's pool is 75%% of the memory unless "
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise; default: 80GiB on cuda, 16GiB on tpu)")
+    lw.add_argument("--compute-capability", default="9.0", metavar="X.Y",
+                    help="the GPU's compute capability; below 9.0 the portable xla attention is lowered "
+                    "(default: 9.0)")
+    add_engine_args(lw, skip=tuple(n for n in EngineConfig.field_names() if n not in LOWER_FIELDS))
+    lw.set_defaults(func=cmd_lower, command_parser=lw)
 
     c = sub.add_parser("convert", help="convert an HF directory or GGUF file to an Orbax checkpoint")
     c.add_argument("src")

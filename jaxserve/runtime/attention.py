@@ -174,17 +174,20 @@ BACKENDS = ("xla", "pallas", "cpu")
 log = logging.getLogger(__name__)
 
 
-def get_backend(name: str) -> KernelFn:
-    """The attention kernel of a backend."""
+def get_backend(name: str, platform: str | None = None, decode_only: bool = False) -> KernelFn:
+    """The attention kernel of a backend; ``platform`` (gpu/tpu) names the Pallas kernel's target
+    when it is not this host's (`jaxserve lower` exports for it). ``decode_only``: a step of one
+    decode token per sequence, token t of sequence t (pallas: the split-KV kernel on GPU, the
+    decode block sizes on TPU; the other backends serve every step alike)."""
     if name == "xla":
         return xla_ragged_paged_attention
     if name == "pallas":
-        import functools
+        import pallas_kernels
 
-        from pallas_kernels import ragged_paged_attention
-
+        kernel = {"gpu": "gpu", "tpu": "tpu"}.get(platform, "auto")
         # No Pallas lowering for CPU: run the kernel in interpret mode there (tests, numerics).
-        return functools.partial(ragged_paged_attention, interpret=jax.default_backend() == "cpu")
+        interpret = kernel == "auto" and jax.default_backend() == "cpu"
+        return pallas_kernels.for_step(decode_only=decode_only, backend=kernel, interpret=interpret)
     if name == "cpu":
         from jaxserve.runtime import cpu_kernels
 
@@ -192,9 +195,9 @@ def get_backend(name: str) -> KernelFn:
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 
 
-def layer_attention(name: str) -> AttentionFn:
+def layer_attention(name: str, platform: str | None = None, decode_only: bool = False) -> AttentionFn:
     """What one model layer calls: write this step's K/V into its pages, then attend over them."""
-    kernel = get_backend(name)
+    kernel = get_backend(name, platform, decode_only)
     write = write_kv
     if name == "cpu":
         from jaxserve.runtime.cpu_kernels import cpu_write_kv as write

@@ -78,16 +78,19 @@ class Backend:
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 
-    def ops(self, attention_wrapper: Callable = lambda f: f) -> ModelOps:
-        """The model's ops; each also takes weights in runtime/quant.py's formats."""
+    def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
+        """The model's ops; each also takes weights in runtime/quant.py's formats.
+
+        ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
+        t), where the pallas backend runs the split-KV decode kernel on GPU."""
         from jaxserve.runtime import quant
 
-        return quant.quantized_ops(self._float_ops(attention_wrapper), self.native_linear)
+        return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear)
 
-    def _float_ops(self, attention_wrapper: Callable) -> ModelOps:
+    def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         from jaxserve.runtime.attention import layer_attention
 
-        attend = attention_wrapper(layer_attention(self.attention))
+        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only))
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend)
@@ -147,15 +150,21 @@ class KernelShape:
 
 
 def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_parallel_size: int = 1,
-                    shape: KernelShape | None = None) -> Backend:
+                    shape: KernelShape | None = None, *, target: str | None = None,
+                    compute_capability: str | None = None) -> Backend:
     """Decide once what runs. An explicit choice that cannot run is a UserError naming the fix;
-    the default picks the best that runs here and says why."""
+    the default picks the best that runs here and says why.
+
+    ``target`` (``cuda``/``gpu``/``tpu``) decides for that platform instead of this host's, with
+    ``compute_capability`` standing in for the GPU's: what `jaxserve lower` exports for."""
     from jaxserve.runtime import compat
 
-    platform = jax.default_backend()
+    platform = target or jax.default_backend()
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
-    if platform == "cpu":
-        compat.warn_if_accelerator_unused(platform="cpu")
+    if target is None:
+        compute_capability = compat.compute_capability(jax.devices()[0])
+        if platform == "cpu":
+            compat.warn_if_accelerator_unused(platform="cpu")
     if requested is not None and requested not in ATTENTION_BACKENDS:
         raise UserError(f"Unknown attention backend {requested!r}: choose one of {', '.join(ATTENTION_BACKENDS)}.",
                         param="attention_backend")
@@ -170,7 +179,7 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
 
             why = pallas_kernels.supported(
                 platform, dtype=kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
-                compute_capability=compat.compute_capability(jax.devices()[0]))
+                compute_capability=compute_capability)
             if why and requested:
                 raise UserError(f"Attention backend 'pallas' cannot run this model here: {why}; "
                                 "use --attention-backend xla.", param="attention_backend")

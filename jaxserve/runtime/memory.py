@@ -145,3 +145,39 @@ def summary(plan: MemoryPlan) -> str:
         f"({plan.num_blocks} blocks x {plan.block_size} tokens = {plan.kv_tokens} tokens); "
         f"max concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len} tokens/request"
     )
+
+
+# The sampler holds a few [S, V] float32 arrays at once (logits, scaled logits, weights, a sort's
+# values and indices, log-softmax): an upper count, checked against XLA's memory analysis.
+SAMPLER_ROW_COPIES = 8
+
+
+def estimate_step_bytes(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    dtype_bytes: int,
+    tensor_parallel_size: int = 1,
+) -> int:
+    """Peak temporary bytes of one step on one device, where no compiled executable can say
+    (lowering for another platform): one layer's live activations - the residual stream and its
+    normed copy, q/k/v and the attention output (f32 too), the gated MLP's three [T, I] arrays -
+    plus the sampler's [S, V] float32 rows (the logits are gathered whole on every device).
+    Layers run one after another, so one layer's worth is live at a time."""
+    tp = tensor_parallel_size
+    heads = max(num_heads // tp, 1)
+    kv_heads = max(num_kv_heads // tp, 1)
+    per_token = (
+        3 * hidden_size * dtype_bytes
+        + (2 * heads + 2 * kv_heads) * head_dim * dtype_bytes
+        + heads * head_dim * 4
+        + 3 * (intermediate_size // tp) * dtype_bytes
+        + 2 * head_dim * 4  # RoPE cos/sin
+    )
+    return num_tokens * per_token + num_seqs * vocab_size * 4 * SAMPLER_ROW_COPIES

@@ -218,7 +218,8 @@ def place_host_params(host: dict, shardings: dict, dtype) -> dict:
 
 def expand_kv_heads(params: dict, cfg: ModelConfig, r: int, target: dict) -> dict:
     """Repeat each kv head r times in k/v projections (kernel [H, Hkv*D], bias [Hkv*D]), on device,
-    producing arrays already in their target (column-parallel) sharding."""
+    producing arrays already in their target (column-parallel) sharding. Abstract leaves
+    (`jax.ShapeDtypeStruct`, for lowering) give the shapes the repeat would produce."""
     if r == 1:
         return params
     d = cfg.head_dim
@@ -234,7 +235,8 @@ def expand_kv_heads(params: dict, cfg: ModelConfig, r: int, target: dict) -> dic
         node = target
         for k in path:
             node = node[k]
-        return jax.jit(rep, out_shardings=node)(w)
+        put = jax.jit(rep, out_shardings=node)
+        return jax.eval_shape(put, w) if isinstance(w, jax.ShapeDtypeStruct) else put(w)
 
     return _build(params, f)
 

@@ -121,7 +121,7 @@ class ModelRunner:
         if self.backend.native_linear:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
-        self.inv_freq = jax.device_put(np.asarray(model_cfg.rope_inv_freq(), np.float32), self._replicated)
+        self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
         self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
         self.kv = self._allocate_kv(cfg.num_blocks)
         self.builder = BatchBuilder(
@@ -130,11 +130,15 @@ class ModelRunner:
         )
         self.max_blocks = self.builder.max_blocks
         self.s_max = self.builder.s_max
-        self.last_tokens = jax.device_put(np.zeros(self.s_max, np.int32), self._replicated)
+        self.last_tokens = self._put(np.zeros(self.s_max, np.int32))
         self._argmax = self.backend.argmax()
         self._jitted: dict[BucketKey, object] = {}  # forward_logits
         self._compiled: dict[BucketKey, object] = {}
         self.num_compiles = 0
+
+    def _put(self, x: np.ndarray):
+        """A small host array, replicated over the mesh (lower.AbstractRunner keeps it on the host)."""
+        return jax.device_put(x, self._replicated)
 
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
         mc = self.model_cfg
@@ -209,14 +213,20 @@ class ModelRunner:
         tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
         return StepResult(tokens, *r[1:]), layers
 
-    def _compile(self, key: BucketKey):
+    def step_function(self, key: BucketKey) -> tuple[object, tuple]:
+        """One bucket's jitted step and its arguments (the packed batch as a shape): compiled by
+        `_compile`, exported for another platform by `runtime/lower.py`."""
         rep, kv = self._replicated, self.kv_sharding
         jitted = jax.jit(
             lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),
             in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv),
         )
         flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
-        return jitted.lower(self.params, self.kv.layers, flat, self.last_tokens).compile()
+        return jitted, (self.params, self.kv.layers, flat, self.last_tokens)
+
+    def _compile(self, key: BucketKey):
+        jitted, args = self.step_function(key)
+        return jitted.lower(*args).compile()
 
     def executable(self, key: BucketKey):
         fn = self._compiled.get(key)

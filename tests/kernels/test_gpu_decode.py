@@ -79,3 +79,13 @@ def test_for_step_picks_the_decode_kernel_only_for_decode_buckets():
 def test_one_split_streams_the_whole_ring():
     """A single split over 10 chunks: the ring wraps several times."""
     _check(_decode_batch(6, [640, 200, 1], (8, 2, 64)), num_splits=1, pages_per_chunk=4)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 32), (128, 16), (128, 32)])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_gqa_ratios(group, head_dim, block_size):
+    """Every GQA ratio the supported families use, bf16: 133 tokens over two splits of 64-token
+    chunks (the 1-token context leaves one split empty), NaN in every page no sequence references."""
+    heads = (2 * group, 2, head_dim)
+    _check(_decode_batch(7 + group, [133, 1], heads, block_size=block_size, pad=1),
+           num_splits=2, pages_per_chunk=64 // block_size)

@@ -120,3 +120,24 @@ def test_tpu_table_block_sizes_lower(heads, decode_only):
     step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu")
     fn = functools.partial(step, sm_scale=0.1, sliding_window=100)
     assert "tpu_custom_call" in _custom_calls(fn, "tpu", _model_shapes(jnp.bfloat16, heads))
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_backend_ops_pick_the_split_kv_kernel_for_decode_steps(decode_only):
+    """What the runner builds per bucket: a GPU backend's attention op (KV write + kernel) for a
+    decode-only step calls the split-KV kernel, whose Mosaic GPU call returns (outputs, lse)."""
+    from jaxserve.runtime.attention import AttentionMetadata
+    from jaxserve.runtime.backend import Backend
+
+    attend = Backend("gpu", "pallas", "paged", False, False, "test").ops(decode_only=decode_only).attention
+    q, pages, _, seq_lens, qsl, tables, num_seqs = _model_shapes(jnp.bfloat16, (8, 2, 64))
+    new_kv = jax.ShapeDtypeStruct((q.shape[0], 2, 64), jnp.bfloat16)
+    md = AttentionMetadata(jax.ShapeDtypeStruct((q.shape[0],), jnp.int32), seq_lens, qsl, tables, num_seqs)
+
+    def step(q, k, v, k_pages, v_pages, md):
+        return attend(q, k, v, k_pages, v_pages, md, sm_scale=0.1, sliding_window=None)
+
+    text = compat.export(jax.jit(step), platforms=["cuda"])(q, new_kv, new_kv, pages, pages, md).mlir_module()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 1
+    assert bool(re.search(r"\) -> \(tensor<", calls[0])) == decode_only

@@ -1,0 +1,252 @@
+"""`jaxserve lower`: export the engine's whole step for a GPU or TPU from a model config alone.
+
+No device and no weights are needed: the parameters, KV cache and step inputs are
+`jax.ShapeDtypeStruct`s with their shardings on a `jax.sharding.AbstractMesh` (so TP=8 lowers on
+a one-CPU host), and each bucket's step is the runner's own (`ModelRunner.step_function`: forward,
+KV write, attention, sampler) exported with `jax.export` for the target, with the attention
+backend that platform would get. What this proves on CPU: every bucket traces and lowers for the
+target, Pallas kernels included (Mosaic GPU / Mosaic TPU custom calls). What it cannot: the
+target's compiler passes (ptxas, Mosaic's TPU layout passes), which only a device runs.
+
+The memory plan is the engine's (`memory.plan_kv_memory`) with the device memory given on the
+command line, the weights' bytes per device from their shapes and shardings, and the step's
+temporaries from `memory.estimate_step_bytes` (XLA's memory analysis needs a compile for the
+target, so it is estimated here; the engine measures it on the device).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.batch import BucketKey
+from jaxserve.errors import UserError
+from jaxserve.model.config import ModelConfig
+from jaxserve.runtime import compat, memory
+from jaxserve.runtime import mesh as meshlib
+from jaxserve.runtime import runner as rt
+from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
+
+GiB = memory.GiB
+PLATFORMS = ("cuda", "tpu")
+DEFAULT_DEVICE_MEMORY = {"cuda": 80 * GiB, "tpu": 16 * GiB}  # H100 / TPU v5e
+DEFAULT_COMPUTE_CAPABILITY = "9.0"  # Hopper: what the Mosaic GPU kernels need
+KERNEL_CALL = {"cuda": "mosaic_gpu", "tpu": "tpu_custom_call"}
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """A model's ModelConfig from its HF directory or its config.json (no weights read)."""
+    p = Path(path).expanduser()
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise UserError(f"Model config {path!r} not found: pass a Hugging Face model directory "
+                        "holding config.json, or a config.json file.", param="model")
+    try:
+        hf = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{str(file)!r} is not a JSON model config ({e}): pass a model's "
+                        "config.json.", param="model") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"{str(file)!r} is not a model config: expected a JSON object.", param="model")
+    try:
+        return ModelConfig.from_hf(hf, source=str(file))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, UserError):
+            raise
+        raise UserError(f"{str(file)!r} is not a complete model config ({type(e).__name__}: {e}): "
+                        "pass the model's config.json.", param="model") from None
+
+
+def param_shapes(mc: ModelConfig) -> dict:
+    """{path: shape} of the model's parameters, from the model's own init (traced, not run)."""
+    from jaxserve.model.llama import LlamaForCausalLM
+    from jaxserve.runtime.attention import AttentionMetadata
+
+    ops = Backend("cpu", "xla", "paged", False, False, "shapes").ops()
+    model = LlamaForCausalLM(mc, ops, jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    pages = jax.ShapeDtypeStruct((2, 16, mc.num_kv_heads, mc.head_dim), jnp.float32)
+    md = AttentionMetadata(i32(1), i32(1), i32(2), i32(1, 1), i32(1))
+    inv_freq = jax.ShapeDtypeStruct((mc.head_dim // 2,), jnp.float32)
+    init = jax.eval_shape(model.init, jax.random.key(0), i32(1), i32(1), [(pages, pages)] * mc.num_layers,
+                          md, i32(1), inv_freq)
+    return meshlib.shape_tree(init["params"])
+
+
+class AbstractCheckpoint:
+    """Weights that are only shapes: the runner "restores" them as ShapeDtypeStructs laid out on
+    its mesh, through the same path as a lazy Orbax checkpoint."""
+
+    def __init__(self, mc: ModelConfig):
+        self._shapes = param_shapes(mc)
+
+    def shapes(self) -> dict:
+        return self._shapes
+
+    def restore(self, shardings: dict, dtype) -> dict:
+        return jax.tree.map(lambda shape, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s), self._shapes,
+                            shardings, is_leaf=lambda x: isinstance(x, tuple))
+
+
+class AbstractRunner(rt.ModelRunner):
+    """A ModelRunner on an abstract mesh: params, KV caches and step inputs are shapes, nothing
+    is allocated; `step_function` is the runner's own."""
+
+    def _put(self, x: np.ndarray):
+        return x  # stays a host constant / shape
+
+    def _allocate_kv(self, num_blocks: int) -> rt.KVCaches:
+        layers = jax.eval_shape(lambda: super(AbstractRunner, self)._allocate_kv(num_blocks).layers)
+        return rt.KVCaches(layers, self.backend.kv_layout)
+
+
+def weight_bytes_per_device(params) -> int:
+    """Bytes of the (abstract) params on the device holding the most: each leaf's shard."""
+    return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(params))
+
+
+@dataclass(frozen=True)
+class LoweredStep:
+    key: BucketKey
+    platform: str
+    num_devices: int  # the exported module's partitions (the tensor parallel size)
+    seconds: float
+    module_bytes: int  # StableHLO text
+    kernel_calls: int  # Pallas custom calls in it (one per layer with the pallas backend)
+
+    def describe(self) -> str:
+        k = self.key
+        return (f"lowered T={k.t} S={k.s} W={k.w} for {self.platform} on {self.num_devices} device(s): "
+                f"{self.kernel_calls} {KERNEL_CALL[self.platform]} calls, "
+                f"{self.module_bytes / 1e6:.1f} MB StableHLO, {self.seconds:.1f} s")
+
+
+@dataclass
+class Lowering:
+    """A model set up for lowering: the abstract runner, its backend and the memory plan."""
+
+    platform: str
+    model: ModelConfig
+    runner: AbstractRunner
+    plan: memory.MemoryPlan
+    activation_key: BucketKey  # the bucket the activation estimate comes from
+    total_weight_bytes: int
+
+    def describe(self) -> list[str]:
+        mc, r = self.model, self.runner
+        return [
+            f"model: {mc.model_type}, {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_heads} q / "
+            f"{mc.num_kv_heads} kv heads x {mc.head_dim}, vocab {mc.vocab_size}: "
+            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}",
+            f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} (abstract mesh), "
+            f"KV {r.kv_dtype.name}, {len(r.all_buckets())} buckets",
+            r.backend.describe(),
+            memory.summary(self.plan),
+            f"activations: estimated for the largest bucket T={self.activation_key.t} "
+            f"S={self.activation_key.s} (memory.estimate_step_bytes; the engine measures them on the device)",
+        ]
+
+    def export(self, key: BucketKey):
+        """One bucket's step as a `jax.export.Exported` for the target platform."""
+        jitted, args = self.runner.step_function(key)
+        return compat.export(jitted, platforms=[self.platform])(*args)
+
+    def lower(self, key: BucketKey) -> LoweredStep:
+        t0 = time.perf_counter()
+        exported = self.export(key)
+        text = exported.mlir_module()
+        calls = len(re.findall(rf"{KERNEL_CALL[self.platform]}\w*", _custom_call_targets(text)))
+        return LoweredStep(key, self.platform, exported.nr_devices, time.perf_counter() - t0, len(text), calls)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _custom_call_targets(text: str) -> str:
+    """The custom-call target names of a StableHLO module, one per line."""
+    return "\n".join(re.findall(r"custom_call @(\w+)", text) + re.findall(r'call_target_name = "(\w+)"', text))
+
+
+def prepare(
+    model: str,
+    platform: str,
+    config: EngineConfig,
+    *,
+    device_memory: int | None = None,
+    compute_capability: str = DEFAULT_COMPUTE_CAPABILITY,
+) -> Lowering:
+    """The abstract runner for `model` on `platform` with `config`'s engine settings, and the memory
+    plan for `device_memory` bytes per device; the KV cache is lowered at the planned size."""
+    if platform not in PLATFORMS:
+        raise UserError(f"Unknown platform {platform!r}: choose one of {', '.join(PLATFORMS)}.", param="platform")
+    mc = load_model_config(model)
+    tp = config.tensor_parallel_size
+    meshlib.check_layout(mc, tp)
+    dtype = config.dtype or "bfloat16"
+    kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
+    shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
+    backend = resolve_backend(config.attention_backend, dtype, kv_dtype, tp, shape, target=platform,
+                              compute_capability=compute_capability)
+    max_model_len = config.max_model_len or mc.max_position_embeddings
+    cfg = rt.RunnerConfig(
+        block_size=config.block_size, num_blocks=2, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype, tensor_parallel_size=tp,
+        kv_cache_dtype=kv_dtype,
+    )
+    mesh = jax.sharding.AbstractMesh((1, tp), (meshlib.DATA, meshlib.MODEL))
+    checkpoint = AbstractCheckpoint(mc)
+    runner = AbstractRunner(mc, checkpoint, cfg, mesh=mesh, backend=backend)
+    weights = weight_bytes_per_device(runner.params)
+    rc = runner.model_cfg  # kv heads as sharded (repeated when tp > kv heads)
+
+    def estimate(key: BucketKey) -> int:
+        return memory.estimate_step_bytes(
+            num_tokens=key.t, num_seqs=key.s, hidden_size=rc.hidden_size, intermediate_size=rc.intermediate_size,
+            num_heads=rc.num_heads, num_kv_heads=rc.num_kv_heads, head_dim=rc.head_dim, vocab_size=rc.vocab_size,
+            dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp)
+
+    largest = max(runner.all_buckets(), key=estimate)
+    plan = memory.plan_kv_memory(
+        device_limit=device_memory or DEFAULT_DEVICE_MEMORY[platform], bytes_in_use=weights,
+        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp),
+        block_size=config.block_size, max_model_len=max_model_len, utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=tp, reserved_blocks=1,
+    )
+    runner.resize_kv(plan.num_blocks)
+    shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
+    total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
+    return Lowering(platform, mc, runner, plan, largest, total)
+
+
+def run(args, out: Callable[[str], None] = print) -> int:
+    """The `jaxserve lower` command: the plan, then one line per bucket lowered."""
+    from jaxserve.cli import engine_config
+
+    config = engine_config(args)
+    lowering = prepare(args.model, args.platform, config, device_memory=args.device_memory,
+                       compute_capability=args.compute_capability)
+    for line in lowering.describe():
+        out(line)
+    t0 = time.perf_counter()
+    keys = sorted(lowering.runner.all_buckets())
+    for key in keys:
+        try:
+            step = lowering.lower(key)
+        except Exception as e:  # a bucket that does not lower: say which, and why, in one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(f"lowering bucket T={key.t} S={key.s} W={key.w} for {args.platform} failed: "
+                            f"{type(e).__name__}: {first}") from e
+        out(step.describe())
+    out(f"lowered {len(keys)} buckets for {args.platform} in {time.perf_counter() - t0:.1f} s")
+    return 0

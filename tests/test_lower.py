@@ -1,0 +1,192 @@
+"""`jaxserve lower`: the engine's whole step exported for cuda and tpu from a config.json alone.
+
+Lowering runs the Pallas -> Mosaic GPU / Mosaic TPU lowering and XLA's SPMD annotations in full
+(an abstract mesh stands in for the devices); it does not run the target's compilers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxserve import cli
+from jaxserve.config import EngineConfig
+from jaxserve.core.batch import BucketKey
+from jaxserve.runtime import compat, memory
+from jaxserve.runtime import mesh as meshlib
+from jaxserve.runtime import runner as rt
+from jaxserve.runtime.backend import resolve_backend
+from jaxserve.runtime.lower import AbstractCheckpoint, AbstractRunner, load_model_config, prepare
+
+LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+             tie_word_embeddings=False, torch_dtype="bfloat16")
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32)
+# A decode-wide step, a one-sequence prefill and a step with logit adjustments (penalties/bias).
+KEYS = [BucketKey(8, 8, 0), BucketKey(32, 1, 0), BucketKey(16, 8, 512)]
+KERNEL = {"cuda": "mosaic_gpu", "tpu": "tpu_custom_call"}
+
+
+def _config(tmp_path, **overrides) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **overrides}))
+    return str(tmp_path)
+
+
+def _param_count(hf: dict) -> int:
+    h, i, v, n = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["num_hidden_layers"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+    return n * per_layer + 2 * v * h + h
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_whole_step_lowers_with_the_pallas_kernels(tmp_path, platform, tp):
+    lowering = prepare(_config(tmp_path), platform, EngineConfig(**ENGINE, tensor_parallel_size=tp))
+    assert lowering.runner.backend.attention == "pallas"
+    assert set(KEYS) <= set(lowering.runner.all_buckets())
+    for key in KEYS:
+        exported = lowering.export(key)
+        assert exported.platforms == (platform,)
+        assert exported.nr_devices == tp
+        # the KV cache is lowered at the planned size, sharded on kv heads under TP
+        k_pages = exported.in_avals[len(jax.tree.leaves(lowering.runner.params))]
+        assert k_pages.shape == (lowering.plan.num_blocks, 16, 2, 64)
+        step = lowering.lower(key)
+        assert step.kernel_calls == LLAMA["num_hidden_layers"], step.describe()
+        assert step.num_devices == tp
+
+
+def test_tp8_repeats_kv_heads_and_lowers(tmp_path):
+    """8 devices over 2 kv heads: each kv head repeated 4 times, one per device (mesh.py)."""
+    lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE, tensor_parallel_size=8))
+    assert lowering.runner.model_cfg.num_kv_heads == 8
+    step = lowering.lower(BucketKey(8, 8, 0))
+    assert (step.num_devices, step.kernel_calls) == (8, 2)
+
+
+def test_gpu_below_sm90_lowers_the_portable_path(tmp_path):
+    lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE), compute_capability="8.0")
+    assert lowering.runner.backend.attention == "xla"
+    assert lowering.lower(BucketKey(8, 8, 0)).kernel_calls == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_memory_plan_from_shapes(tmp_path, tp):
+    lowering = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE, tensor_parallel_size=tp),
+                       device_memory=1 << 30)
+    plan, mc = lowering.plan, lowering.model
+    total = _param_count(LLAMA) * 2  # bfloat16
+    assert lowering.total_weight_bytes == total
+    # every matrix splits over tp; norms (3 per layer boundary) stay whole on each device
+    h = LLAMA["hidden_size"]
+    norms = (2 * LLAMA["num_hidden_layers"] + 1) * h * 2
+    assert plan.weight_bytes == (total - norms) // tp + norms
+    assert plan.block_bytes == rt.kv_bytes_per_block(mc, 16, "bfloat16", tp)
+    assert plan.device_limit == 1 << 30 and plan.tensor_parallel_size == tp
+    assert plan.num_blocks == (int(0.9 * (1 << 30)) - plan.weight_bytes - plan.activation_bytes
+                               - plan.margin_bytes) // plan.block_bytes
+
+
+def test_estimated_activations_bound_xla_memory_analysis(tmp_path):
+    """memory.estimate_step_bytes against XLA:CPU's compiled peak temporaries of the same step
+    (float32: XLA:CPU computes bfloat16 dots on float32 copies of the weights)."""
+    mc = load_model_config(_config(tmp_path, vocab_size=8192))
+    cfg = rt.RunnerConfig(block_size=16, num_blocks=64, max_model_len=256, max_num_seqs=64,
+                          max_num_batched_tokens=256, dtype="float32")
+    runner = AbstractRunner(mc, AbstractCheckpoint(mc), cfg, mesh=meshlib.make_mesh(1),
+                            backend=resolve_backend("xla", "float32", "float32"))
+    for key in [BucketKey(64, 64, 0), BucketKey(256, 1, 0), BucketKey(256, 64, 512)]:
+        jitted, args = runner.step_function(key)
+        temp = compat.peak_temp_bytes(jitted.lower(*args).compile())
+        est = memory.estimate_step_bytes(
+            num_tokens=key.t, num_seqs=key.s, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, vocab_size=mc.vocab_size,
+            dtype_bytes=4)
+        assert temp <= est <= 3 * temp, (key, temp, est)
+
+
+def test_abstract_params_match_a_loaded_checkpoint(tiny_model):
+    """The shapes the model's init declares are the tree the loader builds from safetensors."""
+    from jaxserve.model.loader import load_model
+
+    loaded = load_model(tiny_model("qwen2"))
+    want = meshlib.shape_tree(loaded.params)
+    assert AbstractCheckpoint(loaded.config).shapes() == want
+
+
+def test_cli_lowers_every_bucket(tmp_path, capsys):
+    path = _config(tmp_path)
+    rc = cli.main(["lower", "--platform", "tpu", "--model", f"{path}/config.json", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "8", "--tp", "2", "--device-memory", "2GiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = [line for line in out.splitlines() if line.startswith("lowered T=")]
+    assert len(lines) == 6 and all("2 tpu_custom_call calls" in line for line in lines), out
+    assert "memory per device x tp 2: 2.00 GiB x 0.9" in out
+    assert "lowered 6 buckets for tpu" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "/nonexistent/model"], "Model config '/nonexistent/model' not found"),
+    (["--model", "{bad}"], "is not a JSON model config"),
+    (["--model", "{cfg}", "--tp", "3"], "Cannot shard this model over tensor_parallel_size=3"),
+    (["--model", "{cfg}", "--device-memory", "1MiB"], "out of device memory"),
+])
+def test_cli_failures_are_one_line(tmp_path, capsys, argv, message):
+    cfg = _config(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    argv = [a.format(cfg=cfg, bad=tmp_path / "bad.json") for a in argv]
+    assert cli.main(["lower", "--platform", "cuda", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxserve: error: ") and message in err and err.count("\n") == 1, err
+
+
+
+PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.json"))
+
+
+def _one_layer(tmp_path, preset: str) -> str:
+    """A shipped preset cut to one layer: the real widths, heads, vocab and options, lowered fast."""
+    hf = json.loads((Path(__file__).parents[1] / "configs" / "models" / f"{preset}.json").read_text())
+    return _config(tmp_path, **{**hf, "num_hidden_layers": 1})
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_family_shapes_lower(tmp_path, preset, platform):
+    """Each supported family's shapes (configs/models), whole step, one bucket."""
+    lowering = prepare(_one_layer(tmp_path, preset), platform,
+                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096))
+    step = lowering.lower(BucketKey(16, 8, 0))
+    assert (step.kernel_calls, step.num_devices) == (1, 1), step.describe()
+
+
+@pytest.mark.parametrize("preset,tp", [("llama-3.1-8b", 8), ("qwen2.5-1.5b", 2), ("qwen3-32b", 8)])
+def test_family_shapes_lower_under_tp(tmp_path, preset, tp):
+    lowering = prepare(_one_layer(tmp_path, preset), "cuda",
+                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096,
+                                    tensor_parallel_size=tp))
+    step = lowering.lower(BucketKey(16, 8, 0))
+    assert (step.kernel_calls, step.num_devices) == (1, tp), step.describe()
+
+
+def test_presets_are_the_models_they_name():
+    """Parameter counts of the presets against the published sizes (weights in bfloat16)."""
+    billions = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21,
+                "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.7, "qwen3-8b": 8.19,
+                "mistral-7b-v0.3": 7.25, "smollm2-135m": 0.135, "smollm2-1.7b": 1.71}
+    def count(tree) -> int:
+        return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+
+    for name, want in billions.items():
+        path = Path(__file__).parents[1] / "configs" / "models" / f"{name}.json"
+        mc = load_model_config(str(path))
+        shapes = AbstractCheckpoint(dataclasses.replace(mc, num_layers=1)).shapes()  # layers alike
+        got = (count(shapes) + (mc.num_layers - 1) * count(shapes["layers_0"])) / 1e9
+        assert abs(got - want) / want < 0.02, (name, got, want)
