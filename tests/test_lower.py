@@ -190,3 +190,24 @@ def test_presets_are_the_models_they_name():
         shapes = AbstractCheckpoint(dataclasses.replace(mc, num_layers=1)).shapes()  # layers alike
         got = (count(shapes) + (mc.num_layers - 1) * count(shapes["layers_0"])) / 1e9
         assert abs(got - want) / want < 0.02, (name, got, want)
+
+
+def test_decode_buckets_get_the_split_kv_kernel_on_gpu(tmp_path):
+    """A GPU engine compiles decode-only buckets (every row one token) with the split-KV decode
+    kernel, whose Mosaic call returns (outputs, lse); other buckets keep the prefill kernel. TPU
+    and CPU engines have no such buckets."""
+    import re
+
+    lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE))
+    keys = lowering.runner.all_buckets()
+    decode = BucketKey(8, 8, 0, True)
+    assert decode in keys and all(k.t == k.s for k in keys if k.decode)
+
+    def mosaic_calls(key):
+        text = lowering.export(key).mlir_module()
+        return [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+
+    assert all(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(decode))
+    assert not any(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(BucketKey(8, 8, 0)))
+    tpu = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE))
+    assert not any(k.decode for k in tpu.runner.all_buckets())

@@ -60,6 +60,9 @@ class BucketKey(NamedTuple):
     t: int  # token rows
     s: int  # sequence rows, and logits rows (each at most s)
     w: int  # sparse logit adjustments per row (0: none in this step)
+    # every row is one token (token t is sequence t): a decode kernel runs (BatchBuilder's
+    # decode_buckets, set where the attention backend has one: pallas on GPU)
+    decode: bool = False
 
 
 class StepBatch(NamedTuple):
@@ -101,7 +104,7 @@ class StepBatch(NamedTuple):
 
 def field_specs(key: BucketKey, max_blocks: int, mask_words: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each StepBatch field for a bucket, in pack order."""
-    t, s, w = key
+    t, s, w = key[:3]
     dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w),
             "SM": (s, mask_words if w else 0)}
     return [(name, dims[d], dt) for name, d, dt in _FIELDS]
@@ -198,7 +201,7 @@ class BatchBuilder:
     """Chooses the bucket and fills a StepBatch. Jax-free, so it is unit-tested on its own."""
 
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                 max_model_len: int, vocab_size: int):
+                 max_model_len: int, vocab_size: int, decode_buckets: bool = False):
         self.t_buckets = token_buckets(max_num_batched_tokens)
         self.s_max = next_pow2(max_num_seqs)
         self.block_size = block_size
@@ -207,6 +210,7 @@ class BatchBuilder:
         # Every token a request holds (its prompt and output) plus its bias entries fits a row.
         self.max_adjustments = next_pow2(min(max_model_len, vocab_size) + MAX_EXTRA_ADJUSTMENTS)
         self.adjust_widths = sorted({min(SMALL_ADJUSTMENTS, self.max_adjustments), self.max_adjustments})
+        self.decode_buckets = decode_buckets
 
     # ---- buckets ----------------------------------------------------------------------------
     def seq_bucket(self, t: int) -> int:
@@ -244,6 +248,8 @@ class BatchBuilder:
                 keys.add(BucketKey(t, 1, 0))
             keys.update(BucketKey(t, self.seq_bucket(t), w) for w in self.adjust_widths
                         if t >= min(self._min_tokens(w), self.t_buckets[-1]))
+        if self.decode_buckets:  # a decode step's T is its sequence count
+            keys.update(k._replace(decode=True) for k in list(keys) if k.t == k.s and k.t <= self.s_max)
         return sorted(keys)
 
     def field_specs(self, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
@@ -260,7 +266,9 @@ class BatchBuilder:
         samplings = [p for r in rows for _, p in r.extra] + [r.sampling for r in rows if r.sampling is not None]
         need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
         key = self.bucket_for(num_tokens, len(rows), need, len(samplings))
-        t, s, w = key
+        if self.decode_buckets and num_tokens == len(rows) and key.t == key.s:
+            key = key._replace(decode=True)
+        t, s, w = key[:3]
         bs = self.block_size
         b = self.empty(key)
         n = j = 0
@@ -303,7 +311,7 @@ class BatchBuilder:
         return b, key
 
     def empty(self, key: BucketKey) -> StepBatch:
-        t, s, w = key
+        t, s, w = key[:3]
         z = lambda shape, dt=np.int32, v=0: np.full(shape, v, dt)  # noqa: E731
         return StepBatch(
             input_ids=z(t), prev_index=z(t, v=-1), positions=z(t), slot_mapping=z(t),

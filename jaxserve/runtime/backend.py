@@ -78,6 +78,11 @@ class Backend:
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 
+    @property
+    def has_decode_kernel(self) -> bool:
+        """A kernel of its own for steps whose every row is one decode token (split-KV on GPU)."""
+        return self.attention == "pallas" and self.platform == "gpu"
+
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
         """The model's ops; each also takes weights in runtime/quant.py's formats.
 

@@ -114,8 +114,11 @@ class ModelRunner:
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
-        ops = self.backend.ops(lambda attend: meshlib.shard_attention(attend, self.mesh))
-        self.model = LlamaForCausalLM(model_cfg, ops, self.dtype)
+        # one model per attention variant (same params): decode-only buckets get the decode kernel
+        self.models = {d: LlamaForCausalLM(model_cfg, self.backend.ops(
+            lambda attend: meshlib.shard_attention(attend, self.mesh), decode_only=d), self.dtype)
+            for d in (False, True)}
+        self.model = self.models[False]
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
         if self.backend.native_linear:
@@ -127,6 +130,7 @@ class ModelRunner:
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, vocab_size=model_cfg.vocab_size,
+            decode_buckets=self.backend.has_decode_kernel,
         )
         self.max_blocks = self.builder.max_blocks
         self.s_max = self.builder.s_max
@@ -198,15 +202,15 @@ class ModelRunner:
         return self.builder.all_buckets()
 
     # ---- the step -----------------------------------------------------------------------------
-    def _forward(self, params, layers, b: StepBatch, last_tokens):
+    def _forward(self, params, layers, b: StepBatch, last_tokens, decode: bool = False):
         ids = jnp.where(b.prev_index >= 0, last_tokens[jnp.maximum(b.prev_index, 0)], b.input_ids)
         md = AttentionMetadata(b.slot_mapping, b.seq_lens, b.query_start_loc, b.block_tables, b.num_seqs)
-        return self.model.apply({"params": params}, ids, b.positions, layers, md, b.logits_indices, self.inv_freq,
+        return self.models[decode].apply({"params": params}, ids, b.positions, layers, md, b.logits_indices, self.inv_freq,
                                 b.num_logits)
 
     def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
         b = unpack_batch(flat, self.builder.field_specs(key))
-        logits, layers = self._forward(params, layers, b, last_tokens)
+        logits, layers = self._forward(params, layers, b, last_tokens, key.decode)
         if self.tensor_parallel_size > 1:  # sample on every device alike: no collectives in the sampler
             logits = jax.lax.with_sharding_constraint(logits, self._replicated)
         r = sample(logits, b, self._argmax, adjust=key.w > 0, keep_topk=self.tensor_parallel_size == 1)
@@ -285,7 +289,7 @@ class ModelRunner:
         fn = self._jitted.get(key)
         if fn is None:
             def f(p, layers, flat, last):
-                return self._forward(p, layers, unpack_batch(flat, self.builder.field_specs(key)), last)
+                return self._forward(p, layers, unpack_batch(flat, self.builder.field_specs(key)), last, key.decode)
 
             rep, kv = self._replicated, self.kv_sharding
             fn = self._jitted[key] = jax.jit(f, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
