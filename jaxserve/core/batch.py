@@ -261,54 +261,98 @@ class BatchBuilder:
     # ---- one step ---------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey]:
         """Decode rows should come first (the xla attention takes them in a loop of their own).
-        Sets each row's `out_row`."""
-        num_tokens = sum(r.num_new for r in rows)
-        samplings = [p for r in rows for _, p in r.extra] + [r.sampling for r in rows if r.sampling is not None]
-        need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
-        key = self.bucket_for(num_tokens, len(rows), need, len(samplings))
-        if self.decode_buckets and num_tokens == len(rows) and key.t == key.s:
-            key = key._replace(decode=True)
-        t, s, w = key[:3]
-        bs = self.block_size
-        b = self.empty(key)
-        n = j = 0
+        Sets each row's `out_row` and `first_row`. Per-token and per-row fields are filled with
+        whole-array numpy operations: the Python loop touches each row once."""
+        num_rows = len(rows)
+        lens = np.fromiter((r.num_new for r in rows), np.int64, num_rows)
+        starts = np.fromiter((r.start for r in rows), np.int64, num_rows)
+        offsets = np.zeros(num_rows + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        n = int(offsets[-1])
+        # logits rows in order: each row's extra rows, then its last token's (when it samples)
+        logit_tok, verify, samplings = [], [], []
         for i, r in enumerate(rows):
-            end = r.start + r.num_new
-            ids = r.token_ids[r.start:end]
-            b.input_ids[n:n + r.num_new] = ids
-            if ids[-1] == PENDING:
-                assert r.prev_index >= 0 and end == len(r.token_ids), "a pending token is always last"
-                b.prev_index[n + r.num_new - 1] = r.prev_index
-            assert PENDING not in ids[:-1], "only a row's last token can be pending"
-            pos = np.arange(r.start, end, dtype=np.int32)
-            blocks = np.asarray(r.block_ids, np.int32)
-            b.positions[n:n + r.num_new] = pos
-            b.slot_mapping[n:n + r.num_new] = blocks[pos // bs] * bs + pos % bs
-            b.seq_lens[i] = end
-            b.block_tables[i, :len(blocks)] = blocks
-            r.first_row = j
-            last = r.num_new - 1 if r.sampling is not None else r.num_new
-            for offset, p in r.extra:
-                assert 0 <= offset < last and r.start + offset + 1 < len(r.token_ids), offset
-                b.logits_indices[j] = n + offset
-                b.verify_ids[j] = r.token_ids[r.start + offset + 1]
-                assert b.verify_ids[j] != PENDING, "a verified token is known"
-                self._fill_sampling(b, j, p, w)
-                j += 1
-            n += r.num_new
-            b.query_start_loc[i + 1] = n
+            r.first_row = len(samplings)
+            if r.extra:
+                last = r.num_new - 1 if r.sampling is not None else r.num_new
+                for offset, p in r.extra:
+                    assert 0 <= offset < last and r.start + offset + 1 < len(r.token_ids), offset
+                    tok = r.token_ids[r.start + offset + 1]
+                    assert tok != PENDING, "a verified token is known"
+                    logit_tok.append(int(offsets[i]) + offset)
+                    verify.append(tok)
+                    samplings.append(p)
             if r.sampling is not None:
-                b.logits_indices[j] = n - 1
-                self._fill_sampling(b, j, r.sampling, w)
-                r.out_row = j
-                j += 1
+                r.out_row = len(samplings)
+                logit_tok.append(int(offsets[i + 1]) - 1)
+                verify.append(-1)
+                samplings.append(r.sampling)
             else:
                 r.out_row = -1
-        b.logits_indices[j:] = max(n - 1, 0)
-        b.num_logits[0] = j
-        b.query_start_loc[len(rows) + 1:] = n
-        b.num_seqs[0] = len(rows)
+        need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
+        key = self.bucket_for(n, num_rows, need, len(samplings))
+        if self.decode_buckets and n == num_rows and key.t == key.s:
+            key = key._replace(decode=True)
+        w = key.w
+        bs = self.block_size
+        b = self.empty(key)
+        # tokens
+        if n == num_rows:  # one token per row (decode): no slicing
+            b.input_ids[:n] = [r.token_ids[r.start] for r in rows]
+        else:
+            b.input_ids[:n] = [t for r in rows for t in r.token_ids[r.start:r.start + r.num_new]]
+        pending = np.flatnonzero(b.input_ids[:n] == PENDING)
+        if pending.size:
+            row = np.searchsorted(offsets, pending, side="right") - 1
+            for tok, i in zip(pending.tolist(), row.tolist()):
+                r = rows[i]
+                assert tok == offsets[i + 1] - 1, "only a row's last token can be pending"
+                assert r.prev_index >= 0 and r.start + r.num_new == len(r.token_ids), "a pending token is always last"
+                b.prev_index[tok] = r.prev_index
+        tok_row = np.repeat(np.arange(num_rows), lens)
+        pos = np.arange(n) - offsets[:-1][tok_row] + starts[tok_row]
+        b.positions[:n] = pos
+        for i, r in enumerate(rows):
+            b.block_tables[i, :len(r.block_ids)] = r.block_ids
+        b.slot_mapping[:n] = b.block_tables[tok_row, pos // bs] * bs + pos % bs
+        b.seq_lens[:num_rows] = starts + lens
+        b.query_start_loc[1:num_rows + 1] = offsets[1:]
+        b.query_start_loc[num_rows + 1:] = n
+        b.num_seqs[0] = num_rows
+        # logits rows
+        m = len(samplings)
+        b.logits_indices[:m] = logit_tok
+        b.logits_indices[m:] = max(n - 1, 0)
+        b.verify_ids[:m] = verify
+        b.num_logits[0] = m
+        if m:
+            self._fill_samplings(b, samplings, w)
         return b, key
+
+    @staticmethod
+    def _fill_samplings(b: StepBatch, samplings: list[Sampling], w: int) -> None:
+        m = len(samplings)
+        for name, attr in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+                           ("min_p", "min_p"), ("steps", "step"), ("num_logprobs", "num_logprobs"),
+                           ("presence", "presence"), ("frequency", "frequency"), ("repetition", "repetition")):
+            getattr(b, name)[:m] = [getattr(p, attr) for p in samplings]
+        seeds = np.fromiter((p.seed & 0xFFFFFFFFFFFFFFFF for p in samplings), np.uint64, m)
+        b.seed_lo[:m] = seeds & 0xFFFFFFFF
+        b.seed_hi[:m] = seeds >> np.uint64(32)
+        if not w:
+            return
+        for i, p in enumerate(samplings):
+            if not p.adjusts:
+                continue
+            adj = p.adjustments()
+            if len(adj) > w:
+                raise ValueError(f"{len(adj)} logit adjustments exceed the row width {w}")
+            k = len(adj)
+            b.adj_ids[i, :k] = list(adj)
+            vals = np.asarray(list(adj.values()), np.float32).reshape(k, 3)
+            b.adj_out_counts[i, :k] = vals[:, 0]
+            b.adj_in_prompt[i, :k] = vals[:, 1]
+            b.adj_bias[i, :k] = vals[:, 2]
 
     def empty(self, key: BucketKey) -> StepBatch:
         t, s, w = key[:3]
@@ -324,28 +368,3 @@ class BatchBuilder:
             adj_in_prompt=z((s, w), np.float32), adj_bias=z((s, w), np.float32),
             bitmask=z((s, self.mask_words if w else 0), v=-1),
         )
-
-    @staticmethod
-    def _fill_sampling(b: StepBatch, i: int, p: Sampling, w: int) -> None:
-        b.temperature[i] = p.temperature
-        b.top_k[i] = p.top_k
-        b.top_p[i] = p.top_p
-        b.min_p[i] = p.min_p
-        seed = p.seed & 0xFFFFFFFFFFFFFFFF
-        b.seed_lo[i] = seed & 0xFFFFFFFF
-        b.seed_hi[i] = seed >> 32
-        b.steps[i] = p.step
-        b.num_logprobs[i] = p.num_logprobs
-        b.presence[i] = p.presence
-        b.frequency[i] = p.frequency
-        b.repetition[i] = p.repetition
-        if w and p.adjusts:
-            adj = p.adjustments()
-            if len(adj) > w:
-                raise ValueError(f"{len(adj)} logit adjustments exceed the row width {w}")
-            k = len(adj)
-            b.adj_ids[i, :k] = list(adj)
-            vals = np.asarray(list(adj.values()), np.float32).reshape(k, 3)
-            b.adj_out_counts[i, :k] = vals[:, 0]
-            b.adj_in_prompt[i, :k] = vals[:, 1]
-            b.adj_bias[i, :k] = vals[:, 2]
