@@ -172,7 +172,9 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
       } else {
         const int64_t n0 = panel * kPanel + v * kW;
         const i32x16 acc = t.c[r][v] - 128 * Load<i32x16>(wt.colsum + n0);  // sum (xq + 128) q - 128 sum q
-        out = __builtin_convertvector(acc, v16) * Load<v16>(wt.scale + n0) * a.sx[r0 + r];
+        out = __builtin_convertvector(acc, v16) * Load<v16>(wt.scale + n0);
+        Opaque(out);  // (acc * scale) * sx for every MR: -ffast-math may not regroup it per tile size
+        out *= a.sx[r0 + r];
       }
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
     }
