@@ -242,7 +242,8 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
     """A UserError naming `name` and the choices unless it is one of them."""
     if name not in choices:
         raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
-                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time).",
+                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time; bfloat16 "
+                        "and w8a8 run on the CPU's dot-product instructions).",
                         param="quantization")
 
 
