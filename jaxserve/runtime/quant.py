@@ -2,7 +2,7 @@
 Q4_1 blocks, made at load time from float weights, or kept as a GGUF file stores them; and the two
 formats computed with the CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights
 (activations rounded to bfloat16, float32 sums) and W8A8 (int8 weights and per-row int8
-activations, int32 sums).
+activations in blocks of 32, int32 sums per block).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
@@ -73,13 +73,13 @@ class Bf16Weight(NamedTuple):
 
 
 class W8A8Weight(NamedTuple):
-    """Symmetric int8 per output channel in k quads (what vpdpbusd reads), q[p, i, 4 j + t] =
-    Q[4 i + t, 64 p + j], W = Q * scale; each row of x is quantized to int8 when it is used
-    (`quantize_rows`) and the int32 sum scaled after."""
+    """Symmetric int8 per output channel (`quantize_int8`'s Q) in k quads, offset to unsigned (the
+    operand of vpdpbusd that is): q[p, i, 4 j + t] = Q[4 i + t, 64 p + j] + 128, W = Q * scale.
+    x is quantized to int8 in blocks of 32 along k when it is used (`quantize_blocks`); each
+    block's int32 sum is scaled by its activation scale, and the total by scale[n]."""
 
-    q: jax.Array  # i8[N / 64, K / 4, 256]
+    q: jax.Array  # u8[N / 64, K / 4, 256]
     scale: jax.Array  # f32[N]: max_k |W[k, n]| / 127
-    colsum: jax.Array  # i32[N]: sum_k Q[k, n] (the kernel's unsigned-activation correction)
 
 
 QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight
@@ -145,7 +145,7 @@ def dequantize(w: QuantWeight) -> jax.Array:
     if isinstance(w, Bf16Weight):
         return from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp)
     if isinstance(w, W8A8Weight):
-        return from_panels(from_words(w.q, 4, jnp).astype(jnp.float32), jnp) * w.scale
+        return from_panels(_w8a8_q(w.q).astype(jnp.float32), jnp) * w.scale
     return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
 
 
@@ -180,18 +180,26 @@ def quantize_bf16(w) -> Bf16Weight:
 
 
 def quantize_w8a8(w) -> W8A8Weight:
-    """Float [K, N] -> `quantize_int8`'s values in k quads, with their column sums."""
+    """Float [K, N] -> `quantize_int8`'s values, + 128, in k quads."""
     qw = quantize_int8(w)
-    colsum = from_panels(qw.q).astype(np.int32).sum(axis=0, dtype=np.int32)
-    return W8A8Weight(np.ascontiguousarray(to_words(qw.q, 4)), qw.scale, colsum)
+    return W8A8Weight(np.ascontiguousarray(to_words((qw.q.astype(np.int16) + 128).astype(np.uint8), 4)), qw.scale)
 
 
-def quantize_rows(x):
-    """x f32[M, K] -> (int8 values f32[M, K] in -127..127, scale f32[M, 1]): each row symmetric,
-    rint(x * 127 / max |x|), as csrc/dot_matmul.cc quantizes W8A8's activations (jnp)."""
-    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1), 0.0)
-    return jnp.clip(jnp.round(x * inv), -127, 127), amax / 127.0
+def _w8a8_q(q, xp=jnp):
+    """W8A8Weight.q -> Q int32 [P, K, 64] (numpy or jnp)."""
+    return from_words(q, 4, xp).astype(xp.int32) - 128
+
+
+def quantize_blocks(x, xp=jnp):
+    """x f32[M, K] -> (int8 values f32[M, K] in -127..127, scale f32[M, K / 32]): each block of 32
+    along k symmetric, rint(x * 127 / max |x_block|), as csrc/dot_matmul.cc quantizes W8A8's
+    activations (jnp or numpy)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    amax = xp.max(xp.abs(xb), axis=2, keepdims=True)
+    inv = xp.where(amax > 0, xp.float32(127) / xp.where(amax > 0, amax, 1), xp.float32(0)).astype(xp.float32)
+    q = xp.clip(xp.round(xb * inv), -127, 127).reshape(m, k)
+    return q, (amax[..., 0] / xp.float32(127)).astype(xp.float32)
 
 
 # GGUF block layouts (ggml-common.h): bytes per block, and where d, m and the quants sit in it.
@@ -346,14 +354,13 @@ def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
 def _dot_reference(x, w):
     """What csrc/dot_matmul.cc computes, in XLA's ops (the xla backend, accelerators): bfloat16 x
     times the bfloat16 weights summed in float32; W8A8: int8 rows times int8 weights summed in
-    int32, then scale[n] and the row's scale."""
+    blocks of 32 (xq * sx, in float32 here) times the int8 weights, then scale[n]."""
     if isinstance(w, Bf16Weight):
         return jnp.dot(x.astype(jnp.bfloat16), from_panels(from_words(w.q, 2, jnp), jnp),
                        preferred_element_type=jnp.float32)
-    xq, sx = quantize_rows(x.astype(jnp.float32))
-    q = from_panels(from_words(w.q, 4, jnp), jnp)
-    acc = jnp.dot(xq.astype(jnp.int8), q, preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * w.scale * sx
+    xq, sx = quantize_blocks(x.astype(jnp.float32))
+    xd = xq * jnp.repeat(sx, BLOCK, axis=1)
+    return jnp.dot(xd, from_panels(_w8a8_q(w.q), jnp).astype(jnp.float32)) * w.scale
 
 
 def _dot(x, ws, num_rows, native):
@@ -366,8 +373,7 @@ def _dot(x, ws, num_rows, native):
     from jaxserve.runtime import cpu_kernels
 
     w = ws[0]
-    ops = [(v.q, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)) if isinstance(v, Bf16Weight)
-           else (v.q, v.scale, v.colsum) for v in ws]
+    ops = [(v.q, jnp.zeros((0,), jnp.float32)) if isinstance(v, Bf16Weight) else (v.q, v.scale) for v in ws]
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
     return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
@@ -388,7 +394,7 @@ def embed(w, ids):
     if type(w) in _PER_WORD:  # [T, K / per, per] -> [T, K]
         per = _PER_WORD[type(w)]
         q = w.q.reshape(*w.q.shape[:2], PANEL, per)[p, :, c, :].reshape(ids.shape[0], -1).astype(jnp.float32)
-        return q * w.scale[ids][:, None] if isinstance(w, W8A8Weight) else q
+        return (q - 128) * w.scale[ids][:, None] if isinstance(w, W8A8Weight) else q
     d = jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1)  # [T, H]
     if isinstance(w, Q8Weight):
         return w.q[p, :, c].astype(jnp.float32) * d

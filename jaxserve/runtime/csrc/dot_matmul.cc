@@ -8,11 +8,13 @@
 //   0 bf16: w u16[N / 64, K / 2, 128] bfloat16 bits, [p, i, 2 j + t] = W[2 i + t, 64 p + j].
 //           x is rounded to bfloat16 (to nearest even) and y[i, j] is summed over the k pairs in
 //           order, float32 accumulation, as AVX512_BF16's vdpbf16ps does (bf16 products are exact).
-//   1 w8a8: w i8[N / 64, K / 4, 256], [p, i, 4 j + t] = q[4 i + t, 64 p + j]; scale f32[N];
-//           colsum i32[N] = sum_k q[k, n]. Each row of x is quantized on the fly, symmetric:
-//           sx = max |x| / 127, xq = rint(x / sx) (x * (127 / max |x|)); y = float(sum_k xq q) *
-//           scale[n] * sx. The sum is exact int32 arithmetic (AVX512_VNNI's vpdpbusd takes
-//           unsigned x: xq + 128, and 128 * colsum is taken off after), so its order is irrelevant.
+//   1 w8a8: w u8[N / 64, K / 4, 256] holding q + 128, [p, i, 4 j + t] = q[4 i + t, 64 p + j] + 128
+//           (q int8, W = q * scale[n]); scale f32[N]. x is quantized on the fly in blocks of 32
+//           along k (GGUF Q8_0's activation blocks), symmetric: sx = max |x_block| / 127, xq =
+//           rint(x * (127 / max |x_block|)). Each block's sum of xq q is exact int32 arithmetic
+//           (AVX512_VNNI's vpdpbusd takes the unsigned operand: q + 128, and starts from
+//           -128 * sum xq), so its order is irrelevant; the blocks' float(sum) * sx are added in
+//           k order, and y = that * scale[n].
 // Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
 // that computes the same sums in the same order. A row's result never depends on the other rows.
@@ -38,8 +40,13 @@ using jaxserve::kW;
 using jaxserve::v16;
 using i32x16 = int32_t __attribute__((vector_size(64)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
+constexpr int kBlock = 32, kQuads = kBlock / 4;  // w8a8's activation blocks: k values, 4-k words
 
 enum Fmt { kBf16 = 0, kW8A8 = 1 };
+// Rows per tile: w8a8 holds a float and an int32 accumulator per output vector (2 x 3 x 4 of
+// AVX-512's 32 registers), bf16 one (6 x 4).
+template <int F>
+constexpr int kMaxMR = F == 0 ? 6 : 3;
 enum Isa { kPortable = 0, kDot = 1 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -83,8 +90,8 @@ struct Tile {
   using Acc = std::conditional_t<F == kBf16, v16, i32x16>;
   Acc c[MR][kNV] = {};
 
-  void Run(const uint32_t* x, const uint32_t* w, int64_t steps, int64_t ldx) {
-    for (int64_t s = 0; s < steps; ++s) {
+  void Run(const uint32_t* x, const uint32_t* w, int64_t s0, int64_t s1, int64_t ldx) {
+    for (int64_t s = s0; s < s1; ++s) {
       i32x16 b[kNV];
       for (int v = 0; v < kNV; ++v) b[v] = Load<i32x16>(w + s * kPanel + v * kW);
       for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + s], b);
@@ -104,32 +111,34 @@ struct Tile {
         c[r][v] += lo * Bits<v16>(b[v] << 16);
         Opaque(c[r][v]);
       }
-    } else if constexpr (I == kDot && kHaveVnni) {
+    } else if constexpr (I == kDot && kHaveVnni) {  // unsigned weights (q + 128) times signed x
       const __m512i av = _mm512_set1_epi32(static_cast<int>(a));
       for (int v = 0; v < kNV; ++v)
-        c[r][v] = Bits<i32x16>(_mm512_dpbusd_epi32(Bits<__m512i>(c[r][v]), av, Bits<__m512i>(b[v])));
+        c[r][v] = Bits<i32x16>(_mm512_dpbusd_epi32(Bits<__m512i>(c[r][v]), Bits<__m512i>(b[v]), av));
     } else {  // exact integers: any order gives the same sum
       for (int t = 0; t < 4; ++t) {
-        const int32_t xt = int32_t(a >> (8 * t) & 255);
-        for (int v = 0; v < kNV; ++v) c[r][v] += xt * ((b[v] << (24 - 8 * t)) >> 24);
+        const int32_t xt = int32_t(a << (24 - 8 * t)) >> 24;
+        for (int v = 0; v < kNV; ++v) c[r][v] += xt * ((b[v] >> (8 * t)) & 255);
       }
     }
   }
 };
 
-// A call's activations, prepared once for all its rows: bf16 pairs, or w8a8 quads (xq + 128) with
-// each row's scale sx.
+// A call's activations, prepared once for all its rows: bf16 pairs, or w8a8 quads of xq (int8)
+// with each block's scale sx and sum of xq.
 struct Acts {
   std::vector<uint32_t> words;
   std::vector<float> sx;
-  int64_t ldx = 0;  // words per row
+  std::vector<int32_t> xsum;
+  int64_t ldx = 0, blocks = 0;  // words and w8a8 blocks per row
 };
 
 void Prepare(Fmt f, const float* x, int64_t m, int64_t k_len, Acts& a) {
-  const int64_t per = f == kBf16 ? 2 : 4;
-  a.ldx = k_len / per;
+  a.ldx = k_len / (f == kBf16 ? 2 : 4);
+  a.blocks = f == kBf16 ? 0 : k_len / kBlock;
   a.words.resize(m * a.ldx);
-  a.sx.resize(m);
+  a.sx.resize(m * a.blocks);
+  a.xsum.resize(m * a.blocks);
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * k_len;
     uint32_t* out = a.words.data() + r * a.ldx;
@@ -137,62 +146,78 @@ void Prepare(Fmt f, const float* x, int64_t m, int64_t k_len, Acts& a) {
       for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
       continue;
     }
-    float amax = 0;
-    for (int64_t k = 0; k < k_len; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-    a.sx[r] = amax / 127.0f;
-    for (int64_t i = 0; i < a.ldx; ++i) {
-      uint32_t word = 0;
-      for (int t = 0; t < 4; ++t) {
-        const float q = std::clamp(std::nearbyint(xr[4 * i + t] * inv), -127.0f, 127.0f);
-        word |= uint32_t(int32_t(q) + 128) << (8 * t);
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const float* xb = xr + b * kBlock;
+      float amax = 0;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int i = 0; i < kQuads; ++i) {
+        uint32_t word = 0;
+        for (int t = 0; t < 4; ++t) {
+          const int32_t q = int32_t(std::clamp(std::nearbyint(xb[4 * i + t] * inv), -127.0f, 127.0f));
+          sum += q;
+          word |= uint32_t(q & 255) << (8 * t);
+        }
+        out[b * kQuads + i] = word;
       }
-      out[i] = word;
+      a.sx[r * a.blocks + b] = amax / 127.0f;
+      a.xsum[r * a.blocks + b] = sum;
     }
   }
 }
 
-// A weight as the kernel reads it (w8a8: with its scales and column sums).
+// A weight as the kernel reads it (w8a8: with its scales).
 struct Weight {
   const uint32_t* w;
   const float* scale;
-  const int32_t* colsum;
 };
 
-// y[0:MR, 0:64] for one panel: the tile's sums, then (w8a8) the scales.
+// y[0:MR, 0:64] for one panel. bf16: the tile's float32 sums. w8a8: per block of 32 k, the exact
+// int32 sum of (q + 128) xq from -128 sum xq, times the block's sx, added to a float32 sum in
+// block order; then times scale[n].
 template <Fmt F, Isa I, int MR>
 void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
+  const uint32_t* x = a.words.data() + r0 * a.ldx;
+  const uint32_t* w = wt.w + panel * a.ldx * kPanel;
   Tile<F, I, MR> t;
-  t.Run(a.words.data() + r0 * a.ldx, wt.w + panel * a.ldx * kPanel, a.ldx, a.ldx);
+  v16 f[MR][kNV] = {};
+  if constexpr (F == kBf16) {
+    t.Run(x, w, 0, a.ldx, a.ldx);
+  } else {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < kNV; ++v) t.c[r][v] = i32x16{} - 128 * a.xsum[(r0 + r) * a.blocks + b];
+      t.Run(x, w, b * kQuads, (b + 1) * kQuads, a.ldx);
+      for (int r = 0; r < MR; ++r) {
+        const float sx = a.sx[(r0 + r) * a.blocks + b];
+        for (int v = 0; v < kNV; ++v) {
+          f[r][v] += __builtin_convertvector(t.c[r][v], v16) * sx;
+          Opaque(f[r][v]);  // block by block, in k order, for every MR
+        }
+      }
+    }
+  }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kNV; ++v) {
       v16 out;
-      if constexpr (F == kBf16) {
+      if constexpr (F == kBf16)
         out = t.c[r][v];
-      } else {
-        const int64_t n0 = panel * kPanel + v * kW;
-        const i32x16 acc = t.c[r][v] - 128 * Load<i32x16>(wt.colsum + n0);  // sum (xq + 128) q - 128 sum q
-        out = __builtin_convertvector(acc, v16) * Load<v16>(wt.scale + n0);
-        Opaque(out);  // (acc * scale) * sx for every MR: -ffast-math may not regroup it per tile size
-        out *= a.sx[r0 + r];
-      }
+      else
+        out = f[r][v] * Load<v16>(wt.scale + panel * kPanel + v * kW);
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
     }
 }
 
-template <Fmt F, Isa I>
+// Kernel<MR> for any 0 < MR <= kMaxMR<F>.
+template <Fmt F, Isa I, int MR = 1>
 void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
-  switch (mr) {
-    case 1: return Kernel<F, I, 1>(a, r0, wt, panel, y, ldy);
-    case 2: return Kernel<F, I, 2>(a, r0, wt, panel, y, ldy);
-    case 3: return Kernel<F, I, 3>(a, r0, wt, panel, y, ldy);
-    case 4: return Kernel<F, I, 4>(a, r0, wt, panel, y, ldy);
-    case 5: return Kernel<F, I, 5>(a, r0, wt, panel, y, ldy);
-    case 6: return Kernel<F, I, 6>(a, r0, wt, panel, y, ldy);
-    default: return;
+  if constexpr (MR <= kMaxMR<F>) {
+    if (mr == MR) return Kernel<F, I, MR>(a, r0, wt, panel, y, ldy);
+    Rows<F, I, MR + 1>(mr, a, r0, wt, panel, y, ldy);
   }
 }
-static_assert(kMR == 6, "Rows covers MR = 1..6");
+static_assert(kMaxMR<kBf16> <= kMR && kMaxMR<kW8A8> <= kMR, "the gated buffers hold kMR rows");
 
 template <Fmt F, Isa I>
 void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int64_t panels, const Weight& w,
@@ -201,8 +226,8 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
   jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
     const int64_t panel = i % panels, c0 = (i / panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, m - c0);
-    for (int64_t r = c0; r < c0 + rows; r += kMR) {
-      const int64_t mr = std::min<int64_t>(kMR, c0 + rows - r);
+    for (int64_t r = c0; r < c0 + rows; r += kMaxMR<F>) {
+      const int64_t mr = std::min<int64_t>(kMaxMR<F>, c0 + rows - r);
       float* y = ys + r * n + panel * kPanel;
       if (!up) {
         Rows<F, I>(mr, a, r, w, panel, y, n);
@@ -221,20 +246,18 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
   });
 }
 
-// The weight's panel count if (w, scale, colsum) is a well-formed weight of format f for x[., K].
-int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer colsum) {
+// The weight's panel count if (w, scale) is a well-formed weight of format f for x[., K], else -1.
+int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale) {
   const auto wd = w.dimensions();
   const int64_t per = f == kBf16 ? 2 : 4;
   if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * per) return -1;
   if (f == kBf16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
-  const int64_t n = wd[0] * kPanel;
-  return w.element_type() == ffi::S8 && scale.element_type() == ffi::F32 && scale.element_count() == n &&
-                 colsum.element_type() == ffi::S32 && colsum.element_count() == n ? wd[0] : -1;
+  return w.element_type() == ffi::U8 && k_len % kBlock == 0 && scale.element_type() == ffi::F32 &&
+                 scale.element_count() == wd[0] * kPanel ? wd[0] : -1;
 }
 
-Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer colsum) {
-  return {static_cast<const uint32_t*>(w.untyped_data()), static_cast<const float*>(scale.untyped_data()),
-          static_cast<const int32_t*>(colsum.untyped_data())};
+Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale) {
+  return {static_cast<const uint32_t*>(w.untyped_data()), static_cast<const float*>(scale.untyped_data())};
 }
 
 ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w, const Weight* up, int64_t panels,
@@ -259,22 +282,21 @@ bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, int32_t isa, ffi::Buffer<ffi::S
 }
 
 ffi::Error DotMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer s,
-                     ffi::AnyBuffer c, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt,
-                     int32_t isa) {
-  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], w, s, c) : -1;
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
+  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], w, s) : -1;
   if (panels < 0)
     return ffi::Error::InvalidArgument("dot matmul: expected x[M, K], a weight of format fmt (quant.py), rows[1]");
-  const Weight wt = Of(w, s, c);
+  const Weight wt = Of(w, s);
   return Call(pool, x, wt, nullptr, panels, rows, y->typed_data(), fmt, isa);
 }
 
 ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
-                          ffi::AnyBuffer cg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer cu,
-                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
-  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], wg, sg, cg) : -1;
-  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], wu, su, cu) != panels)
+                          ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::Buffer<ffi::S32> rows,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
+  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], wg, sg) : -1;
+  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], wu, su) != panels)
     return ffi::Error::InvalidArgument("gated dot matmul: expected x[M, K], two weights of format fmt alike, rows[1]");
-  const Weight g = Of(wg, sg, cg), u = Of(wu, su, cu);
+  const Weight g = Of(wg, sg), u = Of(wu, su);
   return Call(pool, x, g, &u, panels, rows, y->typed_data(), fmt, isa);
 }
 
@@ -289,7 +311,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, DotMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
                                   .Arg<ffi::AnyBuffer>()         // w
                                   .Arg<ffi::AnyBuffer>()         // scale (w8a8; else empty)
-                                  .Arg<ffi::AnyBuffer>()         // colsum (w8a8; else empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
                                   .Attr<int32_t>("fmt")
@@ -301,10 +322,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, DotMatmulGated,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
                                   .Arg<ffi::AnyBuffer>()         // gate: w
                                   .Arg<ffi::AnyBuffer>()         // gate: scale
-                                  .Arg<ffi::AnyBuffer>()         // gate: colsum
                                   .Arg<ffi::AnyBuffer>()         // up: w
                                   .Arg<ffi::AnyBuffer>()         // up: scale
-                                  .Arg<ffi::AnyBuffer>()         // up: colsum
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
                                   .Attr<int32_t>("fmt")
