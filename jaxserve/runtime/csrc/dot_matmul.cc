@@ -43,10 +43,10 @@ constexpr int kPanel = 64, kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
 constexpr int kBlock = 32, kQuads = kBlock / 4;  // w8a8's activation blocks: k values, 4-k words
 
 enum Fmt { kBf16 = 0, kW8A8 = 1 };
-// Rows per tile: w8a8 holds a float and an int32 accumulator per output vector (2 x 3 x 4 of
-// AVX-512's 32 registers), bf16 one (6 x 4).
+// Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers); w8a8's float32 block sums
+// live in memory (L1), updated once per block.
 template <int F>
-constexpr int kMaxMR = F == 0 ? 6 : 3;
+constexpr int kMaxMR = 6;
 enum Isa { kPortable = 0, kDot = 1 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -181,7 +181,7 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
   const uint32_t* x = a.words.data() + r0 * a.ldx;
   const uint32_t* w = wt.w + panel * a.ldx * kPanel;
   Tile<F, I, MR> t;
-  v16 f[MR][kNV] = {};
+  alignas(64) float f[MR][kPanel] = {};
   if constexpr (F == kBf16) {
     t.Run(x, w, 0, a.ldx, a.ldx);
   } else {
@@ -192,10 +192,12 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
       for (int r = 0; r < MR; ++r) {
         const float sx = a.sx[(r0 + r) * a.blocks + b];
         for (int v = 0; v < kNV; ++v) {
-          f[r][v] += __builtin_convertvector(t.c[r][v], v16) * sx;
-          Opaque(f[r][v]);  // block by block, in k order, for every MR
+          v16 fv = Load<v16>(f[r] + v * kW) + __builtin_convertvector(t.c[r][v], v16) * sx;
+          Opaque(fv);  // block by block, in k order, for every MR
+          std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
         }
       }
+      asm("" ::: "memory");  // keep f in memory: its 24 vectors would not fit in registers beside t.c
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -204,7 +206,7 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
       if constexpr (F == kBf16)
         out = t.c[r][v];
       else
-        out = f[r][v] * Load<v16>(wt.scale + panel * kPanel + v * kW);
+        out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
     }
 }
