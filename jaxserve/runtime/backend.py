@@ -74,7 +74,12 @@ class Backend:
     reason: str  # why this was chosen (logged once)
 
     def describe(self) -> str:
-        linear = "native packed matmul" if self.native_linear else "XLA dot"
+        linear = "XLA dot"
+        if self.native_linear:
+            from jaxserve.runtime.cpu_kernels import kernel_paths
+
+            paths = kernel_paths()
+            linear = f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')})"
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 
