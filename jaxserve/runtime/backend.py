@@ -188,7 +188,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         from jaxserve.runtime import cpu_kernels
 
         why = None if native_dtypes else (
-            f"the native kernels compute in float32 with float32 or bfloat16 KV, not {dtype} with {kv_dtype} KV")
+            f"the native kernels compute in float32 with float32 or bfloat16 KV, not {dtype} with {kv_dtype} KV "
+            "(bfloat16 weights on them: --dtype float32 --quantization bfloat16)")
         why = why or cpu_kernels.available()  # builds the library now, outside any trace
         if why is None:
             native_linear = tensor_parallel_size == 1
