@@ -133,38 +133,41 @@ struct Acts {
   int64_t ldx = 0, blocks = 0;  // words and w8a8 blocks per row
 };
 
-void Prepare(Fmt f, const float* x, int64_t m, int64_t k_len, Acts& a) {
+// Row r of x into a's words (and w8a8's block scales and sums).
+void PrepareRow(Fmt f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
+  uint32_t* out = a.words.data() + r * a.ldx;
+  if (f == kBf16) {
+    for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
+    return;
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const float* xb = xr + b * kBlock;
+    float amax = 0;
+    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int8_t q[kBlock];
+    int32_t sum = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      q[k] = int8_t(std::clamp(std::nearbyint(xb[k] * inv), -127.0f, 127.0f));
+      sum += q[k];
+    }
+    std::memcpy(out + b * kQuads, q, sizeof(q));  // word i, byte t = x[4 i + t] (little-endian)
+    a.sx[r * a.blocks + b] = amax / 127.0f;
+    a.xsum[r * a.blocks + b] = sum;
+  }
+}
+
+// All m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
+void Prepare(ffi::ThreadPool& pool, Fmt f, const float* x, int64_t m, int64_t k_len, Acts& a) {
+  constexpr int64_t kRows = 16;
   a.ldx = k_len / (f == kBf16 ? 2 : 4);
   a.blocks = f == kBf16 ? 0 : k_len / kBlock;
   a.words.resize(m * a.ldx);
   a.sx.resize(m * a.blocks);
   a.xsum.resize(m * a.blocks);
-  for (int64_t r = 0; r < m; ++r) {
-    const float* xr = x + r * k_len;
-    uint32_t* out = a.words.data() + r * a.ldx;
-    if (f == kBf16) {
-      for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
-      continue;
-    }
-    for (int64_t b = 0; b < a.blocks; ++b) {
-      const float* xb = xr + b * kBlock;
-      float amax = 0;
-      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-      int32_t sum = 0;
-      for (int i = 0; i < kQuads; ++i) {
-        uint32_t word = 0;
-        for (int t = 0; t < 4; ++t) {
-          const int32_t q = int32_t(std::clamp(std::nearbyint(xb[4 * i + t] * inv), -127.0f, 127.0f));
-          sum += q;
-          word |= uint32_t(q & 255) << (8 * t);
-        }
-        out[b * kQuads + i] = word;
-      }
-      a.sx[r * a.blocks + b] = amax / 127.0f;
-      a.xsum[r * a.blocks + b] = sum;
-    }
-  }
+  jaxserve::ParallelFor(pool, (m + kRows - 1) / kRows, [&](int64_t i) {
+    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x + r * k_len, k_len, a, r);
+  });
 }
 
 // A weight as the kernel reads it (w8a8: with its scales).
@@ -270,7 +273,7 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
   if (isa == kDot && !(f == kBf16 ? kHaveBf16 : kHaveVnni))
     return ffi::Error::InvalidArgument("dot matmul: isa=1 asked of a library built without the instructions");
   thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
-  Prepare(f, x.typed_data(), m, xd[1], acts);
+  Prepare(pool, f, x.typed_data(), m, xd[1], acts);
   if (f == kBf16 && isa == kDot) Run<kBf16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kBf16 && isa != kDot) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
