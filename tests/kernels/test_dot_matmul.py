@@ -5,6 +5,8 @@ the CPU has, the XLA reference path, the layouts, and the run-time choice of ins
 
 from __future__ import annotations
 
+import platform
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -196,3 +198,21 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
     assert got["bytes"] <= share * ref["bytes"]
     assert abs(got["ppl"] / ref["ppl"] - 1) <= ppl_tol
     assert greedy_agreement(got["llm"].engine.runner, got["prompts"], ref["tokens"]) >= agree
+
+
+@pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs an x86 C++ compiler")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+@pytest.mark.parametrize("source", ["dot_matmul.cc", "quant_matmul.cc"])
+def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
+    """The portable paths compile for an AVX2 (haswell) and a baseline x86-64 CPU: the library is
+    built -march=native on the machine that runs it, so these are what such machines get."""
+    import subprocess
+
+    from jax import ffi
+
+    flags = [f for f in cpu_kernels.FLAGS if f not in ("-march=native", "-shared")]
+    cmd = [cpu_kernels._compiler(), *flags, f"-march={march}", "-c", f"-I{ffi.include_dir()}",
+           str(cpu_kernels.CSRC / source), "-o", str(tmp_path / "out.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

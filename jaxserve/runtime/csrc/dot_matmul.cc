@@ -74,8 +74,7 @@ inline To Bits(From f) {
   return t;
 }
 
-// Keeps -ffast-math from adding two products together before adding them to the sum.
-inline void Opaque(v16& w) { asm("" : "+v"(w)); }
+using jaxserve::Opaque;  // (vec.h) two products are not added together before the sum
 
 // float32 -> bfloat16 bits, round to nearest even (ml_dtypes' and XLA's convert; no NaN inputs).
 inline uint32_t Bf16(float f) {
