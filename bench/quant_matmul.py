@@ -1,5 +1,6 @@
 """Time the linear layers' native matmul per weight format: float32 panels against int8, fp8, Q8_0
-and Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers).
+and Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers), bfloat16 and W8A8
+(csrc/dot_matmul.cc, on the dot-product instructions cpu_kernels.kernel_paths() names).
 
 `jaxserve bench quant_matmul --out bench/out/quant_matmul.json`
 
@@ -14,13 +15,15 @@ import argparse
 from bench import common
 from bench.matmul import LM_HEAD, SHAPES
 
-FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1")
+FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1", "bfloat16", "w8a8")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve bench quant_matmul", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,64", help="comma-separated M values (default 1,8,64)")
     p.add_argument("--weights", type=int, default=8, help="distinct weight matrices per shape (default 8)")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated (default {','.join(FORMATS)})")
+    p.add_argument("--shapes", default=None, help="comma-separated KxN (default: SmolLM2-135M's layers)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per case (default 15)")
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
@@ -41,12 +44,15 @@ def main(argv=None) -> int:
 
     run = {"float32": jax.jit(lambda x, ws: [cpu_kernels.cpu_matmul(x, w) for w in ws]),
            "quant": jax.jit(lambda x, ws: [quant.linear(x, w, native=True) for w in ws])}
+    formats = [f for f in FORMATS if f in args.formats.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    print("kernel paths:", cpu_kernels.kernel_paths())
     results = []
-    for k, n in SHAPES:
+    for k, n in shapes:
         floats = [rng.standard_normal((k, n)).astype(np.float32) * 0.1
                   for _ in range(1 if (k, n) == LM_HEAD else args.weights)]
-        weights = {"float32": [cpu_kernels.pack_kernel(jnp.asarray(w)) for w in floats]}
-        weights.update({f: [jax.device_put(quant.quantize(w, f)) for w in floats] for f in FORMATS[1:]})
+        weights = {f: [cpu_kernels.pack_kernel(jnp.asarray(w)) if f == "float32" else jax.device_put(quant.quantize(w, f))
+                       for w in floats] for f in formats}
         for m in (int(v) for v in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             for f, ws in weights.items():
@@ -56,7 +62,7 @@ def main(argv=None) -> int:
     print(common.table([(f"{r['k']} x {r['n']}", r["m"], r["format"], r["gflops"], r["weight_gb_s"])
                         for r in results], ("K x N", "M", "format", "GFLOP/s", "weight GB/s"),
                        "Linear-layer matmul per weight format (native kernels)"))
-    common.report("quant_matmul", argv, model={"shapes": SHAPES}, config=vars(args), results={"cases": results},
+    common.report("quant_matmul", argv, model={"shapes": shapes, "kernel_paths": cpu_kernels.kernel_paths()}, config=vars(args), results={"cases": results},
                   out=args.out)
     return 0
 

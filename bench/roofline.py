@@ -1,9 +1,13 @@
 """`jaxserve bench roofline`: this machine's limits, and the model's throughput ceilings under them.
 
-Measures (with JAX, float32 by default):
-  * matmul GFLOP/s for decode-sized dots (B x d @ d x intermediate, one per batch size asked) and
-    for a large square dot: the faster of XLA's dot and, where it builds (float32 on CPU), the
-    native packed-panel kernel the engine's `cpu` backend uses (both are recorded);
+Measures (with JAX):
+  * matmul GFLOP/s (GOP/s for int8) for decode-sized dots (B x d @ d x intermediate, one per batch
+    size asked) and for a large square dot, in each precision the machine can run: float32 (the
+    faster of XLA's dot and, on CPU, the native packed-panel kernel), bfloat16 and int8 (on CPU the
+    native dot-product kernels of csrc/dot_matmul.cc: bfloat16 weights and activations with
+    float32 sums, W8A8 with int32 sums, on AVX512_BF16 / AVX512_VNNI where the CPU has them;
+    elsewhere XLA's dot in that dtype). Every rate is recorded; the ceilings use the fastest
+    precision at each size, so "% of roofline" is taken against the best the hardware offers;
   * memory bandwidth: read (a sum over a large array) and copy (read + write) GB/s.
 From a ModelConfig it computes FLOPs per token (every matmul incl. the lm head, plus attention over
 `--context` cached tokens) and bytes per decode step (all weights once, plus each sequence's KV
@@ -85,23 +89,37 @@ def _time(fn, *args, repeats: int, min_time: float) -> float:
     return statistics.median(times)
 
 
+PRECISIONS = ("float32", "bfloat16", "int8")
+_DOT_SCHEME = {"bfloat16": "bfloat16", "int8": "w8a8"}  # runtime/quant.py's native format per precision
+
+
 def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int = 5, min_time: float = 0.3) -> dict:
-    """{"xla": GFLOP/s of XLA's dot, "native": of the `cpu` backend's packed kernel or None}."""
+    """{"xla": GFLOP/s of XLA's dot or None, "native": of the `cpu` backend's kernel or None} in
+    precision `dtype` (float32, bfloat16 or int8: operands of that type, float32 / int32 sums).
+    float32 measures both; bfloat16 and int8 measure the native kernel where it runs (CPU, the
+    library built, a shape it takes) and XLA's dot only otherwise (XLA:CPU's int8 dot is slow)."""
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runtime import cpu_kernels
+    from jaxserve.runtime import cpu_kernels, quant
 
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
-    a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
-    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    a = jax.random.normal(ka, (m, k), jnp.float32)
+    b = jax.random.normal(kb, (k, n), jnp.float32)
     gflop = 2.0 * m * k * n / 1e9
-    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    out = {"xla": gflop / _time(f, a, b, repeats=repeats, min_time=min_time), "native": None}
-    if jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu" and cpu_kernels.available() is None \
-            and cpu_kernels.packable(b.shape):
-        g = jax.jit(cpu_kernels.cpu_matmul)
-        out["native"] = gflop / _time(g, a, cpu_kernels.pack_kernel(b), repeats=repeats, min_time=min_time)
+    rate = lambda f, *args: gflop / _time(jax.jit(f), *args, repeats=repeats, min_time=min_time)  # noqa: E731
+    native_ok = jax.default_backend() == "cpu" and cpu_kernels.available() is None
+    out = {"xla": None, "native": None}
+    if dtype == "float32" and native_ok and cpu_kernels.packable(b.shape):
+        out["native"] = rate(cpu_kernels.cpu_matmul, a, cpu_kernels.pack_kernel(b))
+    elif dtype != "float32" and native_ok and quant.quantizable(b.shape):
+        w = jax.device_put(quant.quantize(jax.device_get(b), _DOT_SCHEME[dtype]))
+        out["native"] = rate(lambda x, w: quant.linear(x, w, native=True), a, w)
+    if dtype == "float32" or out["native"] is None:
+        acc = jnp.int32 if dtype == "int8" else jnp.float32
+        cast = (lambda v: jnp.clip(jnp.round(v * 30), -127, 127).astype(jnp.int8)) if dtype == "int8" else (
+            lambda v: v.astype(dtype))
+        out["xla"] = rate(lambda x, y: jnp.dot(x, y, preferred_element_type=acc), cast(a), cast(b))
     return out
 
 
@@ -128,18 +146,29 @@ def memory_gbps(nbytes: int = 256 << 20, repeats: int = 5, min_time: float = 0.3
     return {"read": nbytes / t_read / 1e9, "copy": 2 * nbytes / t_copy / 1e9, "bytes": nbytes}
 
 
-def measure(cfg=None, batches=(1, 64), dtype: str = "float32", quick: bool = False) -> dict:
-    """Matmul GFLOP/s per batch size (dots shaped like the model's MLP) and for a large square, plus GB/s."""
+def measure(cfg=None, batches=(1, 64), dtype: str = "float32", quick: bool = False,
+            precisions: tuple[str, ...] = PRECISIONS) -> dict:
+    """Matmul GFLOP/s per batch size (dots shaped like the model's MLP) and for a large square, in
+    each of `precisions`, plus GB/s. `matmul_gflops[size]` is the fastest precision's rate (named in
+    `matmul_precision`); `matmul_gflops_by_impl` keeps `dtype`'s per implementation (as before)."""
     d = cfg.hidden_size if cfg is not None else 576
     inter = cfg.intermediate_size if cfg is not None else 1536
     rep, mt = (3, 0.1) if quick else (5, 0.4)
-    out = {"dtype": dtype, "matmul_gflops": {}, "matmul_gflops_by_impl": {}, "matmul_shapes": {}}
+    out = {"dtype": dtype, "matmul_gflops": {}, "matmul_precision": {}, "matmul_gflops_by_impl": {},
+           "matmul_gflops_by_precision": {p: {} for p in precisions}, "matmul_shapes": {}}
     big = 1024 if quick else 2048
     shapes = {str(b): (int(b), d, inter) for b in sorted({int(b) for b in batches})} | {"large": (big, big, big)}
     for key, (m, k, n) in shapes.items():
-        by_impl = matmul_gflops(m, k, n, dtype, rep, mt)
-        out["matmul_gflops_by_impl"][key] = by_impl
-        out["matmul_gflops"][key] = max(v for v in by_impl.values() if v is not None)
+        best = {}
+        for prec in dict.fromkeys((dtype, *precisions)):
+            by_impl = matmul_gflops(m, k, n, prec, rep, mt)
+            if prec in precisions:
+                out["matmul_gflops_by_precision"][prec][key] = by_impl
+            if prec == dtype:
+                out["matmul_gflops_by_impl"][key] = by_impl
+            best[prec] = max(v for v in by_impl.values() if v is not None)
+        prec = max(best, key=best.get)
+        out["matmul_gflops"][key], out["matmul_precision"][key] = best[prec], prec
         out["matmul_shapes"][key] = f"{m}x{k} @ {k}x{n}"
     out["memory_gbps"] = memory_gbps((64 << 20) if quick else (256 << 20), rep, mt)
     return out
@@ -216,10 +245,15 @@ def main(argv=None) -> int:
     measured = measure(cfg, batches, args.dtype, args.quick)
     costs = model_costs(cfg, args.context, dbytes, kvbytes)
 
-    rows = [(measured["matmul_shapes"][k], v, measured["matmul_gflops_by_impl"][k]["xla"],
-             measured["matmul_gflops_by_impl"][k]["native"]) for k, v in measured["matmul_gflops"].items()]
-    print(common.table(rows, ("matmul (" + args.dtype + ")", "GFLOP/s (best)", "XLA dot", "native packed"),
-                       "Measured on this machine"))
+    from jaxserve.runtime import cpu_kernels
+
+    by_prec = measured["matmul_gflops_by_precision"]
+    rows = [(measured["matmul_shapes"][k], v, measured["matmul_precision"][k],
+             *(by_prec[p][k][impl] for p in PRECISIONS for impl in ("xla", "native")))
+            for k, v in measured["matmul_gflops"].items()]
+    print(common.table(rows, ("matmul", "GFLOP/s (best)", "best precision", "f32 XLA", "f32 native", "bf16 XLA",
+                              "bf16 native", "int8 XLA", "int8 native"),
+                       f"Measured on this machine (GOP/s for int8; native kernels: {cpu_kernels.kernel_paths()})"))
     mem = measured["memory_gbps"]
     print(common.kv_table([("read GB/s (sum)", mem["read"]), ("copy GB/s (read+write)", mem["copy"])]))
     print(common.kv_table([
@@ -234,7 +268,7 @@ def main(argv=None) -> int:
         c = ceilings(cfg, b, args.context, measured, dbytes, kvbytes)
         results.append(c)
         rows.append((b, c["matmul_gflops"], c["compute_tok_s"], c["bandwidth_tok_s"], c["roofline_tok_s"], c["bound"]))
-    print(common.table(rows, ("batch", "GFLOP/s", "compute tok/s", "bandwidth tok/s", "roofline tok/s", "bound"),
+    print(common.table(rows, ("batch", "GFLOP/s (best precision)", "compute tok/s", "bandwidth tok/s", "roofline tok/s", "bound"),
                        f"Ceilings at context {args.context} ({args.dtype}, KV {args.kv_cache_dtype})"))
     common.report("roofline", argv, model=common.model_info(path, cfg),
                   config=vars(args), results={"measured": measured, "costs": asdict(costs), "ceilings": results},

@@ -74,7 +74,12 @@ class Backend:
     reason: str  # why this was chosen (logged once)
 
     def describe(self) -> str:
-        linear = "native packed matmul" if self.native_linear else "XLA dot"
+        linear = "XLA dot"
+        if self.native_linear:
+            from jaxserve.runtime.cpu_kernels import kernel_paths
+
+            paths = kernel_paths()
+            linear = f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')})"
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 
@@ -197,7 +202,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         from jaxserve.runtime import cpu_kernels
 
         why = None if native_dtypes else (
-            f"the native kernels compute in float32 with float32 or bfloat16 KV, not {dtype} with {kv_dtype} KV")
+            f"the native kernels compute in float32 with float32 or bfloat16 KV, not {dtype} with {kv_dtype} KV "
+            "(bfloat16 weights on them: --dtype float32 --quantization bfloat16)")
         why = why or cpu_kernels.available()  # builds the library now, outside any trace
         if why is None:
             native_linear = tensor_parallel_size == 1

@@ -1,6 +1,7 @@
 """Native CPU kernels as XLA FFI custom calls: the `cpu` attention backend (KV write and ragged
 paged attention), the float32 matmul of the model's linear layers (and the MLP's gated pair of
-them), and greedy sampling's argmax.
+them), the quantized and dot-product (bfloat16, W8A8) matmuls of runtime/quant.py, and greedy
+sampling's argmax.
 
 The C++ sources (`csrc/*.cc`) are compiled on first use with the system C++ compiler (`$CXX`,
 else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's CPU
@@ -8,6 +9,11 @@ else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this ma
 sources, the flags, jaxlib's version and the CPU. Where no compiler works, `available()` says why
 and the backend (backend.py) chooses XLA's own ops (the `xla` attention backend, XLA's dot)
 instead; the functions here are the calls themselves and check nothing at trace time.
+
+Which instructions a kernel uses is decided at run time too, not only by the build: `dot_isa`
+takes the CPU's flags (`cpu_features`) and what the library was compiled with, and passes the
+choice to the call, so a machine without AVX512_BF16 / AVX512_VNNI (or `$JAXSERVE_CPU_ISA=portable`)
+runs the portable path of the same kernel.
 """
 
 from __future__ import annotations
@@ -34,21 +40,63 @@ TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write
            "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_gated": "JaxserveMatmulGated",
            "jaxserve_argmax": "JaxserveArgmax",
            "jaxserve_quant_matmul": "JaxserveQuantMatmul",
-           "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated"}
+           "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated",
+           "jaxserve_dot_matmul": "JaxserveDotMatmul", "jaxserve_dot_matmul_gated": "JaxserveDotMatmulGated"}
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _state: dict = {}  # "error": str | None once a build was tried
 
 
-def _cpu_fingerprint() -> str:
+def _cpuinfo_flags_line() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
                 return line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_fingerprint() -> str:
+    return _cpuinfo_flags_line() or platform.processor() or platform.machine()
+
+
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags as Linux names them (/proc/cpuinfo: "avx512_bf16", "avx512_vnni",
+    "amx_bf16", ...); empty where that file is not there (then only portable kernels run)."""
+    line = _cpuinfo_flags_line()
+    return frozenset(line.split(":", 1)[1].split()) if line and ":" in line else frozenset()
+
+
+# The dot-product kernels (csrc/dot_matmul.cc) per weight format: the CPU flag their fast path
+# needs, and the bit of JaxserveDotIsa() saying the library was built with it.
+DOT_PATHS = {"bfloat16": ("avx512_bf16", 1), "w8a8": ("avx512_vnni", 2)}
+ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable": run the portable vector code even where the CPU has more
+
+
+def dot_isa(fmt: str) -> int:
+    """The `isa` attribute of csrc/dot_matmul.cc for weight format `fmt` ("bfloat16" or "w8a8"),
+    chosen here, at trace time, from what the CPU has and the library was built with: 1 the
+    dot-product instruction (vdpbf16ps / vpdpbusd), 0 the portable code (same sums, same order;
+    `$JAXSERVE_CPU_ISA=portable` forces it). The native library must be available()."""
+    flag, bit = DOT_PATHS[fmt]
+    if os.environ.get(ISA_ENV, "auto") == "portable":
+        return 0
+    return int(flag in cpu_features() and bool(_state["lib"].JaxserveDotIsa() & bit))
+
+
+def kernel_paths() -> dict[str, str]:
+    """What each native matmul runs here, for logs and benchmarks: {"float32": ..., "bfloat16":
+    ..., "w8a8": ..., "amx": ...}. AMX tiles are detected, not used (no kernel for them yet)."""
+    if available() is not None:
+        return {}
+    paths = {"float32": "packed FMA panels (-march=native)"}
+    for fmt, (flag, _) in DOT_PATHS.items():
+        paths[fmt] = flag if dot_isa(fmt) else "portable"
+    amx = sorted(f for f in cpu_features() if f.startswith("amx"))
+    paths["amx"] = f"{' '.join(amx)} present, not used" if amx else "absent"
+    return paths
 
 
 def _compiler() -> str | None:

@@ -1,5 +1,8 @@
 """Linear weights that stay quantized in memory: int8 per output channel and GGUF's Q8_0 / Q4_0 /
-Q4_1 blocks, made at load time from float weights, or kept as a GGUF file stores them.
+Q4_1 blocks, made at load time from float weights, or kept as a GGUF file stores them; and the two
+formats computed with the CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights
+(activations rounded to bfloat16, float32 sums) and W8A8 (int8 weights and per-row int8
+activations in blocks of 32, int32 sums per block).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
@@ -27,7 +30,9 @@ from jaxserve.errors import UserError
 
 PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
 BLOCK = 32  # weights per GGUF block, along K
-SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf")  # what `quantize_params` makes
+DOT_SCHEMES = ("bfloat16", "w8a8")  # csrc/dot_matmul.cc's formats
+# what `quantize_params` makes
+SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf") + tuple(s for s in DOT_SCHEMES if s not in QUANTIZATIONS)
 
 
 class Int8Weight(NamedTuple):
@@ -60,12 +65,32 @@ class Q4Weight(NamedTuple):
     m: jax.Array  # f16[N / 64, K / 32, 64]
 
 
-QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight
+class Bf16Weight(NamedTuple):
+    """bfloat16 weights in k pairs (what vdpbf16ps reads): q[p, i, 2 j + t] = W[2 i + t, 64 p + j].
+    Products use x rounded to bfloat16; sums are float32."""
+
+    q: jax.Array  # bf16[N / 64, K / 2, 128]
+
+
+class W8A8Weight(NamedTuple):
+    """Symmetric int8 per output channel (`quantize_int8`'s Q) in k quads, offset to unsigned (the
+    operand of vpdpbusd that is): q[p, i, 4 j + t] = Q[4 i + t, 64 p + j] + 128, W = Q * scale.
+    x is quantized to int8 in blocks of 32 along k when it is used (`quantize_blocks`); each
+    block's int32 sum is scaled by its activation scale, and the total by scale[n]."""
+
+    q: jax.Array  # u8[N / 64, K / 4, 256]
+    scale: jax.Array  # f32[N]: max_k |W[k, n]| / 127
+
+
+QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight
 _FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3}  # the `fmt` attribute of csrc/quant_matmul.cc
+_DOT_FMT = {Bf16Weight: 0, W8A8Weight: 1}  # ... of csrc/dot_matmul.cc
+_DOT_NAME = {Bf16Weight: "bfloat16", W8A8Weight: "w8a8"}  # cpu_kernels.dot_isa's names
+_PER_WORD = {Bf16Weight: 2, W8A8Weight: 4}  # k values interleaved per 32-bit lane
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight))
+    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight))
 
 
 def quantizable(shape) -> bool:
@@ -84,6 +109,18 @@ def from_panels(p, xp=np):
     """Inverse of `to_panels`."""
     panels, k = p.shape[:2]
     return xp.moveaxis(p, 0, 1).reshape(k, panels * PANEL, *p.shape[3:])
+
+
+def to_words(p, per: int, xp=np):
+    """Panels [P, K, 64] -> [P, K / per, 64 * per]: `per` consecutive k of a column side by side."""
+    panels, k, c = p.shape
+    return xp.swapaxes(p.reshape(panels, k // per, per, c), 2, 3).reshape(panels, k // per, c * per)
+
+
+def from_words(p, per: int, xp=np):
+    """Inverse of `to_words`."""
+    panels, kw, cw = p.shape
+    return xp.swapaxes(p.reshape(panels, kw, cw // per, per), 2, 3).reshape(panels, kw * per, cw // per)
 
 
 def _nibbles(q4):
@@ -105,6 +142,10 @@ def dequantize(w: QuantWeight) -> jax.Array:
         return from_panels(_e4m3(w.q), jnp) * w.scale
     if isinstance(w, Q8Weight):
         return from_panels(w.q.astype(jnp.float32) * _per_block(w.d), jnp)
+    if isinstance(w, Bf16Weight):
+        return from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp)
+    if isinstance(w, W8A8Weight):
+        return from_panels(_w8a8_q(w.q).astype(jnp.float32), jnp) * w.scale
     return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
 
 
@@ -131,6 +172,34 @@ def quantize_int8(w) -> Int8Weight:
     scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
     q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
     return Int8Weight(np.ascontiguousarray(to_panels(q)), scale)
+
+
+def quantize_bf16(w) -> Bf16Weight:
+    """Float [K, N] -> bfloat16 (round to nearest even; exact for a bfloat16 checkpoint) in k pairs."""
+    return Bf16Weight(np.ascontiguousarray(to_words(to_panels(np.asarray(w, jnp.bfloat16)), 2)))
+
+
+def quantize_w8a8(w) -> W8A8Weight:
+    """Float [K, N] -> `quantize_int8`'s values, + 128, in k quads."""
+    qw = quantize_int8(w)
+    return W8A8Weight(np.ascontiguousarray(to_words((qw.q.astype(np.int16) + 128).astype(np.uint8), 4)), qw.scale)
+
+
+def _w8a8_q(q, xp=jnp):
+    """W8A8Weight.q -> Q int32 [P, K, 64] (numpy or jnp)."""
+    return from_words(q, 4, xp).astype(xp.int32) - 128
+
+
+def quantize_blocks(x, xp=jnp):
+    """x f32[M, K] -> (int8 values f32[M, K] in -127..127, scale f32[M, K / 32]): each block of 32
+    along k symmetric, rint(x * 127 / max |x_block|), as csrc/dot_matmul.cc quantizes W8A8's
+    activations (jnp or numpy)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    amax = xp.max(xp.abs(xb), axis=2, keepdims=True)
+    inv = xp.where(amax > 0, xp.float32(127) / xp.where(amax > 0, amax, 1), xp.float32(0)).astype(xp.float32)
+    q = xp.clip(xp.round(xb * inv), -127, 127).reshape(m, k)
+    return q, (amax[..., 0] / xp.float32(127)).astype(xp.float32)
 
 
 # GGUF block layouts (ggml-common.h): bytes per block, and where d, m and the quants sit in it.
@@ -165,6 +234,10 @@ def quantize(w, scheme: str) -> QuantWeight:
         return quantize_int8(w)
     if scheme == "fp8":
         return quantize_fp8(w)
+    if scheme == "bfloat16":
+        return quantize_bf16(w)
+    if scheme == "w8a8":
+        return quantize_w8a8(w)
     import gguf
 
     raw = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T),
@@ -177,7 +250,8 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
     """A UserError naming `name` and the choices unless it is one of them."""
     if name not in choices:
         raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
-                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time).",
+                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time; bfloat16 "
+                        "and w8a8 run on the CPU's dot-product instructions).",
                         param="quantization")
 
 
@@ -255,6 +329,8 @@ def linear(x, w, num_rows=None, native: bool | None = None):
     the backend's choice (see `_native`); elsewhere W is dequantized inside the computation."""
     if not is_quantized(w):
         return x @ w.astype(x.dtype)
+    if type(w) in _DOT_FMT:
+        return _dot(x, (w,), num_rows, native)
     if not _native(native, x, w):
         # in x's dtype (bfloat16 on accelerators), accumulated in float32
         return jnp.dot(x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32)
@@ -266,11 +342,43 @@ def linear(x, w, num_rows=None, native: bool | None = None):
 def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
     """silu(x @ W_gate) * (x @ W_up), the gated MLP's first half, in one native call where both
     weights share a format (SiLU and the product applied to each tile as it is computed)."""
+    if type(w_gate) in _DOT_FMT and type(w_up) is type(w_gate):
+        return _dot(x, (w_gate, w_up), num_rows, native)
     if not (is_quantized(w_gate) and _native(native, x, w_gate, w_up)):
         return jax.nn.silu(linear(x, w_gate, num_rows, native)) * linear(x, w_up, num_rows, native)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w_gate)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul_gated", out, vmap_method="sequential")(
         x, *_operands(w_gate), *_operands(w_up), _rows(x, num_rows), fmt=np.int32(_FMT[type(w_gate)]))
+
+
+def _dot_reference(x, w):
+    """What csrc/dot_matmul.cc computes, in XLA's ops (the xla backend, accelerators): bfloat16 x
+    times the bfloat16 weights summed in float32; W8A8: int8 rows times int8 weights summed in
+    blocks of 32 (xq * sx, in float32 here) times the int8 weights, then scale[n]."""
+    if isinstance(w, Bf16Weight):
+        return jnp.dot(x.astype(jnp.bfloat16), from_panels(from_words(w.q, 2, jnp), jnp),
+                       preferred_element_type=jnp.float32)
+    xq, sx = quantize_blocks(x.astype(jnp.float32))
+    xd = xq * jnp.repeat(sx, BLOCK, axis=1)
+    return jnp.dot(xd, from_panels(_w8a8_q(w.q), jnp).astype(jnp.float32)) * w.scale
+
+
+def _dot(x, ws, num_rows, native):
+    """x @ W (one weight) or silu(x @ W_gate) * (x @ W_up) (two) for csrc/dot_matmul.cc's formats:
+    natively, on the instructions cpu_kernels.dot_isa chooses, where the backend runs native
+    linear layers; else `_dot_reference`."""
+    if not _native(native, x, *ws):
+        ys = [_dot_reference(x, w) for w in ws]
+        return ys[0] if len(ws) == 1 else jax.nn.silu(ys[0]) * ys[1]
+    from jaxserve.runtime import cpu_kernels
+
+    w = ws[0]
+    ops = [(v.q, jnp.zeros((0,), jnp.float32)) if isinstance(v, Bf16Weight) else (v.q, v.scale) for v in ws]
+    out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
+    name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
+    return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
+        x, *(a for op in ops for a in op), _rows(x, num_rows), fmt=np.int32(_DOT_FMT[type(w)]),
+        isa=np.int32(cpu_kernels.dot_isa(_DOT_NAME[type(w)])))
 
 
 def embed(w, ids):
@@ -283,6 +391,10 @@ def embed(w, ids):
         return w.q[p, :, c].astype(jnp.float32) * w.scale[ids][:, None]
     if isinstance(w, Fp8Weight):
         return _e4m3(w.q[p, :, c]) * w.scale[ids][:, None]
+    if type(w) in _PER_WORD:  # [T, K / per, per] -> [T, K]
+        per = _PER_WORD[type(w)]
+        q = w.q.reshape(*w.q.shape[:2], PANEL, per)[p, :, c, :].reshape(ids.shape[0], -1).astype(jnp.float32)
+        return (q - 128) * w.scale[ids][:, None] if isinstance(w, W8A8Weight) else q
     d = jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1)  # [T, H]
     if isinstance(w, Q8Weight):
         return w.q[p, :, c].astype(jnp.float32) * d

@@ -2,6 +2,7 @@ import pytest
 
 from bench import roofline as rl
 from jaxserve.model.config import ModelConfig
+from jaxserve.runtime import cpu_kernels
 
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
@@ -43,6 +44,13 @@ def test_measure_quick_on_small_shapes():
     m = rl.measure(tiny, batches=(1, 8), quick=True)
     assert set(m["matmul_gflops"]) == {"1", "8", "large"}
     assert all(v > 0 for v in m["matmul_gflops"].values())
+    # every precision measured; the ceiling's rate is the fastest of them at each size
+    assert set(m["matmul_gflops_by_precision"]) == {"float32", "bfloat16", "int8"}
+    for key, best in m["matmul_gflops"].items():
+        rates = {p: max(v for v in r[key].values() if v is not None) for p, r in m["matmul_gflops_by_precision"].items()}
+        assert best == max(rates.values()) and m["matmul_precision"][key] == max(rates, key=rates.get)
+    if cpu_kernels.available() is None:  # on CPU the low precisions are the native dot-product kernels
+        assert all(r["native"] > 0 for p in ("bfloat16", "int8") for r in m["matmul_gflops_by_precision"][p].values())
     assert m["memory_gbps"]["read"] > 0 and m["memory_gbps"]["copy"] > 0
 
 

@@ -114,10 +114,7 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
   for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
 
-// A value the compiler must materialize as it is: -ffast-math may then neither fold a decoded
-// weight's scale into the FMAs (it did so for some MR and not others, so a row's result depended
-// on the batch) nor add two k steps' products together before adding them to the sum.
-inline void Opaque(v16& w) { asm("" : "+v"(w)); }
+using jaxserve::Opaque;  // (vec.h) a decoded weight's scale is not folded into the FMAs
 
 // Calls use(k, w) for k = 0..K-1 in order, w[kNV] the panel's row k decoded (int8: q, unscaled),
 // and fence() between the two rows a Q4 byte holds.

@@ -15,6 +15,26 @@ inline v16 LoadU(const float* src) {
   return x;
 }
 
+// A value the compiler must materialize as it is: -ffast-math may then neither fold a factor into
+// the FMAs that use it (it did so for some tile sizes and not others, so a row's result depended on
+// the batch) nor add two k steps' products together before adding them to the sum. One AVX-512
+// register; two AVX ones (an AVX2 build: "+v" cannot hold 64 bytes there); else memory.
+inline void Opaque(v16& w) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(w));
+#elif defined(__AVX__)
+  using v8 = float __attribute__((vector_size(32)));
+  v8 lo, hi;
+  std::memcpy(&lo, &w, sizeof(lo));
+  std::memcpy(&hi, reinterpret_cast<char*>(&w) + sizeof(lo), sizeof(hi));
+  asm("" : "+x"(lo), "+x"(hi));
+  std::memcpy(&w, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&w) + sizeof(lo), &hi, sizeof(hi));
+#else
+  asm("" : "+m"(w));
+#endif
+}
+
 // exp of 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial
 // (relative error < 2e-7, about glibc's expf). Inputs below -87 give ~1e-38 instead of 0, above 88
 // give ~1.6e38 instead of inf (callers only use such lanes as negligible weights, mask them, or

@@ -1,0 +1,334 @@
+// Linear layers on the CPU's dot-product instructions, as XLA FFI custom calls:
+//
+//   jaxserve_dot_matmul:       y[M, N] = x[M, K] @ W
+//   jaxserve_dot_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
+//
+// W is held in the 64-column panels of csrc/matmul.cc with consecutive k values interleaved, so one
+// 32-bit lane holds what one dot-product step of one column needs (attribute `fmt`, quant.py):
+//   0 bf16: w u16[N / 64, K / 2, 128] bfloat16 bits, [p, i, 2 j + t] = W[2 i + t, 64 p + j].
+//           x is rounded to bfloat16 (to nearest even) and y[i, j] is summed over the k pairs in
+//           order, float32 accumulation, as AVX512_BF16's vdpbf16ps does (bf16 products are exact).
+//   1 w8a8: w u8[N / 64, K / 4, 256] holding q + 128, [p, i, 4 j + t] = q[4 i + t, 64 p + j] + 128
+//           (q int8, W = q * scale[n]); scale f32[N]. x is quantized on the fly in blocks of 32
+//           along k (GGUF Q8_0's activation blocks), symmetric: sx = max |x_block| / 127, xq =
+//           rint(x * (127 / max |x_block|)). Each block's sum of xq q is exact int32 arithmetic
+//           (AVX512_VNNI's vpdpbusd takes the unsigned operand: q + 128, and starts from
+//           -128 * sum xq), so its order is irrelevant; the blocks' float(sum) * sx are added in
+//           k order, and y = that * scale[n].
+// Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
+// instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
+// that computes the same sums in the same order. A row's result never depends on the other rows.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "parallel.h"
+#include "vec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxserve::kW;
+using jaxserve::v16;
+using i32x16 = int32_t __attribute__((vector_size(64)));
+constexpr int kPanel = 64, kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
+constexpr int kBlock = 32, kQuads = kBlock / 4;  // w8a8's activation blocks: k values, 4-k words
+
+enum Fmt { kBf16 = 0, kW8A8 = 1 };
+// Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers); w8a8's float32 block sums
+// live in memory (L1), updated once per block.
+template <int F>
+constexpr int kMaxMR = 6;
+enum Isa { kPortable = 0, kDot = 1 };
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kHaveBf16 = true;
+#else
+constexpr bool kHaveBf16 = false;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
+template <typename V, typename T>
+inline V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename To, typename From>
+inline To Bits(From f) {
+  To t;
+  std::memcpy(&t, &f, sizeof(t));
+  return t;
+}
+
+using jaxserve::Opaque;  // (vec.h) two products are not added together before the sum
+
+// float32 -> bfloat16 bits, round to nearest even (ml_dtypes' and XLA's convert; no NaN inputs).
+inline uint32_t Bf16(float f) {
+  const uint32_t u = Bits<uint32_t>(f);
+  return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+// One step of a tile: the 64 columns' accumulators of MR rows. Each k step (a pair for bf16, a
+// quad for w8a8) reads 4 vectors of the panel and one 32-bit word of each row's activations.
+template <Fmt F, Isa I, int MR>
+struct Tile {
+  using Acc = std::conditional_t<F == kBf16, v16, i32x16>;
+  Acc c[MR][kNV] = {};
+
+  void Run(const uint32_t* x, const uint32_t* w, int64_t s0, int64_t s1, int64_t ldx) {
+    for (int64_t s = s0; s < s1; ++s) {
+      i32x16 b[kNV];
+      for (int v = 0; v < kNV; ++v) b[v] = Load<i32x16>(w + s * kPanel + v * kW);
+      for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + s], b);
+    }
+  }
+
+  inline void Step(int r, uint32_t a, const i32x16* b) {
+    if constexpr (F == kBf16 && I == kDot && kHaveBf16) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a));
+      for (int v = 0; v < kNV; ++v)
+        c[r][v] = Bits<v16>(_mm512_dpbf16_ps(Bits<__m512>(c[r][v]), av, Bits<__m512bh>(b[v])));
+    } else if constexpr (F == kBf16) {  // vdpbf16ps' order: the odd k of the pair, then the even one
+      const float lo = Bits<float>(a << 16), hi = Bits<float>(a & 0xffff0000u);
+      for (int v = 0; v < kNV; ++v) {
+        c[r][v] += hi * Bits<v16>(b[v] & int32_t(0xffff0000u));
+        Opaque(c[r][v]);
+        c[r][v] += lo * Bits<v16>(b[v] << 16);
+        Opaque(c[r][v]);
+      }
+    } else if constexpr (I == kDot && kHaveVnni) {  // unsigned weights (q + 128) times signed x
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(a));
+      for (int v = 0; v < kNV; ++v)
+        c[r][v] = Bits<i32x16>(_mm512_dpbusd_epi32(Bits<__m512i>(c[r][v]), Bits<__m512i>(b[v]), av));
+    } else {  // exact integers: any order gives the same sum
+      for (int t = 0; t < 4; ++t) {
+        const int32_t xt = int32_t(a << (24 - 8 * t)) >> 24;
+        for (int v = 0; v < kNV; ++v) c[r][v] += xt * ((b[v] >> (8 * t)) & 255);
+      }
+    }
+  }
+};
+
+// A call's activations, prepared once for all its rows: bf16 pairs, or w8a8 quads of xq (int8)
+// with each block's scale sx and sum of xq.
+struct Acts {
+  std::vector<uint32_t> words;
+  std::vector<float> sx;
+  std::vector<int32_t> xsum;
+  int64_t ldx = 0, blocks = 0;  // words and w8a8 blocks per row
+};
+
+// Row r of x into a's words (and w8a8's block scales and sums).
+void PrepareRow(Fmt f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
+  uint32_t* out = a.words.data() + r * a.ldx;
+  if (f == kBf16) {
+    for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
+    return;
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const float* xb = xr + b * kBlock;
+    float amax = 0;
+    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int8_t q[kBlock];
+    int32_t sum = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      q[k] = int8_t(std::clamp(std::nearbyint(xb[k] * inv), -127.0f, 127.0f));
+      sum += q[k];
+    }
+    std::memcpy(out + b * kQuads, q, sizeof(q));  // word i, byte t = x[4 i + t] (little-endian)
+    a.sx[r * a.blocks + b] = amax / 127.0f;
+    a.xsum[r * a.blocks + b] = sum;
+  }
+}
+
+// All m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
+void Prepare(ffi::ThreadPool& pool, Fmt f, const float* x, int64_t m, int64_t k_len, Acts& a) {
+  constexpr int64_t kRows = 16;
+  a.ldx = k_len / (f == kBf16 ? 2 : 4);
+  a.blocks = f == kBf16 ? 0 : k_len / kBlock;
+  a.words.resize(m * a.ldx);
+  a.sx.resize(m * a.blocks);
+  a.xsum.resize(m * a.blocks);
+  jaxserve::ParallelFor(pool, (m + kRows - 1) / kRows, [&](int64_t i) {
+    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x + r * k_len, k_len, a, r);
+  });
+}
+
+// A weight as the kernel reads it (w8a8: with its scales).
+struct Weight {
+  const uint32_t* w;
+  const float* scale;
+};
+
+// y[0:MR, 0:64] for one panel. bf16: the tile's float32 sums. w8a8: per block of 32 k, the exact
+// int32 sum of (q + 128) xq from -128 sum xq, times the block's sx, added to a float32 sum in
+// block order; then times scale[n].
+template <Fmt F, Isa I, int MR>
+void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
+  const uint32_t* x = a.words.data() + r0 * a.ldx;
+  const uint32_t* w = wt.w + panel * a.ldx * kPanel;
+  Tile<F, I, MR> t;
+  alignas(64) float f[MR][kPanel] = {};
+  if constexpr (F == kBf16) {
+    t.Run(x, w, 0, a.ldx, a.ldx);
+  } else {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < kNV; ++v) t.c[r][v] = i32x16{} - 128 * a.xsum[(r0 + r) * a.blocks + b];
+      t.Run(x, w, b * kQuads, (b + 1) * kQuads, a.ldx);
+      for (int r = 0; r < MR; ++r) {
+        const float sx = a.sx[(r0 + r) * a.blocks + b];
+        for (int v = 0; v < kNV; ++v) {
+          v16 fv = Load<v16>(f[r] + v * kW) + __builtin_convertvector(t.c[r][v], v16) * sx;
+          Opaque(fv);  // block by block, in k order, for every MR
+          std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
+        }
+      }
+      asm("" ::: "memory");  // keep f in memory: its 24 vectors would not fit in registers beside t.c
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kNV; ++v) {
+      v16 out;
+      if constexpr (F == kBf16)
+        out = t.c[r][v];
+      else
+        out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
+      std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
+    }
+}
+
+// Kernel<MR> for any 0 < MR <= kMaxMR<F>.
+template <Fmt F, Isa I, int MR = 1>
+void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
+  if constexpr (MR <= kMaxMR<F>) {
+    if (mr == MR) return Kernel<F, I, MR>(a, r0, wt, panel, y, ldy);
+    Rows<F, I, MR + 1>(mr, a, r0, wt, panel, y, ldy);
+  }
+}
+static_assert(kMaxMR<kBf16> <= kMR && kMaxMR<kW8A8> <= kMR, "the gated buffers hold kMR rows");
+
+template <Fmt F, Isa I>
+void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int64_t panels, const Weight& w,
+         const Weight* up, float* ys) {
+  const int64_t n = panels * kPanel, chunks = (m + kRowChunk - 1) / kRowChunk;
+  std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
+  jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
+    const int64_t panel = i % panels, c0 = (i / panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, m - c0);
+    for (int64_t r = c0; r < c0 + rows; r += kMaxMR<F>) {
+      const int64_t mr = std::min<int64_t>(kMaxMR<F>, c0 + rows - r);
+      float* y = ys + r * n + panel * kPanel;
+      if (!up) {
+        Rows<F, I>(mr, a, r, w, panel, y, n);
+        continue;
+      }
+      alignas(64) float g[kMR * kPanel], u[kMR * kPanel];
+      Rows<F, I>(mr, a, r, w, panel, g, kPanel);
+      Rows<F, I>(mr, a, r, *up, panel, u, kPanel);
+      for (int64_t j = 0; j < mr; ++j)
+        for (int v = 0; v < kPanel; v += kW) {
+          const v16 gv = Load<v16>(g + j * kPanel + v), uv = Load<v16>(u + j * kPanel + v);
+          const v16 out = gv * uv / (1.0f + jaxserve::Exp(-gv));  // silu(g) * u
+          std::memcpy(y + j * n + v, &out, sizeof(out));
+        }
+    }
+  });
+}
+
+// The weight's panel count if (w, scale) is a well-formed weight of format f for x[., K], else -1.
+int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale) {
+  const auto wd = w.dimensions();
+  const int64_t per = f == kBf16 ? 2 : 4;
+  if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * per) return -1;
+  if (f == kBf16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
+  return w.element_type() == ffi::U8 && k_len % kBlock == 0 && scale.element_type() == ffi::F32 &&
+                 scale.element_count() == wd[0] * kPanel ? wd[0] : -1;
+}
+
+Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale) {
+  return {static_cast<const uint32_t*>(w.untyped_data()), static_cast<const float*>(scale.untyped_data())};
+}
+
+ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w, const Weight* up, int64_t panels,
+                ffi::Buffer<ffi::S32> rows, float* y, int32_t fmt, int32_t isa) {
+  const auto xd = x.dimensions();
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  const Fmt f = Fmt(fmt);
+  if (isa == kDot && !(f == kBf16 ? kHaveBf16 : kHaveVnni))
+    return ffi::Error::InvalidArgument("dot matmul: isa=1 asked of a library built without the instructions");
+  thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
+  Prepare(pool, f, x.typed_data(), m, xd[1], acts);
+  if (f == kBf16 && isa == kDot) Run<kBf16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBf16 && isa != kDot) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW8A8 && isa != kDot) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  return ffi::Error::Success();
+}
+
+bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, int32_t isa, ffi::Buffer<ffi::S32> rows) {
+  return x.dimensions().size() == 2 && (fmt == kBf16 || fmt == kW8A8) && (isa == kPortable || isa == kDot) &&
+         rows.element_count() == 1;
+}
+
+ffi::Error DotMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer s,
+                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
+  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], w, s) : -1;
+  if (panels < 0)
+    return ffi::Error::InvalidArgument("dot matmul: expected x[M, K], a weight of format fmt (quant.py), rows[1]");
+  const Weight wt = Of(w, s);
+  return Call(pool, x, wt, nullptr, panels, rows, y->typed_data(), fmt, isa);
+}
+
+ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
+                          ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::Buffer<ffi::S32> rows,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
+  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], wg, sg) : -1;
+  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], wu, su) != panels)
+    return ffi::Error::InvalidArgument("gated dot matmul: expected x[M, K], two weights of format fmt alike, rows[1]");
+  const Weight g = Of(wg, sg), u = Of(wu, su);
+  return Call(pool, x, g, &u, panels, rows, y->typed_data(), fmt, isa);
+}
+
+}  // namespace
+
+// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8 (AVX512_VNNI).
+extern "C" int JaxserveDotIsa() { return (kHaveBf16 ? 1 : 0) | (kHaveVnni ? 2 : 0); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, DotMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                                  .Arg<ffi::AnyBuffer>()         // w
+                                  .Arg<ffi::AnyBuffer>()         // scale (w8a8; else empty)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, DotMatmulGated,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                                  .Arg<ffi::AnyBuffer>()         // gate: w
+                                  .Arg<ffi::AnyBuffer>()         // gate: scale
+                                  .Arg<ffi::AnyBuffer>()         // up: w
+                                  .Arg<ffi::AnyBuffer>()         // up: scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
+                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("isa"));

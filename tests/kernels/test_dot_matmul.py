@@ -1,0 +1,218 @@
+"""The dot-product formats (runtime/quant.py's Bf16Weight and W8A8Weight, csrc/dot_matmul.cc): the
+native kernel against float64 on bfloat16-rounded inputs (bfloat16) and against the exact integer
+arithmetic (W8A8), its rows independent of the batch, the portable path against the instructions
+the CPU has, the XLA reference path, the layouts, and the run-time choice of instructions."""
+
+from __future__ import annotations
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxserve.runtime import cpu_kernels, quant
+
+WHY = cpu_kernels.available()
+needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
+FORMATS = ["bfloat16", "w8a8"]
+linear = jax.jit(quant.linear)
+gated = jax.jit(quant.linear_gated)
+
+
+def problem(seed: int, m: int, k: int, n: int, fmt: str):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, :32] = 0  # a zero block (a zero activation scale), and below a row of zeros
+    if m > 2:
+        x[2] = 0
+    w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
+    return x, w, jax.device_put(quant.quantize(w, fmt))
+
+
+def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """W8A8 by hand in numpy: int8 weights per column, int8 activations per block of 32 along k
+    (scale max |x_block| / 127), each block's exact integer sum times its scale, then scale[n]."""
+    qw = quant.quantize_int8(w)
+    q = quant.from_panels(qw.q).astype(np.int64)
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.clip(np.rint(xb * inv), -127, 127).astype(np.int64)
+    sums = np.einsum("mbk,bkn->mbn", xq, q.reshape(k // 32, 32, -1)).astype(np.float64)
+    return (sums * (amax / np.float32(127)).astype(np.float64)).sum(axis=1) * qw.scale
+
+
+def reference(x: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
+    if fmt == "w8a8":
+        return w8a8_reference(x, w).astype(np.float64)
+    bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    return bf(x) @ bf(w)
+
+
+def test_layouts_round_trip():
+    w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
+    b = quant.quantize_bf16(w)
+    assert b.q.dtype == jnp.bfloat16 and b.q.shape == (2, 48, 128)
+    assert b.q[1, 5, 2 * 7 + 1] == w[2 * 5 + 1, 64 + 7].astype(ml_dtypes.bfloat16)  # [p, i, 2j + t]
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(b)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    a = quant.quantize_w8a8(w)
+    i8 = quant.quantize_int8(w)
+    assert a.q.dtype == np.uint8 and a.q.shape == (2, 24, 256)
+    np.testing.assert_array_equal(quant.from_words(a.q, 4).astype(np.int32) - 128, i8.q)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(a)), np.asarray(quant.dequantize(i8)))
+    ids = jnp.asarray([0, 5, 63, 64, 127, 5], jnp.int32)
+    for qw in (b, a):
+        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(quant.dequantize(qw)).T[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k,n", [(64, 64), (576, 192), (96, 128)])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 48, 49, 113])
+def test_native_matches_reference(fmt, m, k, n):
+    x, w, qw = problem(m * 1000 + k, m, k, n, fmt)
+    got = np.asarray(linear(x, qw))
+    want = reference(x, w, fmt)
+    # bfloat16: float32 sums of exact products; W8A8: exact block sums, float32 after
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if m > 2:
+        assert not got[2].any()
+    xla = np.asarray(jax.jit(lambda x, w: quant.linear(x, w, native=False))(x, qw))
+    np.testing.assert_allclose(xla, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", ["auto", "portable"])
+def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
+    """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset,
+    plain and gated, on either path."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+    x, _, qw = problem(0, 100, 576, 192, fmt)
+    lin, gat = jax.jit(quant.linear), jax.jit(quant.linear_gated)  # traced under this isa
+    full, full_g = np.asarray(lin(x, qw)), np.asarray(gat(x, qw, qw))
+    for lo, hi in [(0, 1), (3, 10), (50, 100), (97, 98)]:
+        np.testing.assert_array_equal(np.asarray(lin(x[lo:hi], qw)), full[lo:hi])
+        np.testing.assert_array_equal(np.asarray(gat(x[lo:hi], qw, qw)), full_g[lo:hi])
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
+    """The fallback for CPUs without AVX512_BF16 / AVX512_VNNI: W8A8's integer sums are the same bits;
+    bfloat16 sums the pairs in vdpbf16ps' documented order (bit-identical on the AMD Zen 5 this
+    was written on; kept to float32 rounding here, where a CPU may differ on subnormals)."""
+    x, w, qw = problem(3, 37, 576, 256, fmt)
+    fast = np.asarray(jax.jit(quant.linear)(x, qw))
+    fast_g = np.asarray(jax.jit(quant.linear_gated)(x, qw, qw, 30))
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+    assert cpu_kernels.dot_isa(fmt) == 0
+    port = np.asarray(jax.jit(quant.linear)(x, qw))
+    port_g = np.asarray(jax.jit(quant.linear_gated)(x, qw, qw, 30))
+    if fmt == "w8a8":
+        np.testing.assert_array_equal(port, fast)
+        np.testing.assert_array_equal(port_g, fast_g)
+    else:
+        np.testing.assert_allclose(port, fast, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(port_g, fast_g, rtol=1e-6, atol=1e-6)
+    want = reference(x, w, fmt)
+    np.testing.assert_allclose(port, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,rows", [(1, 1), (9, 7), (64, 58)])
+def test_gated_matches_silu_times_up(fmt, m, rows):
+    x, w, qg = problem(m, m, 576, 1536, fmt)
+    qu = jax.device_put(quant.quantize(w[:, ::-1] * 2, fmt))
+    got = np.asarray(gated(x, qg, qu, rows))
+    g, u = (np.asarray(linear(x, q, rows)) for q in (qg, qu))
+    np.testing.assert_allclose(got[:rows], (jax.nn.silu(g) * u)[:rows], rtol=2e-6, atol=2e-6)
+    assert not got[rows:].any()
+    xla = np.asarray(jax.jit(lambda x, a, b: quant.linear_gated(x, a, b, native=False))(x, qg, qu))
+    np.testing.assert_allclose(xla[:rows], got[:rows], rtol=1e-4, atol=1e-4 * np.abs(got).max())
+
+
+@needs_kernel
+def test_instructions_follow_the_cpu_flags(monkeypatch):
+    flags = cpu_kernels.cpu_features()
+    paths = cpu_kernels.kernel_paths()
+    for fmt, (flag, _) in cpu_kernels.DOT_PATHS.items():
+        assert cpu_kernels.dot_isa(fmt) in (0, 1)
+        if flag not in flags:  # a CPU without the instruction runs the portable path
+            assert cpu_kernels.dot_isa(fmt) == 0 and paths[fmt] == "portable"
+        assert paths[fmt] == (flag if cpu_kernels.dot_isa(fmt) else "portable")
+    assert paths["amx"].startswith("amx") == any(f.startswith("amx") for f in flags)
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+    assert cpu_kernels.kernel_paths()["w8a8"] == cpu_kernels.kernel_paths()["bfloat16"] == "portable"
+
+
+def test_quantize_params_makes_the_dot_formats():
+    rng = np.random.default_rng(1)
+    params = {"embed_tokens": {"embedding": rng.standard_normal((128, 64)).astype(np.float32)},
+              "layers_0": {"mlp": {"up_proj": {"kernel": rng.standard_normal((64, 128)).astype(np.float32)}}}}
+    before = quant.weight_bytes(params)
+    for fmt, cls, share in (("bfloat16", quant.Bf16Weight, 0.5), ("w8a8", quant.W8A8Weight, 0.3)):
+        out = quant.quantize_params(params, fmt)
+        assert isinstance(out["layers_0"]["mlp"]["up_proj"]["kernel"], cls)
+        assert isinstance(out["embed_tokens"]["embedding"], cls)
+        assert quant.weight_bytes(out) <= before * share
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,scheme", [("llama", "bfloat16"), ("llama", "w8a8"), ("qwen2", "w8a8")])
+def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
+    """A tiny random-init model (qwen2: tied embeddings) with `quantization=scheme`: every linear
+    kernel in the format, half / a quarter of float32's bytes, perplexity on the shipped text within
+    1% (bfloat16) / 2% (w8a8) of float32's and teacher-forced greedy agreement >= 95% / 90%."""
+    from bench.quality import PROMPTS, greedy_agreement, quality_text, text_logprobs
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import QUANTIZATIONS
+
+    if scheme not in QUANTIZATIONS:
+        pytest.skip(f"config.QUANTIZATIONS does not offer {scheme!r} yet (the engine's wiring)")
+    path = tiny_model(arch, hidden=128, heads=4, kv_heads=2)
+    kw = {"precompile": False, "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+          "num_blocks": 96, "use_tqdm": False}
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for name in (None, scheme):
+        llm = LLM(path, quantization=name, **kw)
+        ids = llm.get_tokenizer().encode(quality_text())[:kw["max_model_len"]]
+        logp = text_logprobs(llm.engine.runner, ids)
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        runs[name] = {"llm": llm, "ppl": float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())),
+                      "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
+                      "bytes": quant.weight_bytes(llm.engine.runner.params)}
+    ref, got = runs[None], runs[scheme]
+    cls, share, ppl_tol, agree = {"bfloat16": (quant.Bf16Weight, 0.55, 0.01, 0.95),
+                                  "w8a8": (quant.W8A8Weight, 0.30, 0.02, 0.90)}[scheme]
+    params = got["llm"].engine.runner.params
+    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]
+               if getattr(p[-1], "key", None) in ("kernel", "embedding")]
+    assert kernels and all(isinstance(w, cls) for w in kernels)
+    assert got["bytes"] <= share * ref["bytes"]
+    assert abs(got["ppl"] / ref["ppl"] - 1) <= ppl_tol
+    assert greedy_agreement(got["llm"].engine.runner, got["prompts"], ref["tokens"]) >= agree
+
+
+@pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="needs an x86 C++ compiler")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+@pytest.mark.parametrize("source", ["dot_matmul.cc", "quant_matmul.cc"])
+def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
+    """The portable paths compile for an AVX2 (haswell) and a baseline x86-64 CPU: the library is
+    built -march=native on the machine that runs it, so these are what such machines get."""
+    import subprocess
+
+    from jax import ffi
+
+    flags = [f for f in cpu_kernels.FLAGS if f not in ("-march=native", "-shared")]
+    cmd = [cpu_kernels._compiler(), *flags, f"-march={march}", "-c", f"-I{ffi.include_dir()}",
+           str(cpu_kernels.CSRC / source), "-o", str(tmp_path / "out.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
