@@ -17,7 +17,7 @@ from jaxserve.errors import UserError
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf")  # weights kept quantized: runtime/quant.py
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8")  # runtime/quant.py
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).
@@ -77,7 +77,10 @@ class EngineConfig:
     tensor_parallel_size: int = _knob(1, "shard the model over N devices", aliases=("--tp",))
     quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
                                      "q4_1 (GGUF's blocks) made at load from any checkpoint; gguf: a GGUF "
-                                     "file's Q8_0/Q4_0/Q4_1 blocks as stored", choices=QUANTIZATIONS)
+                                     "file's Q8_0/Q4_0/Q4_1 blocks as stored; bfloat16 (weights and "
+                                     "activations rounded to bfloat16, float32 sums) and w8a8 (int8 weights "
+                                     "per channel, int8 activations per block of 32) on the CPU's "
+                                     "dot-product instructions", choices=QUANTIZATIONS)
     speculative_config: str | None = _knob(
         None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft", "model": PATH, '
