@@ -1,4 +1,5 @@
-"""Tool-call and reasoning parsers on fixed strings; streamed in arbitrary chunks, same result."""
+"""Tool-call and reasoning parsers on fixed strings; streamed in arbitrary chunks, same result
+(each call's arguments rebuilt from the pieces a stream sends)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import random
 
 import pytest
 
-from jaxserve.server.output_parser import OutputParser
+from jaxserve.server.output_parser import OutputParser, message_json
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.tool_parsers import TOOL_PARSERS, FunctionCall, JsonArrayToolParser
 
 W = {"city": "Oslo", "unit": "c"}
 CALL_W = FunctionCall("get_weather", json.dumps(W))
 CALL_T = FunctionCall("get_time", json.dumps({"tz": "CET"}))
+NESTED = '{"q": "a}b\\"{ ]", "n": {"x": [1, {"y": 2}], "e": "\\\\"}}'  # braces in strings
 
 # (parser, text, content, calls)
 CASES = [
@@ -27,6 +29,20 @@ CASES = [
      []),
     ("hermes", 'a <tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}', "a ", [CALL_T]),
     ("hermes", "a < b and <tool_", "a < b and <tool_", []),
+    # an unfinished call (cut by max_tokens) keeps the arguments written so far
+    ("hermes", 'a <tool_call>{"name": "get_time", "arguments": {"tz": "CE', "a ",
+     [FunctionCall("get_time", '{"tz": "CE')]),
+    ("hermes", 'x<tool_call>{"name": "get_ti', "x<tool_call>{\"name\": \"get_ti", []),
+    ("hermes", '<tool_call>{"arguments": {"tz": "CET"}, "name": "get_time"}</tool_call>', "",
+     [CALL_T]),
+    ("hermes", '<tool_call>{"name": "get_time"}</tool_call>!', "!",
+     [FunctionCall("get_time", "{}")]),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>\n', "\n\n",
+     [CALL_T, CALL_T]),
+    ("hermes", '<tool_call>{"name": 5}</tool_call>', '<tool_call>{"name": 5}</tool_call>', []),
+    ("hermes", '<tool_call>{"id": 7, "name": "f", "arguments": ' + NESTED + '}</tool_call>', "",
+     [FunctionCall("f", NESTED)]),
     ("qwen", '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}</tool_call>',
      "", [CALL_T]),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}', "",
@@ -35,10 +51,16 @@ CASES = [
                '; {"name": "get_time", "parameters": {"tz": "CET"}}'), "", [CALL_W, CALL_T]),
     ("llama3", "The weather is nice.", "The weather is nice.", []),
     ("llama3", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3", '{"name": "f", "parameters": ' + NESTED + '} and then', "and then",
+     [FunctionCall("f", NESTED)]),
+    ("llama3", '{"name": "get_time", "parameters": {"tz"', "",
+     [FunctionCall("get_time", '{"tz"')]),
     ("mistral", ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}},'
                 ' {"name": "get_time", "arguments": {"tz": "CET"}}]'), "", [CALL_W, CALL_T]),
     ("mistral", "Sure. [TOOL_CALLS][]", "Sure. [TOOL_CALLS][]", []),
     ("mistral", "No calls [TOOL", "No calls [TOOL", []),
+    ("mistral", 'Ok [TOOL_CALLS][{"name": "f", "arguments": ' + NESTED + '}]', "Ok ",
+     [FunctionCall("f", NESTED)]),
 ]
 
 
@@ -58,8 +80,15 @@ def streamed(parser: OutputParser, text: str, seed: int):
     parts = chunks(text, seed)
     for k, c in enumerate(parts):
         d = inc.feed(c, final=k == len(parts) - 1)
-        content, reasoning, calls = content + d.content, reasoning + d.reasoning, calls + d.calls
-    return content, reasoning, calls
+        content, reasoning = content + d.content, reasoning + d.reasoning
+        for piece in d.calls:
+            if piece.name is not None:  # a call's first delta
+                assert piece.index == len(calls)
+                calls.append([piece.name, piece.arguments])
+            else:
+                assert piece.arguments
+                calls[piece.index][1] += piece.arguments
+    return content, reasoning, [FunctionCall(n, a) for n, a in calls]
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
@@ -67,34 +96,44 @@ def test_tool_parser_whole_and_streamed(name, text, content, calls):
     p = OutputParser(tools=TOOL_PARSERS[name]())
     got = p.extract(text)
     assert (got.content, got.calls) == (content, calls)
+    shown = message_json(got)["content"] or ""  # blank content beside calls is not shown
     for seed in range(5):
-        assert streamed(p, text, seed) == (content, "", calls)
+        assert streamed(p, text, seed) == (shown, "", calls)
 
 
-def test_streamed_calls_appear_once_complete_and_content_never_shows_markers():
+def test_arguments_stream_piecewise_and_content_never_shows_markers():
+    """Fed one character at a time: each call opens once with its name, then its arguments
+    arrive in many pieces (parallel calls too), and no marker ever reaches the content."""
     p = OutputParser(tools=TOOL_PARSERS["hermes"]())
     text = CASES[2][1]
     inc = p.stream()
-    seen = ""
+    seen, pieces = "", {0: [], 1: []}
     for c in text:
         d = inc.feed(c)
         seen += d.content
         assert "<" not in seen
-        for call in d.calls:
-            assert json.loads(call.arguments)
+        for piece in d.calls:
+            assert (piece.name is not None) == (not pieces[piece.index])
+            pieces[piece.index].append(piece.arguments)
     assert seen == "Let me check.\n\n"
+    assert "".join(pieces[0]) == CALL_W.arguments and len(pieces[0]) > 10
+    assert "".join(pieces[1]) == CALL_T.arguments and len(pieces[1]) > 5
 
 
 def test_json_array_parser_for_forced_calls():
     p = OutputParser(tools=JsonArrayToolParser())
     text = '[{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}},' \
            '{"name":"get_time","arguments":{"tz":"CET"}}]'
-    assert p.extract(text).calls == [CALL_W, CALL_T]
+    # the arguments as the model wrote them (compact here)
+    calls = [FunctionCall("get_weather", '{"city":"Oslo","unit":"c"}'),
+             FunctionCall("get_time", '{"tz":"CET"}')]
+    assert p.extract(text).calls == calls
     assert p.extract(text).content == ""
     for seed in range(5):
-        assert streamed(p, text, seed) == ("", "", [CALL_W, CALL_T])
-    # cut off by max_tokens: the complete calls survive
-    assert p.extract(text[:-10]).calls == [CALL_W]
+        assert streamed(p, text, seed) == ("", "", calls)
+    # cut off by max_tokens: the last call keeps what was written of it, streamed or not
+    assert p.extract(text[:-10]).calls == [calls[0], FunctionCall("get_time", '{"tz')]
+    assert streamed(p, text[:-10], 0)[2] == p.extract(text[:-10]).calls
 
 
 R_CASES = [
