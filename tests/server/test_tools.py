@@ -365,3 +365,31 @@ def test_reasoning_split_on_forced_think_output(srv):
     content, reasoning, _, _ = collect_stream(srv.client().chat.completions.create(
         stream=True, **{**kw, "seed": 0}))
     assert content and reasoning
+
+
+LLAMA3_CALLS = (r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{8,12}", "unit": '
+                r'"celsius"\}\}; \{"name": "get_time", "parameters": \{"offset": [1-9]\}\}')
+MISTRAL_CALLS = (r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "[a-z]{8,12}", '
+                 r'"unit": "celsius"\}\}, \{"name": "get_time", "arguments": \{"offset": [1-9]\}\}\]')
+
+
+@needs_engine
+@pytest.mark.parametrize("parser, regex", [("llama3", LLAMA3_CALLS), ("mistral", MISTRAL_CALLS)])
+def test_other_parsers_stream_arguments_piecewise(tool_model, parser, regex):
+    """The llama3 and mistral formats under 'auto': two calls, index 0 and 1, arguments in
+    pieces that add up to the non-streamed answer's."""
+    s = ServerThread(tool_model, AGENT_ENGINE, tool_call_parser=parser)
+    try:
+        kw = {"model": s.model, "messages": USER, "tools": TOOLS, "max_tokens": 300, "seed": 0,
+              "temperature": 1.0, "extra_body": {"structured_outputs": {"regex": regex}}}
+        whole = s.client().chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == "tool_calls" and not whole.message.content
+        assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
+        _check_calls(whole.message.tool_calls, set(SCHEMAS))
+        content, _, streamed, finish = collect_stream(
+            s.client().chat.completions.create(stream=True, **kw))
+        assert (content, finish) == ("", "tool_calls")
+        assert pairs(streamed) == pairs(whole.message.tool_calls)
+        assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
+    finally:
+        s.stop()
