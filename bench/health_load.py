@@ -38,12 +38,14 @@ class Stream:
     error: str | None = None
 
 
-def probe(url: str, interval: float, stop, out) -> None:
+def probe(url: str, interval: float, ready, stop, out) -> None:
     """The prober process: (time.time(), latency s, status) per /health, until `stop` is set."""
     import httpx
 
     rows = []
     with httpx.Client(base_url=url, timeout=30) as h:
+        h.get("/health")  # connected: the idle phase can begin
+        ready.set()
         while not stop.is_set():
             t0 = time.time()
             try:
@@ -110,10 +112,12 @@ def run(url: str, args) -> dict:
     import httpx
 
     ctx = mp.get_context("spawn")
-    stop, (recv, send) = ctx.Event(), ctx.Pipe(duplex=False)
+    ready, stop, (recv, send) = ctx.Event(), ctx.Event(), ctx.Pipe(duplex=False)
     prober = ctx.Process(
-        target=probe, args=(url, args.probe_interval, stop, send), daemon=True)
+        target=probe, args=(url, args.probe_interval, ready, stop, send), daemon=True)
     prober.start()
+    if not ready.wait(120):
+        raise RuntimeError(f"the /health prober could not reach {url}")
     time.sleep(args.idle_seconds)
     t0 = time.time()
     model, streams = asyncio.run(burst(url, args.num_streams, args.max_tokens))
