@@ -369,8 +369,9 @@ def test_reasoning_split_on_forced_think_output(srv):
 
 LLAMA3_CALLS = (r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{8,12}", "unit": '
                 r'"celsius"\}\}; \{"name": "get_time", "parameters": \{"offset": [1-9]\}\}')
-MISTRAL_CALLS = (r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "[a-z]{8,12}", '
-                 r'"unit": "celsius"\}\}, \{"name": "get_time", "arguments": \{"offset": [1-9]\}\}\]')
+MISTRAL_CALLS = (r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": '
+                 r'"[a-z]{8,12}", "unit": "celsius"\}\}, \{"name": "get_time", "arguments": '
+                 r'\{"offset": [1-9]\}\}\]')
 
 
 @needs_engine

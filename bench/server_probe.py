@@ -1,0 +1,139 @@
+"""`python -m bench.server_probe`: `jaxserve serve` that records what stalls its event loop.
+
+Runs the server in this process with two recorders: every garbage collection (generation, wall
+and CPU time of the thread it ran on: CPU time is what the collection itself cost, wall time
+includes the machine's other load) and the event loop's lag (a 5 ms sleep's overshoot). On exit
+(SIGTERM) it prints the collections and the worst lags and writes them as JSON. `--no-gc-freeze`
+serves without freezing the start-up heap (app.freeze_startup_heap), for the before/after.
+
+    python -m bench.server_probe --out bench/out/probe.json [--no-gc-freeze] -- serve --port 8000 &
+    jaxserve bench health_load --base-url http://127.0.0.1:8000
+    kill -TERM %1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import gc
+import threading
+import time
+
+from bench import common
+
+
+class Recorder:
+    def __init__(self):
+        self.gcs: list[tuple] = []  # (time.time(), generation, wall s, cpu s, thread name)
+        self.lags: list[tuple] = []  # (time.time(), lag s)
+        self._start: dict[int, tuple[float, float]] = {}
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        tid = threading.get_ident()
+        if phase == "start":
+            self._start[tid] = (time.perf_counter(), time.thread_time())
+        elif tid in self._start:
+            wall, cpu = self._start.pop(tid)
+            self.gcs.append(
+                (
+                    time.time(),
+                    info["generation"],
+                    time.perf_counter() - wall,
+                    time.thread_time() - cpu,
+                    threading.current_thread().name,
+                )
+            )
+
+    async def watch_loop(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.lags.append((time.time(), time.perf_counter() - t - 0.005))
+
+    def summary(self, since: float) -> dict:
+        gens = {}
+        for g in range(3):
+            rows = [r for r in self.gcs if r[1] == g and r[0] >= since]
+            gens[f"gen{g}"] = {
+                "n": len(rows),
+                "max_wall_ms": max((r[2] for r in rows), default=0) * 1e3,
+                "max_cpu_ms": max((r[3] for r in rows), default=0) * 1e3,
+                "sum_cpu_ms": sum(r[3] for r in rows) * 1e3,
+            }
+        worst = sorted((r for r in self.lags if r[0] >= since), key=lambda r: -r[1])[:10]
+        return {
+            "gc": gens,
+            "worst_loop_lag_ms": [[round(t, 3), round(lag * 1e3, 1)] for t, lag in worst],
+            "tracked_objects_at_exit": len(gc.get_objects()),
+            "frozen": gc.get_freeze_count(),
+        }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.server_probe",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument("--out", default=None, help="write the JSON document here")
+    p.add_argument("--no-gc-freeze", action="store_true", help="do not freeze the start-up heap")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- serve [jaxserve serve flags]")
+    args = p.parse_args(argv)
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+
+    import uvicorn
+
+    from jaxserve import cli
+    from jaxserve.server import app
+
+    rec, ready = Recorder(), []
+    gc.callbacks.insert(0, rec.on_gc)
+    if args.no_gc_freeze:
+        app.freeze_startup_heap = lambda: None
+    startup = uvicorn.Server.startup
+
+    async def startup_and_watch(self, sockets=None):
+        ready.append(time.time())
+        asyncio.ensure_future(rec.watch_loop())
+        await startup(self, sockets)
+
+    uvicorn.Server.startup = startup_and_watch
+
+    def report() -> None:
+        res = rec.summary(ready[0] if ready else 0.0)
+        print(
+            common.table(
+                [
+                    [
+                        g,
+                        s["n"],
+                        common.fmt(s["max_wall_ms"]),
+                        common.fmt(s["max_cpu_ms"]),
+                        common.fmt(s["sum_cpu_ms"]),
+                    ]
+                    for g, s in res["gc"].items()
+                ],
+                ["collection", "count", "max wall ms", "max cpu ms", "sum cpu ms"],
+                title="garbage collections while serving",
+            ),
+            flush=True,
+        )
+        print("worst event-loop lags (time, ms):", res["worst_loop_lag_ms"][:5], flush=True)
+        common.report(
+            "server_probe",
+            argv,
+            model={},
+            config={**vars(args), "ready": ready},
+            results={**res, "gcs": rec.gcs, "lags": rec.lags},
+            out=args.out,
+            jax_devices=False,
+        )
+
+    atexit.register(report)
+    return cli.main(serve_args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
