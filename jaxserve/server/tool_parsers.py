@@ -135,11 +135,11 @@ def scan_call(text: str, pos: int, args_keys: tuple[str, ...] = ("arguments",)) 
         key_end = _value_end(text, i)
         if key_end is None:
             return result(None)
-        key = json.loads(text[i:key_end])
+        key = _loads(text[i:key_end])
         i = _skip(text, key_end)
-        if i == len(text):
+        if i == len(text) and key is not None:
             return result(None)
-        if text[i] != ":":
+        if key is None or text[i] != ":":
             return result(i) if name is not None else CallScan(None)
         i = _skip(text, i + 1)
         if i == len(text):

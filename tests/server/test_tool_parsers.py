@@ -7,6 +7,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxserve.server.output_parser import OutputParser, message_json
 from jaxserve.server.reasoning import REASONING_PARSERS
@@ -165,3 +167,26 @@ def test_reasoning_then_tool_calls():
     assert "x" in got.reasoning and got.content == ""
     for seed in range(5):
         assert streamed(p, text, seed) == ("", got.reasoning, [CALL_T])
+
+
+ATOMS = ["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"name"', '"arguments"', '"parameters"',
+         ":", ",", " ", "\n", '"f"', '"x\\"y"', "1", "null", '"', "\\", "hi", "[TOOL_CALLS]",
+         "<|python_tag|>", ";", "<think>", "</think>", "<tool", "call>", '"\\u00e9"',
+         '{"name": "f", "arguments": {"a": [1, "}"]}}', '<tool_call>{"name": "g", "arguments": ']
+PARSERS = {**{n: lambda n=n: OutputParser(tools=TOOL_PARSERS[n]())
+              for n in ("hermes", "llama3", "mistral")},
+           "json_array": lambda: OutputParser(tools=JsonArrayToolParser()),
+           "r1+hermes": lambda: OutputParser(REASONING_PARSERS["deepseek_r1"](),
+                                             TOOL_PARSERS["hermes"]())}
+
+
+@settings(max_examples=300, deadline=None)
+@given(atoms=st.lists(st.sampled_from(ATOMS), max_size=30), seed=st.integers(0, 2**16),
+       name=st.sampled_from(sorted(PARSERS)))
+def test_any_text_streams_to_the_whole_answer(atoms, seed, name):
+    """Whatever the model writes, in whatever chunks: the stream only ever grows (the parser's
+    asserts) and adds up to the whole answer, arguments included."""
+    p, text = PARSERS[name](), "".join(atoms)
+    whole = p.extract(text)
+    shown = message_json(whole)["content"] or ""
+    assert streamed(p, text, seed) == (shown, whole.reasoning, whole.calls)
