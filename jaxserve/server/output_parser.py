@@ -17,14 +17,16 @@ from jaxserve.server.tool_parsers import FunctionCall, Parsed, ToolParser
 
 
 class OutputParser:
-    def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None):
+    def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None,
+                 max_calls: int | None = None):
         self.reasoning, self.tools = reasoning, tools
+        self.max_calls = max_calls  # parallel_tool_calls false: the first call only
 
     def extract(self, text: str, final: bool = True) -> Parsed:
         out = self.reasoning.extract(text, final) if self.reasoning else Parsed(content=text)
         if self.tools:
             t = self.tools.extract(out.content, final)
-            out.content, out.calls = t.content, t.calls
+            out.content, out.calls = t.content, t.calls[: self.max_calls]
         return out
 
     def stream(self) -> Incremental:

@@ -122,6 +122,14 @@ def test_arguments_stream_piecewise_and_content_never_shows_markers():
     assert "".join(pieces[1]) == CALL_T.arguments and len(pieces[1]) > 5
 
 
+def test_max_calls_keeps_the_first_calls():
+    """parallel_tool_calls false under 'auto': only the first call, streamed or not."""
+    p = OutputParser(tools=TOOL_PARSERS["hermes"](), max_calls=1)
+    assert p.extract(CASES[2][1]).calls == [CALL_W]
+    for seed in range(3):
+        assert streamed(p, CASES[2][1], seed)[2] == [CALL_W]
+
+
 def test_json_array_parser_for_forced_calls():
     p = OutputParser(tools=JsonArrayToolParser())
     text = '[{"name":"get_weather","arguments":{"city":"Oslo","unit":"c"}},' \

@@ -318,6 +318,12 @@ def test_auto_parallel_calls_stream_by_index(srv):
     assert pairs(streamed) == pairs(whole.message.tool_calls)
     assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
     assert len({c["id"] for c in streamed}) == 2
+    # parallel_tool_calls false: the first call only, streamed and not (as vLLM does)
+    one = {**kw, "parallel_tool_calls": False}
+    first = srv.client().chat.completions.create(**one).choices[0]
+    assert pairs(first.message.tool_calls) == pairs(whole.message.tool_calls)[:1]
+    _, _, streamed, finish = collect_stream(srv.client().chat.completions.create(stream=True, **one))
+    assert (pairs(streamed), finish) == (pairs(whole.message.tool_calls)[:1], "tool_calls")
 
 
 @needs_engine
