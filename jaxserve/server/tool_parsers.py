@@ -21,6 +21,7 @@ sends what grew (output_parser.py), and its sum equals the whole answer's.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 _WS = " \t\r\n"
@@ -55,23 +56,26 @@ def _skip(text: str, i: int, chars: str = _WS) -> int:
     return i
 
 
+_STRUCTURE = re.compile(r'["\\{}\[\]]')  # the only characters _value_end has to look at
+
+
 def _value_end(text: str, i: int) -> int | None:
     """Where the JSON value starting at text[i] ends, by its structure (brackets, strings); None
-    if the text stops before it does."""
-    depth, in_str, escaped = 0, False, False
+    if the text stops before it does. (Streaming re-reads a call's text at every token: the
+    regex skips the plain characters in C.)"""
     if text[i] not in '"{[':  # a number, true, false, null: up to the next delimiter
         j = i
         while j < len(text) and text[j] not in _WS + ",}]":
             j += 1
         return j if j < len(text) else None
-    for j in range(i, len(text)):
-        ch = text[j]
+    depth, in_str, escaped = 0, False, -1
+    for m in _STRUCTURE.finditer(text, i):
+        j, ch = m.start(), m.group()
         if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
+            if ch == "\\":
+                if escaped != j:  # not itself escaped: the next character is
+                    escaped = j + 1
+            elif ch == '"' and escaped != j:
                 in_str = False
                 if depth == 0:
                     return j + 1
