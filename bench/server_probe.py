@@ -3,7 +3,8 @@
 Runs the server in this process with two recorders: every garbage collection (generation, wall
 and CPU time of the thread it ran on: CPU time is what the collection itself cost, wall time
 includes the machine's other load) and the event loop's lag (a 5 ms sleep's overshoot). On exit
-(SIGTERM) it prints the collections and the worst lags and writes them as JSON. `--no-gc-freeze`
+(SIGTERM) it prints the collections and the worst lags (with how long the loop's and the
+engine's threads waited for a CPU meanwhile) and writes them as JSON. `--no-gc-freeze`
 serves without freezing the start-up heap (app.freeze_startup_heap), for the before/after.
 
     python -m bench.server_probe --out bench/out/probe.json [--no-gc-freeze] -- serve --port 8000 &
@@ -26,7 +27,7 @@ from bench import common
 class Recorder:
     def __init__(self):
         self.gcs: list[tuple] = []  # (time.time(), generation, wall s, cpu s, thread name)
-        self.lags: list[tuple] = []  # (time.time(), lag s)
+        self.lags: list[tuple] = []  # (time.time(), lag s, CPU wait s)
         self._start: dict[int, tuple[float, float]] = {}
 
     def on_gc(self, phase: str, info: dict) -> None:
@@ -46,10 +47,27 @@ class Recorder:
             )
 
     async def watch_loop(self) -> None:
+        """Every 5 ms: how late the loop woke up, and how long the loop's thread and the engine's
+        (the two that hold the GIL) were runnable but waiting for a CPU meanwhile (Linux
+        schedstat: the machine's other load, not this process's work)."""
+        ids = [threading.get_native_id()]
+
+        def waited() -> float:
+            if len(ids) == 1:  # the engine thread starts with the app's lifespan
+                ids.extend(t.native_id for t in threading.enumerate() if t.name == "jaxserve-engine")
+            total = 0.0
+            for tid in ids:
+                try:
+                    with open(f"/proc/self/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[1]) / 1e9
+                except (OSError, IndexError, ValueError):
+                    pass
+            return total
+
         while True:
-            t = time.perf_counter()
+            t, w = time.perf_counter(), waited()
             await asyncio.sleep(0.005)
-            self.lags.append((time.time(), time.perf_counter() - t - 0.005))
+            self.lags.append((time.time(), time.perf_counter() - t - 0.005, waited() - w))
 
     def summary(self, since: float) -> dict:
         gens = {}
@@ -64,7 +82,10 @@ class Recorder:
         worst = sorted((r for r in self.lags if r[0] >= since), key=lambda r: -r[1])[:10]
         return {
             "gc": gens,
-            "worst_loop_lag_ms": [[round(t, 3), round(lag * 1e3, 1)] for t, lag in worst],
+            "worst_loop_lag_ms": [
+                [round(t, 3), round(lag * 1e3, 1), round(cpu_wait * 1e3, 1)]
+                for t, lag, cpu_wait in worst
+            ],
             "tracked_objects_at_exit": len(gc.get_objects()),
             "frozen": gc.get_freeze_count(),
         }
@@ -120,7 +141,11 @@ def main(argv=None) -> int:
             ),
             flush=True,
         )
-        print("worst event-loop lags (time, ms):", res["worst_loop_lag_ms"][:5], flush=True)
+        print(
+            "worst event-loop lags (time, ms late, ms the loop+engine threads waited for a CPU):",
+            res["worst_loop_lag_ms"][:5],
+            flush=True,
+        )
         common.report(
             "server_probe",
             argv,
