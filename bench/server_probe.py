@@ -54,7 +54,8 @@ class Recorder:
 
         def waited() -> float:
             if len(ids) == 1:  # the engine thread starts with the app's lifespan
-                ids.extend(t.native_id for t in threading.enumerate() if t.name == "jaxserve-engine")
+                engine = [t for t in threading.enumerate() if t.name == "jaxserve-engine"]
+                ids.extend(t.native_id for t in engine)
             total = 0.0
             for tid in ids:
                 try:
@@ -79,13 +80,19 @@ class Recorder:
                 "max_cpu_ms": max((r[3] for r in rows), default=0) * 1e3,
                 "sum_cpu_ms": sum(r[3] for r in rows) * 1e3,
             }
-        worst = sorted((r for r in self.lags if r[0] >= since), key=lambda r: -r[1])[:10]
+        lags = [r for r in self.lags if r[0] >= since]
+        worst = sorted(lags, key=lambda r: -r[1])[:10]
+        slow = [r for r in lags if r[1] >= 0.05]
+        # how much of the >= 50 ms lags the two GIL threads spent waiting for a CPU
+        slow_cpu_wait = sum(min(r[2], r[1]) for r in slow) / max(sum(r[1] for r in slow), 1e-9)
         return {
             "gc": gens,
             "worst_loop_lag_ms": [
                 [round(t, 3), round(lag * 1e3, 1), round(cpu_wait * 1e3, 1)]
                 for t, lag, cpu_wait in worst
             ],
+            "lags_over_50ms": len(slow),
+            "their_cpu_wait_share": slow_cpu_wait if slow else None,
             "tracked_objects_at_exit": len(gc.get_objects()),
             "frozen": gc.get_freeze_count(),
         }
@@ -146,6 +153,9 @@ def main(argv=None) -> int:
             res["worst_loop_lag_ms"][:5],
             flush=True,
         )
+        if res["lags_over_50ms"]:
+            print(f"{res['lags_over_50ms']} lags >= 50 ms, {res['their_cpu_wait_share']:.0%} of "
+                  "their time the loop's and engine's threads waited for a CPU", flush=True)
         common.report(
             "server_probe",
             argv,
