@@ -18,7 +18,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError, RequestStream
 from jaxserve.server.errors import APIError, error_body, internal_error
-from jaxserve.server.output_parser import OutputParser, Parsed, delta_json, message_json
+from jaxserve.server.output_parser import Delta, OutputParser, Parsed, delta_json, message_json
 from jaxserve.server.output_parser import finish_reason as agent_finish_reason
 from jaxserve.server.streaming import DONE, sse
 from jaxserve.tokenizer import _byte_alphabet
@@ -99,7 +99,6 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.chat = kind.object == "chat.completion"
         self._sent_prompt_ids: set[int] = set()  # streamed choices that carried prompt_token_ids
-        self._calls_sent: dict[int, int] = {}  # streamed tool calls per choice
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -200,15 +199,14 @@ class ResponseBuilder:
 
     def _choice(
         self, index: int, text: str, logprobs: dict | None, o: CompletionOutput, *, delta: bool,
-        parsed: Parsed | None = None, made_calls: bool = False,
+        parsed: Parsed | Delta | None = None, made_calls: bool = False,
     ) -> dict:
         c: dict[str, Any] = {"index": index}
         if not self.chat:
             c["text"] = text
         elif parsed is not None:  # split by the output parser
             c["delta" if delta else "message"] = (
-                delta_json(parsed, self._calls_sent.get(index, 0)) if delta
-                else message_json(parsed)
+                delta_json(parsed) if delta else message_json(parsed)
             )
         elif delta:
             c["delta"] = {"content": text} if text else {}
@@ -346,8 +344,6 @@ class ResponseBuilder:
                             continue  # held back: it may still become a call or a tag
                     choice = self._choice(index, text, lps, o, delta=True, parsed=parsed,
                                           made_calls=bool(index in incs and incs[index].sent.calls))
-                    if parsed is not None:
-                        self._calls_sent[index] = len(incs[index].sent.calls)
                     chunk = {**head, "choices": [choice]}
                     if first and self.kind.params.prompt_logprobs is not None:
                         where = chunk if self.chat else choice

@@ -190,7 +190,7 @@ class ToolPlan:
         thinking block (a regex or grammar may write one, and is still split)."""
         out = self.output
         if out is not None and spec is not None and spec.kind in ("json", "json_object"):
-            out = OutputParser(None, out.tools) if out.tools else None
+            out = OutputParser(None, out.tools, out.max_calls) if out.tools else None
         return out
 
 
@@ -230,7 +230,9 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
                 f"({', '.join(sorted(TOOL_PARSERS))}); or use 'required' or a named function.",
                 "tool_choice")
         parser = TOOL_PARSERS[tool_parser]()
-        return ToolPlan(template_tools, None, OutputParser(reasoning, parser),
+        # parallel_tool_calls false: a model that writes several calls gets its first one (vLLM)
+        one = None if req.parallel_tool_calls else 1
+        return ToolPlan(template_tools, None, OutputParser(reasoning, parser, one),
                         None if parser.skip_special_tokens else False)
     name = None if choice == "required" else choice.function.name
     try:

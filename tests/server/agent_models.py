@@ -64,3 +64,15 @@ TIME = {
     },
 }
 TOOLS = [WEATHER, TIME]
+NOTE = {  # a long argument: its text streams in many pieces
+    "type": "function",
+    "function": {
+        "name": "take_note",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 40, "maxLength": 60}},
+            "required": ["text"],
+            "additionalProperties": False,
+        },
+    },
+}

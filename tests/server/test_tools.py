@@ -21,6 +21,7 @@ from tests.server.agent_models import (
     AGENT_ENGINE,
     ENGINE_SUPPORTS_STRUCTURED,
     NEEDS_ENGINE,
+    NOTE,
     TOOLS,
     WEATHER,
     with_tool_template,
@@ -29,7 +30,7 @@ from tests.server.conftest import ServerThread
 
 needs_engine = pytest.mark.skipif(not ENGINE_SUPPORTS_STRUCTURED, reason=NEEDS_ENGINE)
 USER = [{"role": "user", "content": "What is the weather in Oslo?"}]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS + [NOTE]}
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +63,36 @@ def raw_text(s: ServerThread, messages, tools=None, max_tokens=12, **template_kw
     return r.choices[0].text
 
 
-def collect_stream(stream):
-    """Content, reasoning and tool calls of a streamed choice, rebuilt as a client would."""
-    content, reasoning, calls, finish = "", "", {}, None
+def collect_stream(stream, choice: int = 0):
+    """Content, reasoning and tool calls of a streamed choice, rebuilt as a client would; each
+    call also lists its argument pieces. Checks OpenAI's shape: a call's first delta carries its
+    id, type and name, later ones only argument text; one finish_reason."""
+    content, reasoning, calls, finishes = "", "", {}, []
     for chunk in stream:
         for c in chunk.choices:
+            if c.index != choice:
+                continue
             d = c.delta
             content += d.content or ""
             reasoning += getattr(d, "reasoning_content", None) or ""
             for tc in d.tool_calls or []:
-                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
-                slot["id"] = tc.id or slot["id"]
-                if tc.function:
-                    slot["name"] += tc.function.name or ""
-                    slot["arguments"] += tc.function.arguments or ""
-            finish = c.finish_reason or finish
-    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+                first = tc.index not in calls
+                assert bool(tc.id) == first and (tc.type == "function") == first, tc
+                assert bool(tc.function.name) == first, tc
+                slot = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name,
+                                                   "arguments": "", "pieces": []})
+                slot["arguments"] += tc.function.arguments or ""
+                slot["pieces"].append(tc.function.arguments or "")
+            finishes += [c.finish_reason] if c.finish_reason else []
+    assert len(finishes) == 1, finishes
+    assert sorted(calls) == list(range(len(calls)))
+    return content, reasoning, [calls[i] for i in sorted(calls)], finishes[0]
+
+
+def pairs(calls) -> list[tuple[str, str]]:
+    """(name, arguments) of each call, streamed (dicts) or not (the client's objects)."""
+    return [(c["name"], c["arguments"]) if isinstance(c, dict)
+            else (c.function.name, c.function.arguments) for c in calls or []]
 
 
 # ---- validation (runs now) -----------------------------------------------------------------------
@@ -228,21 +243,27 @@ def test_required_always_gives_a_valid_call(srv, seed):
     content, _, streamed, finish = collect_stream(srv.client().chat.completions.create(
         stream=True, **kw))
     assert (content, finish) == ("", "tool_calls")
-    assert [(x["name"], x["arguments"]) for x in streamed] == [
-        (x.function.name, x.function.arguments) for x in c.message.tool_calls]
+    assert pairs(streamed) == pairs(c.message.tool_calls)
 
 
 @needs_engine
 def test_required_parallel_calls_are_each_valid(srv):
-    """A random model may chain many calls: every complete one parses, with distinct ids, even
-    when max_tokens cuts the array short."""
-    r = srv.client().chat.completions.create(
-        model=srv.model, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=600,
-        n=3, seed=2, temperature=1.0)
-    for c in r.choices:
+    """A random model may chain many calls: each parses, with distinct ids; one that max_tokens
+    cut short keeps the arguments written so far, streamed and not. Streamed, each call has its
+    index, and its arguments add up to the whole answer's."""
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "tool_choice": "required",
+          "max_tokens": 600, "n": 3, "seed": 2, "temperature": 1.0}
+    r = srv.client().chat.completions.create(**kw)
+    chunks = list(srv.client().chat.completions.create(stream=True, **kw))
+    for i, c in enumerate(r.choices):
         assert c.finish_reason in ("tool_calls", "length")
-        _check_calls(c.message.tool_calls, set(SCHEMAS))
-        assert len({tc.id for tc in c.message.tool_calls}) == len(c.message.tool_calls)
+        calls = c.message.tool_calls
+        _check_calls(calls if c.finish_reason == "tool_calls" else calls[:-1] or calls,
+                     set(SCHEMAS))
+        assert len({tc.id for tc in calls}) == len(calls)
+        content, _, streamed, finish = collect_stream(chunks, i)
+        assert (content, finish) == ("", c.finish_reason)
+        assert pairs(streamed) == pairs(calls)
 
 
 @needs_engine
@@ -258,8 +279,51 @@ def test_named_function_streamed_and_not(srv, seed):
     content, _, streamed, finish = collect_stream(srv.client().chat.completions.create(
         stream=True, **kw))
     assert finish == "tool_calls" and content == ""
-    assert [(c["name"], c["arguments"]) for c in streamed] == [
-        (c.function.name, c.function.arguments) for c in calls]
+    assert pairs(streamed) == pairs(calls)
+
+
+@needs_engine
+def test_long_arguments_stream_piecewise(srv):
+    """Issue 17: a call streams as OpenAI's do, a first delta with index, id, type and name, then
+    pieces appended to its arguments as the model writes them: many for a long argument, adding
+    up to exactly the non-streamed arguments."""
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS + [NOTE], "max_tokens": 300,
+          "tool_choice": {"type": "function", "function": {"name": "take_note"}}, "seed": 1,
+          "temperature": 1.0}
+    whole = srv.client().chat.completions.create(**kw).choices[0]
+    _check_calls(whole.message.tool_calls, {"take_note"})
+    content, _, streamed, finish = collect_stream(
+        srv.client().chat.completions.create(stream=True, **kw))
+    assert (content, finish) == ("", whole.finish_reason) == ("", "tool_calls")
+    assert pairs(streamed) == pairs(whole.message.tool_calls)
+    assert len([p for p in streamed[0]["pieces"] if p]) > 10
+
+
+@needs_engine
+def test_auto_parallel_calls_stream_by_index(srv):
+    """Two hermes calls written by the model under 'auto': index 0 then 1, each opened once and
+    its arguments in pieces; streamed and not agree exactly; finish_reason "tool_calls"."""
+    regex = (r'[a-z]{1,4}</think>\n<tool_call>\{"name": "get_weather", "arguments": \{"city": '
+             r'"[a-z]{8,12}", "unit": "celsius"\}\}</tool_call>\n<tool_call>\{"name": "get_time", '
+             r'"arguments": \{"offset": [1-9]\}\}</tool_call>')
+    kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "max_tokens": 300, "seed": 4,
+          "temperature": 1.0, "extra_body": {"structured_outputs": {"regex": regex}}}
+    whole = srv.client().chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and not whole.message.content
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
+    _check_calls(whole.message.tool_calls, set(SCHEMAS))
+    content, _, streamed, finish = collect_stream(
+        srv.client().chat.completions.create(stream=True, **kw))
+    assert (content, finish) == ("", "tool_calls")
+    assert pairs(streamed) == pairs(whole.message.tool_calls)
+    assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
+    assert len({c["id"] for c in streamed}) == 2
+    # parallel_tool_calls false: the first call only, streamed and not (as vLLM does)
+    one = {**kw, "parallel_tool_calls": False}
+    first = srv.client().chat.completions.create(**one).choices[0]
+    assert pairs(first.message.tool_calls) == pairs(whole.message.tool_calls)[:1]
+    _, _, streamed, finish = collect_stream(srv.client().chat.completions.create(stream=True, **one))
+    assert (pairs(streamed), finish) == (pairs(whole.message.tool_calls)[:1], "tool_calls")
 
 
 @needs_engine
@@ -307,3 +371,32 @@ def test_reasoning_split_on_forced_think_output(srv):
     content, reasoning, _, _ = collect_stream(srv.client().chat.completions.create(
         stream=True, **{**kw, "seed": 0}))
     assert content and reasoning
+
+
+LLAMA3_CALLS = (r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{8,12}", "unit": '
+                r'"celsius"\}\}; \{"name": "get_time", "parameters": \{"offset": [1-9]\}\}')
+MISTRAL_CALLS = (r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": '
+                 r'"[a-z]{8,12}", "unit": "celsius"\}\}, \{"name": "get_time", "arguments": '
+                 r'\{"offset": [1-9]\}\}\]')
+
+
+@needs_engine
+@pytest.mark.parametrize("parser, regex", [("llama3", LLAMA3_CALLS), ("mistral", MISTRAL_CALLS)])
+def test_other_parsers_stream_arguments_piecewise(tool_model, parser, regex):
+    """The llama3 and mistral formats under 'auto': two calls, index 0 and 1, arguments in
+    pieces that add up to the non-streamed answer's."""
+    s = ServerThread(tool_model, AGENT_ENGINE, tool_call_parser=parser)
+    try:
+        kw = {"model": s.model, "messages": USER, "tools": TOOLS, "max_tokens": 300, "seed": 0,
+              "temperature": 1.0, "extra_body": {"structured_outputs": {"regex": regex}}}
+        whole = s.client().chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == "tool_calls" and not whole.message.content
+        assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
+        _check_calls(whole.message.tool_calls, set(SCHEMAS))
+        content, _, streamed, finish = collect_stream(
+            s.client().chat.completions.create(stream=True, **kw))
+        assert (content, finish) == ("", "tool_calls")
+        assert pairs(streamed) == pairs(whole.message.tool_calls)
+        assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
+    finally:
+        s.stop()
