@@ -51,6 +51,8 @@ def launched_vllm(args):
            *shlex.split(args.vllm_args)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    if args.vllm_ld_preload:  # vLLM's CPU guide: tcmalloc and Intel's OpenMP
+        env["LD_PRELOAD"] = args.vllm_ld_preload
     log_path = os.path.join(tempfile.gettempdir(), f"vllm-compare-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
     print(f"launching: {shlex.join(cmd)}  (log: {log_path})", flush=True)
@@ -152,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="python of vLLM's venv")
     p.add_argument("--vllm-args", default="", help="extra vLLM server arguments, one string")
+    p.add_argument("--vllm-ld-preload", default="", help="LD_PRELOAD for vLLM, e.g. libtcmalloc_minimal.so.4:"
+                   "VENV/lib/libiomp5.so (vLLM's CPU guide; default: none)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "jaxserve-export-hf"),
                    help="HF export of the default model for vLLM (written by tools/export_hf.py if absent)")
