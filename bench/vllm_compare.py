@@ -12,7 +12,11 @@ from its own venv on an HF export of the same GGUF, tools/export_hf.py, `--dtype
 OpenMP threads bound to every core, where its default would reserve one of them).
 
     jaxserve bench vllm_compare --engines jaxserve,vllm --rounds 2 --concurrency 1,8,32 \
-        --num-requests 32 --out bench/out/vllm_compare.json
+        --num-requests 32 --out bench/out/vllm_compare.json \
+        --vllm-ld-preload /lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/tmp/vllm-venv/lib/libiomp5.so
+
+(vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in LD_PRELOAD; here they lift its output
+tok/s 2-3x: bench/RESULTS.md.)
 """
 
 from __future__ import annotations
