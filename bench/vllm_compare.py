@@ -12,11 +12,11 @@ from its own venv on an HF export of the same GGUF, tools/export_hf.py, `--dtype
 OpenMP threads bound to every core, where its default would reserve one of them).
 
     jaxserve bench vllm_compare --engines jaxserve,vllm --rounds 2 --concurrency 1,8,32 \
-        --num-requests 32 --out bench/out/vllm_compare.json \
-        --vllm-ld-preload /lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/tmp/vllm-venv/lib/libiomp5.so
+        --num-requests 32 --out bench/out/vllm_compare.json
 
-(vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in LD_PRELOAD; on this 2-core VM its output
-tok/s rose 2-4x with them, under a somewhat lower load: bench/RESULTS.md.)
+vLLM's CPU guide asks for tcmalloc and Intel's OpenMP in LD_PRELOAD; both are set by default where
+found (`--vllm-ld-preload auto`). On this 2-core VM vLLM's output tok/s rose 2-4x with them, under
+a somewhat lower load (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ def launched_vllm(args):
            *shlex.split(args.vllm_args)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    if args.vllm_ld_preload:  # vLLM's CPU guide: tcmalloc and Intel's OpenMP
-        env["LD_PRELOAD"] = args.vllm_ld_preload
+    preload = default_preload(args.vllm_python) if args.vllm_ld_preload == "auto" else args.vllm_ld_preload
+    if preload and preload != "none":
+        env["LD_PRELOAD"] = preload
     log_path = os.path.join(tempfile.gettempdir(), f"vllm-compare-{port}.log")
     log = open(log_path, "w")  # noqa: SIM115 - closed in finally
     print(f"launching: {shlex.join(cmd)}  (log: {log_path})", flush=True)
@@ -72,6 +73,16 @@ def launched_vllm(args):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # engine-core children left behind, if any
         log.close()
+
+
+def default_preload(vllm_python: str) -> str:
+    """tcmalloc (system) and libiomp5 (vLLM's venv), those found: vLLM's CPU guide preloads both."""
+    import ctypes.util
+
+    libs = [ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")]
+    iomp = Path(vllm_python).parent.parent / "lib" / "libiomp5.so"
+    libs.append(str(iomp) if iomp.is_file() else None)
+    return ":".join(x for x in libs if x)
 
 
 def launched(engine: str, args):
@@ -158,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="python of vLLM's venv")
     p.add_argument("--vllm-args", default="", help="extra vLLM server arguments, one string")
-    p.add_argument("--vllm-ld-preload", default="", help="LD_PRELOAD for vLLM, e.g. libtcmalloc_minimal.so.4:"
-                   "VENV/lib/libiomp5.so (vLLM's CPU guide; default: none)")
+    p.add_argument("--vllm-ld-preload", default="auto", help="LD_PRELOAD for vLLM; auto (default): tcmalloc "
+                   "and the venv's libiomp5.so where found (vLLM's CPU guide); none: nothing")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "jaxserve-export-hf"),
                    help="HF export of the default model for vLLM (written by tools/export_hf.py if absent)")
