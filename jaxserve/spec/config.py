@@ -10,10 +10,11 @@ from jaxserve.core.errors import UserError
 
 METHODS = ("ngram", "draft")
 # Above this many running sequences a step verifies no drafts (vLLM: disable_by_batch_size). On a
-# 2-core CPU each draft row costs about as much compute as a sequence's decode row, so
-# speculation pays only while the step is bound by reading the weights, not by compute
-# (bench/spec_decode.py measures where; bench/RESULTS.md has the figures).
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# CPU each draft row costs about as much compute as a sequence's decode row, so speculation pays
+# only while the step is bound by reading the weights: measured on the default model (2 cores,
+# bench/spec_decode.py --sweep; bench/RESULTS.md), forced on at 8 running it gave +53% on
+# repetitive and -3% on fresh prompts, at 16 +7% and -9%.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)
