@@ -26,6 +26,7 @@ from jaxserve.errors import UserError
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
+from jaxserve.spec import ngram
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve")
@@ -347,8 +348,6 @@ class LLMEngine:
             if self.drafter is not None:
                 req.spec_token_ids = [PENDING] * k
                 continue
-            from jaxserve.spec import ngram
-
             drafts = ngram.propose(np.asarray(req.token_ids, np.int32), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts and seq.matcher is not None:
                 drafts = drafts[:seq.matcher.valid_prefix(drafts)]

@@ -299,6 +299,20 @@ def test_long_arguments_stream_piecewise(srv):
     assert len([p for p in streamed[0]["pieces"] if p]) > 10
 
 
+def _two_calls_whole_and_streamed(client, kw):
+    """get_weather then get_time, whole and streamed: the same calls, each streamed call's
+    arguments in more than one piece, finish_reason tool_calls. Returns (whole choice, streamed)."""
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and not whole.message.content
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
+    _check_calls(whole.message.tool_calls, set(SCHEMAS))
+    content, _, streamed, finish = collect_stream(client.chat.completions.create(stream=True, **kw))
+    assert (content, finish) == ("", "tool_calls")
+    assert pairs(streamed) == pairs(whole.message.tool_calls)
+    assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
+    return whole, streamed
+
+
 @needs_engine
 def test_auto_parallel_calls_stream_by_index(srv):
     """Two hermes calls written by the model under 'auto': index 0 then 1, each opened once and
@@ -308,15 +322,7 @@ def test_auto_parallel_calls_stream_by_index(srv):
              r'"arguments": \{"offset": [1-9]\}\}</tool_call>')
     kw = {"model": srv.model, "messages": USER, "tools": TOOLS, "max_tokens": 300, "seed": 4,
           "temperature": 1.0, "extra_body": {"structured_outputs": {"regex": regex}}}
-    whole = srv.client().chat.completions.create(**kw).choices[0]
-    assert whole.finish_reason == "tool_calls" and not whole.message.content
-    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
-    _check_calls(whole.message.tool_calls, set(SCHEMAS))
-    content, _, streamed, finish = collect_stream(
-        srv.client().chat.completions.create(stream=True, **kw))
-    assert (content, finish) == ("", "tool_calls")
-    assert pairs(streamed) == pairs(whole.message.tool_calls)
-    assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
+    whole, streamed = _two_calls_whole_and_streamed(srv.client(), kw)
     assert len({c["id"] for c in streamed}) == 2
     # parallel_tool_calls false: the first call only, streamed and not (as vLLM does)
     one = {**kw, "parallel_tool_calls": False}
@@ -389,14 +395,6 @@ def test_other_parsers_stream_arguments_piecewise(tool_model, parser, regex):
     try:
         kw = {"model": s.model, "messages": USER, "tools": TOOLS, "max_tokens": 300, "seed": 0,
               "temperature": 1.0, "extra_body": {"structured_outputs": {"regex": regex}}}
-        whole = s.client().chat.completions.create(**kw).choices[0]
-        assert whole.finish_reason == "tool_calls" and not whole.message.content
-        assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
-        _check_calls(whole.message.tool_calls, set(SCHEMAS))
-        content, _, streamed, finish = collect_stream(
-            s.client().chat.completions.create(stream=True, **kw))
-        assert (content, finish) == ("", "tool_calls")
-        assert pairs(streamed) == pairs(whole.message.tool_calls)
-        assert all(len([p for p in c["pieces"] if p]) > 1 for c in streamed)
+        _two_calls_whole_and_streamed(s.client(), kw)
     finally:
         s.stop()
