@@ -107,14 +107,14 @@ def main(argv=None) -> int:
             ref = None
             for name in ("off", "ngram"):
                 llm = engines[name]
-                before = dict(llm.engine.spec_stats)
+                before = dict(llm.engine.speculator.stats)
                 secs, n, ids = timed(llm, prompts, sampled if w == "sampled" else params, b)
                 ref = ids if ref is None else ref
                 if ids != ref and w != "sampled":
                     raise SystemExit(f"{w} batch {b}: ngram changed the greedy output")
                 r = results.setdefault(f"{w} b={b} {name}", {"tok_s": [], "accept": []})
                 r["tok_s"].append(n / secs)
-                st = llm.engine.spec_stats
+                st = llm.engine.speculator.stats
                 ver = st["verifications"] - before.get("verifications", 0)
                 acc = st["accepted_tokens"] - before.get("accepted_tokens", 0)
                 r["accept"].append(1 + acc / ver if ver else None)

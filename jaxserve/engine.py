@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.batch import PENDING, BucketKey, RowSpec, Sampling
+from jaxserve.core.batch import BucketKey, RowSpec, Sampling
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.detokenizer import IncrementalDetokenizer
@@ -26,7 +26,6 @@ from jaxserve.errors import UserError
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
-from jaxserve.spec import ngram
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxserve")
@@ -88,16 +87,16 @@ class LLMEngine:
         self.loaded.params = None  # host copy no longer needed
         if size_on_device:
             self.num_blocks = self._plan_device_memory(kv_dtype)
-        self.spec = config.speculative
-        self.drafter = None
-        if self.spec is not None and self.spec.method == "draft":
-            from jaxserve.spec.draft import DraftModel
+        self.speculator = None
+        self.drafter = None  # the draft method's model: it mirrors the target's steps (always synchronous)
+        if config.speculative is not None:
+            from jaxserve.spec.speculator import Speculator
 
-            # mirrors the target's steps, so the target's tokens must be on the host each step
-            self.drafter = DraftModel(self.spec.model, self.runner.cfg, self.num_blocks, mc.vocab_size)
-        # speculative decoding: drafted / accepted tokens, and verifications by accepted count
-        self.spec_stats = dict(draft_tokens=0, accepted_tokens=0, verifications=0,
-                               acceptance_counts=[0] * ((self.spec.num_speculative_tokens + 1) if self.spec else 0))
+            if config.speculative.method == "draft":
+                from jaxserve.spec.draft import DraftModel
+
+                self.drafter = DraftModel(config.speculative.model, self.runner.cfg, self.num_blocks, mc.vocab_size)
+            self.speculator = Speculator(config.speculative, self.drafter)
         self.scheduler = Scheduler(config.scheduler_config(
             num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_logit_rows=self.runner.builder.s_max))
@@ -300,8 +299,8 @@ class LLMEngine:
         if self._inflight is not None and self._inflight.needs_tokens:
             self._process(self._inflight, outputs)  # its tokens feed the next step's sampling
             self._inflight = None
-        if self.spec is not None:
-            self._propose()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._seqs)
         sched = self.scheduler.schedule()
         for req in sched.finished:  # ended by the scheduler (outgrew the whole KV cache)
             seq = self._seqs.get(req.request_id)
@@ -323,67 +322,12 @@ class LLMEngine:
         t["steps"] += 1
         return result
 
-    # ---- speculative decoding --------------------------------------------------------------------
-    def _propose(self) -> None:
-        """Drafts for the running sequences whose last token is on the host (n-gram: the tokens;
-        draft model: how many, drafted once the step's slots are allocated). Off above
-        disable_by_batch_size running requests; a sequence whose lookup finds nothing waits
-        1, 2, 4, .. 16 steps before it tries again, so those steps keep the overlap."""
-        spec = self.spec
-        running = self.scheduler.running
-        active = len(running) <= spec.disable_by_batch_size
-        for req in running:
-            req.spec_token_ids = []
-            seq = self._seqs.get(req.request_id)
-            if not active or seq is None:
-                continue
-            if seq.spec_wait > 0:
-                seq.spec_wait -= 1
-                continue
-            if req.token_ids[-1] == PENDING or req.num_tokens - req.num_computed_tokens != 1 or req.score_prompt:
-                continue
-            k = min(spec.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1)
-            if k <= 0:
-                continue
-            if self.drafter is not None:
-                req.spec_token_ids = [PENDING] * k
-                continue
-            drafts = ngram.propose(np.asarray(req.token_ids, np.int32), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if drafts and seq.matcher is not None:
-                drafts = drafts[:seq.matcher.valid_prefix(drafts)]
-            if drafts:
-                seq.spec_misses = 0
-            else:
-                seq.spec_misses += 1
-                seq.spec_wait = min(1 << (seq.spec_misses - 1), 16)
-            req.spec_token_ids = drafts
-
-    def _speculating(self, seq: Seq) -> bool:
-        """Whether the sequence drafts at the next step (then this step's tokens must be read first)."""
-        return (self.spec is not None and seq.spec_wait == 0
-                and self.scheduler.num_running <= self.spec.disable_by_batch_size)
-
-    def _draft_tokens(self, scheduled) -> None:
-        """Fill the drafts of verifying rows from the draft model (their slots are allocated)."""
-        todo = [sr for sr in scheduled if sr.num_draft]
-        if not todo or self.drafter is None:
-            return
-        drafts = self.drafter.propose([(sr.request.token_ids, sr.request.block_ids, sr.num_draft) for sr in todo])
-        for sr, d in zip(todo, drafts):
-            req = sr.request
-            seq = self._seqs[req.request_id]
-            if seq.matcher is not None:  # a draft outside the grammar ends the run of drafts
-                n = seq.matcher.valid_prefix(d)
-                sr.num_new_tokens -= sr.num_draft - n
-                sr.num_draft = n
-                d = d[:n]
-            req.spec_token_ids = d
-
     def _dispatch(self, sched: SchedulerOutput) -> _Inflight:
         now = time.time()
         # Decode rows (one new token) first: the XLA attention takes them in a loop of their own.
         scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        self._draft_tokens(scheduled)
+        if self.speculator is not None:
+            self.speculator.draft_tokens(scheduled, self._seqs)
         prev = self._inflight.row_of if self._inflight is not None else {}
         rows, seqs = [], []
         for sr in scheduled:
@@ -421,7 +365,7 @@ class LLMEngine:
             self._bitmask_filler.fill(constrained, batch.bitmask)
         for seq, r, sr in zip(seqs, rows, scheduled):
             if sr.num_draft and seq.matcher is not None:  # the grammar's state after each draft
-                self._fill_draft_masks(seq.matcher, r.token_ids[-sr.num_draft:], batch.bitmask[r.first_row:])
+                self.speculator.fill_masks(seq.matcher, r.token_ids[-sr.num_draft:], batch.bitmask[r.first_row:])
         want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra for r in rows)
         result = self.runner.execute(batch, key)
         if self.drafter is not None:
@@ -433,20 +377,13 @@ class LLMEngine:
         return _Inflight(
             sched, seqs, result, key, want_logprobs,
             needs_tokens=any(r.sampling is not None and (r.sampling.uses_penalties or r.sampling.constrained
-                                                         or self._speculating(seq))
+                                                         or (self.speculator is not None and
+                                                             self.speculator.due(seq, self.scheduler.num_running)))
                              for r, seq in zip(rows, seqs)),
             row_of={sr.request.request_id: r.out_row for sr, r in zip(scheduled, rows) if sr.samples},
             verifying=verifying,
             scored=[(i, r.first_row, r.start, len(r.extra)) for i, r in enumerate(rows) if r.extra],
         )
-
-    @staticmethod
-    def _fill_draft_masks(matcher, drafts: list[int], rows) -> None:
-        for j, tok in enumerate(drafts):
-            matcher.fill_bitmask(rows[j])
-            matcher.accept(tok)  # valid: drafts are cut to the grammar's valid prefix
-        matcher.fill_bitmask(rows[len(drafts)])
-        matcher.rollback(len(drafts))
 
     def _sampling(self, p: SamplingParams, seq: Seq, ahead: list[int] = ()) -> Sampling:
         """The row's sampling; `ahead`: drafted tokens before it (a verification row samples as
@@ -493,11 +430,7 @@ class LLMEngine:
             first, k = v  # each accepted draft, then the token of the first row that rejects (or the bonus)
             n = next((m for m in range(k) if not got.accepted[first + m]), k)
             emitted[i] = list(range(first, first + n + 1))
-            st = self.spec_stats
-            st["verifications"] += 1
-            st["draft_tokens"] += k
-            st["accepted_tokens"] += n
-            st["acceptance_counts"][n] += 1
+            self.speculator.record(k, n)
         sched = step.sched.scheduled
         sampled = {sched[i].request.request_id: ([int(tokens[j]) for j in rs] if sched[i].num_draft else int(tokens[rs[0]]))
                    for i, rs in emitted.items()}
@@ -574,10 +507,7 @@ class LLMEngine:
         stats.update(self.counters)
         stats.update(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                      num_compiles=self.runner.num_compiles)
-        if self.spec is not None:
-            st = self.spec_stats
-            stats.update({f"spec_{k}": (list(v) if isinstance(v, list) else v) for k, v in st.items()})
-            stats["spec_mean_acceptance_length"] = (
-                1 + st["accepted_tokens"] / st["verifications"] if st["verifications"] else 0.0)
+        if self.speculator is not None:
+            stats.update(self.speculator.summary())
         return stats
 
