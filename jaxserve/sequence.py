@@ -5,7 +5,6 @@ engine hands out. The scheduler's side of a request is `core.request.Request`; t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -98,18 +97,20 @@ class Group:
         lists are empty; `logprobs` is [] rather than None when asked for), so a request's host
         work stays linear in its length; the final output carries everything."""
         outs = []
+        cached = 0
         for s in self.seqs:
             o = s.out
-            done = o.finished
-            outs.append(CompletionOutput(
-                index=o.index, text=o.text if done else "", token_ids=list(o.token_ids) if done else [],
-                cumulative_logprob=o.cumulative_logprob,
-                logprobs=(list(o.logprobs) if done else []) if o.logprobs is not None else None,
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason, delta_text=o.delta_text,
-                delta_token_ids=o.delta_token_ids, delta_logprobs=o.delta_logprobs,
-            ))
+            if o.finish_reason is not None:
+                lps = list(o.logprobs) if o.logprobs is not None else None
+                outs.append(CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob, lps,
+                                             o.finish_reason, o.stop_reason, o.delta_text,
+                                             o.delta_token_ids, o.delta_logprobs))
+            else:  # positional: this runs per request per step
+                outs.append(CompletionOutput(o.index, "", [], o.cumulative_logprob,
+                                             [] if o.logprobs is not None else None, None, None,
+                                             o.delta_text, o.delta_token_ids, o.delta_logprobs))
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
-        cached = max((s.req.num_cached_tokens for s in self.seqs), default=0)
+            cached = max(cached, s.req.num_cached_tokens)
         prompt_lps = self.prompt_logprobs if self.prompt_logprobs_missing == 0 else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             max(cached, 0), dataclasses.replace(self.metrics), prompt_lps)
+                             cached, self.metrics.copy(), prompt_lps)
