@@ -7,7 +7,8 @@ A B, round 2: B A) so that drift of a shared machine hits both. The 1-minute loa
 recorded around every level, since other work on the machine changes the figures.
 
 Engines: `jaxserve` (the default model as shipped: float32 compute, its default bfloat16 KV),
-`jaxserve-gguf` (the same with `--quantization gguf`: Q4_1 blocks kept), `vllm` (vLLM's CPU build
+`jaxserve-gguf` (the same with `--quantization gguf`: Q4_1 blocks kept), `jaxserve-bf16` and
+`jaxserve-w8a8` (`--quantization bfloat16` / `w8a8`: PRECISION says what each computes in), `vllm` (vLLM's CPU build
 from its own venv on an HF export of the same GGUF, tools/export_hf.py, `--dtype bfloat16`; its
 OpenMP threads bound to every core, where its default would reserve one of them).
 
@@ -36,10 +37,19 @@ from pathlib import Path
 
 from bench import common, serve
 
-ENGINES = ("jaxserve", "jaxserve-gguf", "vllm")
+# jaxserve variants: the server flags that make each one (`jaxserve serve` + these)
+JAXSERVE_FLAGS = {
+    "jaxserve": "",
+    "jaxserve-gguf": "--quantization gguf",
+    "jaxserve-bf16": "--quantization bfloat16",
+    "jaxserve-w8a8": "--quantization w8a8",
+}
+ENGINES = (*JAXSERVE_FLAGS, "vllm")
 PRECISION = {
     "jaxserve": "float32 weights (Q4_1 dequantized) and compute, bfloat16 KV",
     "jaxserve-gguf": "Q4_1 weights kept (--quantization gguf), float32 compute, bfloat16 KV",
+    "jaxserve-bf16": "bfloat16 weights and matmul inputs (--quantization bfloat16), float32 accumulation, bfloat16 KV",
+    "jaxserve-w8a8": "int8 weights per channel, int8 activations per 32-block (--quantization w8a8), bfloat16 KV",
     "vllm": "bfloat16 weights, compute and KV (--dtype bfloat16)",
 }
 PROBE = "The capital of France is"
@@ -88,8 +98,7 @@ def default_preload(vllm_python: str) -> str:
 def launched(engine: str, args):
     if engine == "vllm":
         return launched_vllm(args)
-    server_args = "--quantization gguf" if engine == "jaxserve-gguf" else ""
-    ns = argparse.Namespace(model=None, server_args=server_args, server_log=None,
+    ns = argparse.Namespace(model=None, server_args=JAXSERVE_FLAGS[engine], server_log=None,
                             launch_timeout=args.launch_timeout)
     return serve.launched_server(ns)
 

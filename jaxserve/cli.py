@@ -274,9 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     lw.add_argument("--model", "-m", required=True, metavar="CONFIG",
                     help="HF model directory (its config.json is read) or a config.json file")
     lw.add_argument("--device-memory", type=_bytes_arg, default=None, metavar="BYTES",
-                    help="memory per device the allocator can hand out, e.g. 141GiB, as jax's memory_stats() "
-                    "bytes_limit reports it (on GPU jax's pool is 75%% of the memory unless "
-                    "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise; default: 80GiB on cuda, 16GiB on tpu)")
+                    help="memory per device, e.g. 141GiB (default: 80GiB on cuda, 16GiB on tpu)")
     lw.add_argument("--compute-capability", default="9.0", metavar="X.Y",
                     help="the GPU's compute capability; below 9.0 the portable xla attention is lowered "
                     "(default: 9.0)")

@@ -48,7 +48,8 @@ class EngineConfig:
     kv_cache_memory: int | None = _knob(None, "KV cache budget, e.g. 2GiB (default: --gpu-memory-utilization of "
                                         "the device's memory after weights; at most 1GiB on CPU)", metavar="BYTES")
     gpu_memory_utilization: float = _knob(0.9, "fraction of device memory the engine may use (weights, "
-                                          "activations and KV cache)", aliases=("--memory-fraction",))
+                                          "activations and KV cache); on GPU jax's memory pool is made that "
+                                          "size unless XLA_CLIENT_MEM_FRACTION is set", aliases=("--memory-fraction",))
     num_blocks: int | None = _knob(None, "KV blocks, overriding the memory budget (tests, simulations)")
     prefix_cache: str = _knob(_sched("prefix_cache"), "prefix cache design", choices=PREFIX_CACHES)
     eviction: str = _knob(_sched("eviction"), "prefix cache eviction: lru, or trunk (keep shared prefixes, drop "

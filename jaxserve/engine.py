@@ -56,6 +56,7 @@ class LLMEngine:
 
         config = config or EngineConfig(**kwargs)
         self.config = config
+        memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
         if config.compilation_cache:
             rt.enable_compilation_cache()
         dtype = config.dtype or rt.default_dtype()
@@ -134,8 +135,9 @@ class LLMEngine:
 
         limit, in_use = memory.device_memory(jax.devices()[0])
         tp = self.config.tensor_parallel_size
-        plan = memory.plan_kv_memory(
-            device_limit=limit, bytes_in_use=in_use, activation_bytes=self.runner.peak_step_bytes(),
+        plan = memory.plan_kv_memory(  # a GPU pool sized by size_gpu_pool: planned against the whole device
+            device_limit=memory.device_total(limit, jax.default_backend()), allocator_limit=limit,
+            bytes_in_use=in_use, activation_bytes=self.runner.peak_step_bytes(),
             block_bytes=rt.kv_bytes_per_block(self.model_config, self.config.block_size, kv_dtype, tp),
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             utilization=self.config.gpu_memory_utilization, tensor_parallel_size=tp, reserved_blocks=1,

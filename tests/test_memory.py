@@ -119,6 +119,37 @@ def test_utilization_scales_the_budget():
     assert hi.num_blocks - lo.num_blocks in (extra - 1, extra, extra + 1)
 
 
+def test_gpu_pool_is_sized_to_the_utilization_before_jax_starts():
+    """jax's GPU pool is 75% of the device by default: without sizing it, 0.9 would plan with
+    0.9 x 75%. Sized, an H200's 141 GiB at 0.9 gives a pool of 126.9 GiB and all of it is planned."""
+    env: dict = {}
+    assert memory.size_gpu_pool(0.9, env=env, started=False) == 0.9
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+    total = 141 * GiB
+    pool = int(0.9 * total)
+    assert memory.device_total(pool, "gpu", pool_fraction=0.9) == pytest.approx(total, abs=1)
+    assert memory.device_total(pool, "tpu", pool_fraction=0.9) == pool  # TPU: the limit is the chip
+    kw = {"bytes_in_use": LLAMA_8B["weights"], "activation_bytes": GiB, "block_bytes": LLAMA_8B["block"],
+          "block_size": 16, "max_model_len": 8192}
+    plan = plan_kv_memory(device_limit=memory.device_total(pool, "gpu", 0.9), allocator_limit=pool, **kw)
+    check_plan(plan, limit=total, in_use=kw["bytes_in_use"], act=GiB, block=LLAMA_8B["block"])
+    unsized = plan_kv_memory(device_limit=int(0.75 * total), **kw)  # what the default pool gave
+    assert plan.kv_bytes - unsized.kv_bytes > 0.9 * 0.15 * total - LLAMA_8B["block"]
+    # never past what the allocator can hand out (a later engine asking for more than the pool)
+    big = plan_kv_memory(device_limit=total, allocator_limit=pool, **kw | {"block_bytes": LLAMA_8B["block"]},
+                         utilization=0.99)
+    assert big.kv_bytes <= pool - kw["bytes_in_use"] - GiB - big.margin_bytes
+
+
+@pytest.mark.parametrize("env", [{"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, {"XLA_CLIENT_MEM_FRACTION": ".5"},
+                                 {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}])
+def test_gpu_pool_the_user_chose_is_kept(env):
+    before = dict(env)
+    assert memory.size_gpu_pool(0.9, env=env, started=False) is None
+    assert env == before
+    assert memory.size_gpu_pool(0.9, env={}, started=True) is None  # jax already started: too late
+
+
 def test_device_memory_on_cpu_is_none():
     import jax
 

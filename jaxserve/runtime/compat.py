@@ -32,6 +32,14 @@ def _first(obj: Any, *names: str) -> Any:
     raise AttributeError(f"jax {jax.__version__}: {obj!r} has none of {names}")
 
 
+def backends_started() -> bool:
+    """Whether jax has created its backends (after which allocator settings no longer apply)."""
+    from jax._src import xla_bridge
+
+    probe = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(probe()) if probe is not None else bool(getattr(xla_bridge, "_backends", None))
+
+
 def memory_stats(device: Any) -> dict[str, int] | None:
     """The device allocator's stats (``bytes_limit``, ``bytes_in_use``...), None where the
     backend keeps none (CPU) or the method is missing."""

@@ -12,6 +12,7 @@ its share of the kv heads).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from jaxserve.errors import UserError
@@ -20,6 +21,41 @@ from jaxserve.runtime import compat
 GiB = 1 << 30
 DEFAULT_UTILIZATION = 0.9
 DEFAULT_MARGIN = 256 << 20  # allocator fragmentation, small runtime buffers allocated later
+
+
+# jax's GPU allocator: the pool is a fraction of the device's memory (75% by default; newer jax
+# name it XLA_CLIENT_MEM_FRACTION), read once, when jax starts its GPU backend.
+POOL_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+_pool_fraction: float | None = None  # what size_gpu_pool set, in this process
+
+
+def size_gpu_pool(utilization: float, env: dict | None = None, started: bool | None = None) -> float | None:
+    """Make jax's GPU pool `utilization` of the device, so that --gpu-memory-utilization 0.9 means
+    90% of the GPU (as in vLLM), not 0.9 x jax's default 75% pool. Only before jax has started its
+    backends and where the user set no pool of their own (a fraction, or the on-demand platform
+    allocator); returns the fraction the pool was given, None if it was left alone."""
+    global _pool_fraction
+    env = os.environ if env is None else env
+    if _pool_fraction is not None and env is os.environ:
+        return _pool_fraction
+    if started is None:
+        started = compat.backends_started()
+    if started or any(k in env for k in POOL_FRACTION_ENV) or env.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        return None
+    if not 0.0 < utilization <= 1.0:
+        return None  # plan_kv_memory names the bad value
+    for k in POOL_FRACTION_ENV:
+        env[k] = f"{utilization:.4g}"
+    if env is os.environ:
+        _pool_fraction = utilization
+    return utilization
+
+
+def device_total(limit: int, platform: str, pool_fraction: float | None = None) -> int:
+    """The device's memory behind an allocator `limit`: on a GPU whose pool size_gpu_pool made
+    `pool_fraction` of the device, limit / fraction; elsewhere the limit is the device's."""
+    pool = _pool_fraction if pool_fraction is None else pool_fraction
+    return int(limit / pool) if platform == "gpu" and pool else limit
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,8 +115,10 @@ def plan_kv_memory(
     margin_bytes: int = DEFAULT_MARGIN,
     tensor_parallel_size: int = 1,
     reserved_blocks: int = 0,
+    allocator_limit: int | None = None,
 ) -> MemoryPlan:
-    """The KV plan, or a UserError naming what does not fit and the flags that change it."""
+    """The KV plan, or a UserError naming what does not fit and the flags that change it.
+    `allocator_limit`: what the allocator can hand out, where less than the device (a GPU pool)."""
     if not 0.0 < utilization <= 1.0:
         raise UserError(
             f"--gpu-memory-utilization={utilization} must be in (0, 1]: it is the fraction of "
@@ -90,6 +128,8 @@ def plan_kv_memory(
     if block_bytes <= 0 or block_size <= 0 or max_model_len <= 0:
         raise ValueError(f"bad KV geometry: {block_bytes=} {block_size=} {max_model_len=}")
     budget = int(utilization * device_limit)
+    if allocator_limit is not None:
+        budget = min(budget, allocator_limit)
     tp = f" per device (tensor parallel size {tensor_parallel_size})" if tensor_parallel_size > 1 else ""
     where = (
         f"the model's weights take {_gib(bytes_in_use)}{tp} and the largest compiled step "
