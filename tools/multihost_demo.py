@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# precompile=False: each process compiles only the buckets the prompts meet, when they meet them
+# (the follower on receiving the step), not every bucket up front
 ENGINE_KW = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=32,
-                 compilation_cache=False, prefix_cache="radix")
+                 compilation_cache=False, prefix_cache="radix", precompile=False)
 DEFAULT_PROMPTS = ["The capital of France is", "JAX is a library for array computation and",
                    "The capital of France is Paris. The capital of Italy is"]
 
