@@ -17,7 +17,7 @@ from jaxserve.errors import UserError
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "gguf", "bfloat16", "w8a8")  # runtime/quant.py
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "q4_k", "q6_k")  # runtime/quant.py
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).
