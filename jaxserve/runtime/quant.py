@@ -269,25 +269,34 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
                         param="quantization")
 
 
+K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
+
+
 def quantize_params(params: dict, scheme: str) -> dict:
     """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
     panels: see the module docstring) by `scheme`'s format; leaves whose shape has no quantized
-    layout stay as they are. Leaves already quantized (a GGUF's blocks) are kept. The float
-    leaves are dropped: nothing here holds on to them."""
+    layout stay as they are. A K-quant scheme falls back, for a kernel whose K is not a multiple
+    of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
+    quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
+    kept. The float leaves are dropped: nothing here holds on to them."""
     check_quantization(scheme, SCHEMES)
-    block = block_of(scheme)
+    fallback = K_FALLBACK.get(scheme, scheme)
 
     def convert(path, leaf):
         names = [getattr(k, "key", None) for k in path]
         if is_quantized(leaf):
             return leaf
         on_device = isinstance(leaf, jax.Array)
-        if names[-1] == "kernel" and quantizable(leaf.shape, block):
-            w = quantize(leaf, scheme)
-        elif names[-2:] == ["embed_tokens", "embedding"] and quantizable(leaf.T.shape, block):
-            w = quantize(np.asarray(leaf).T, scheme)
+        if names[-1] == "kernel":
+            kernel = leaf
+        elif names[-2:] == ["embed_tokens", "embedding"]:
+            kernel = np.asarray(leaf).T
         else:
             return leaf
+        kind = scheme if quantizable(kernel.shape, block_of(scheme)) else fallback
+        if not quantizable(kernel.shape, block_of(kind)):
+            return leaf
+        w = quantize(kernel, kind)
         return type(w)(*map(jnp.asarray, w)) if on_device else w
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)

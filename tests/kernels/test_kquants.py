@@ -132,3 +132,12 @@ def test_native_gated(type_name):
     fallback = np.asarray(jax.jit(lambda x, a, b: quant.linear_gated(x, a, b, native=False))(x, wg, wu))
     np.testing.assert_allclose(fallback[:7], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert np.all(y[7:] == 0)
+
+
+def test_quantize_params_k_quants_fall_back_where_k_is_not_in_super_blocks():
+    params = {"layers_0": {"mlp": {"down_proj": {"kernel": RNG.standard_normal((512, 64)).astype(np.float32)},
+                                   "up_proj": {"kernel": RNG.standard_normal((96, 64)).astype(np.float32)}}}}
+    for scheme, kind, fallback in (("q4_k", quant.Q4KWeight, quant.Q4Weight), ("q6_k", quant.Q6KWeight, quant.Q8Weight)):
+        out = quant.quantize_params(params, scheme)["layers_0"]["mlp"]
+        assert isinstance(out["down_proj"]["kernel"], kind)
+        assert isinstance(out["up_proj"]["kernel"], fallback)  # K = 96: 32-blocks
