@@ -306,13 +306,14 @@ def has_quantized(params) -> bool:
     return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
-def place_params(params: dict, dtype, sharding) -> dict:
-    """Put a tree holding quantized weights on devices: float leaves cast to `dtype`, quantized ones
-    as they are (their scales stay float32 / float16 whatever the compute dtype)."""
-    def put(w):
+def place_params(params: dict, dtype, shardings) -> dict:
+    """Put a tree holding quantized weights on devices, laid out by `shardings` (a tree like it,
+    mesh.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
+    scales stay float32 / float16 whatever the compute dtype)."""
+    def put(w, sharding):
         return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)
 
-    return jax.tree.map(put, params, is_leaf=is_quantized)
+    return jax.tree.map(put, params, shardings, is_leaf=is_quantized)
 
 
 def weight_bytes(params) -> int:
