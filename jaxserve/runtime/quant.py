@@ -290,16 +290,30 @@ def quantize_params(params: dict, scheme: str) -> dict:
         if names[-1] == "kernel":
             kernel = leaf
         elif names[-2:] == ["embed_tokens", "embedding"]:
-            kernel = np.asarray(leaf).T
+            kernel = jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype) if isinstance(
+                leaf, jax.ShapeDtypeStruct) else np.asarray(leaf).T
         else:
             return leaf
         kind = scheme if quantizable(kernel.shape, block_of(scheme)) else fallback
         if not quantizable(kernel.shape, block_of(kind)):
             return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # lowering: only the shapes
+            return abstract(kernel.shape, kind)
         w = quantize(kernel, kind)
         return type(w)(*map(jnp.asarray, w)) if on_device else w
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+
+
+def abstract(shape, scheme: str) -> QuantWeight:
+    """`scheme`'s format for a [K, N] kernel as ShapeDtypeStructs (jaxserve lower: no weights),
+    from the layout of one block of 64 columns: parts grow with K along axis 1, with N along
+    axis 0 (or along their one axis: per-channel scales)."""
+    k, n = shape
+    block = block_of(scheme)
+    one = quantize(np.zeros((block, PANEL), np.float32), scheme)
+    return type(one)(*(jax.ShapeDtypeStruct((n,) if a.ndim == 1 else (n // PANEL, a.shape[1] * k // block, *a.shape[2:]),
+                                            a.dtype) for a in one))
 
 
 def has_quantized(params) -> bool:
@@ -311,6 +325,9 @@ def place_params(params: dict, dtype, shardings) -> dict:
     mesh.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
     scales stay float32 / float16 whatever the compute dtype)."""
     def put(w, sharding):
+        if isinstance(w, jax.ShapeDtypeStruct) or is_quantized(w) and isinstance(w[0], jax.ShapeDtypeStruct):
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype if is_quantized(w) else dtype,
+                                                                  sharding=s), w, sharding)
         return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)
 
     return jax.tree.map(put, params, shardings, is_leaf=is_quantized)
