@@ -14,7 +14,7 @@ For every format (`--formats`; `none` is the float32 reference, `gguf` a GGUF fi
   weights      bytes held by the parameters after load, and their share of float32
   decode tok/s one stream, `LLM.generate` (time for --decode-tokens more tokens after the first)
 
-    jaxserve bench quality [--model PATH] [--formats none,int8,q8_0,q4_0,q4_1] [--out f.json]
+    jaxserve bench quality [--model PATH] [--formats none,int8,q8_0,q4_0,q4_1,q4_k,q6_k] [--out f.json]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve bench quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded default model)")
     p.add_argument("--formats", default=None,
-                   help="comma-separated: none (float32, the reference), int8, q8_0, q4_0, q4_1, gguf "
+                   help="comma-separated: none (float32, the reference), int8, q8_0, q4_0, q4_1, q4_k, q6_k, gguf "
                         "(default: all that apply; gguf for a .gguf model)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.add_argument("--text-tokens", type=int, default=1024, help="at most this many tokens of the text (default 1024)")
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     path = resolve_model_path(args.model)
     is_gguf = path.suffix == ".gguf"
-    formats = (args.formats or "none,int8,q8_0,q4_0,q4_1" + (",gguf" if is_gguf else "")).split(",")
+    formats = (args.formats or "none,int8,q8_0,q4_0,q4_1,q4_k,q6_k" + (",gguf" if is_gguf else "")).split(",")
     if formats[0] != "none":
         formats.insert(0, "none")
     ids = Tokenizer.from_gguf(path) if is_gguf else Tokenizer.from_pretrained(path)

@@ -16,6 +16,19 @@ import time
 from bench import common
 
 
+def decode_rate(llm, prompt: str, tokens: int) -> float:
+    """One stream's decode tok/s in `llm.generate`: greedy with ignore_eos, 1 token then 1 + tokens;
+    the difference of the two times is `tokens` decode steps (prefill and start-up cancel out)."""
+    from jaxserve import SamplingParams
+
+    short, long = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 1 + tokens))
+    t0 = time.perf_counter()
+    llm.generate([prompt], short, use_tqdm=False)
+    t1 = time.perf_counter()
+    llm.generate([prompt], long, use_tqdm=False)
+    return tokens / max((time.perf_counter() - t1) - (t1 - t0), 1e-9)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jaxserve bench quant_decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded default model)")
@@ -26,23 +39,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     formats = args.formats.split(",")
     llms = {f: LLM(args.model, quantization=None if f == "none" else f, precompile=False, use_tqdm=False,
                    max_num_seqs=1, max_num_batched_tokens=64, num_blocks=64) for f in formats}
-    prompt = ["The capital of France is"]
-    short, long = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 1 + args.tokens))
+    prompt = "The capital of France is"
     for llm in llms.values():  # warm-up: compiles every bucket one stream meets
-        llm.generate(prompt, long, use_tqdm=False)
+        decode_rate(llm, prompt, args.tokens)
     rates: dict[str, list[float]] = {f: [] for f in formats}
     for _ in range(args.rounds):
         for f, llm in llms.items():
-            t0 = time.perf_counter()
-            llm.generate(prompt, short, use_tqdm=False)
-            t1 = time.perf_counter()
-            llm.generate(prompt, long, use_tqdm=False)
-            rates[f].append(args.tokens / max((time.perf_counter() - t1) - (t1 - t0), 1e-9))
+            rates[f].append(decode_rate(llm, prompt, args.tokens))
     rows = [(f, statistics.median(r), max(r), ", ".join(f"{x:.0f}" for x in r)) for f, r in rates.items()]
     print(common.table(rows, ("format", "median tok/s", "best tok/s", "rounds"),
                        f"Single-stream decode, LLM.generate, {args.tokens} tokens a round"))

@@ -211,3 +211,20 @@ def test_decode_buckets_get_the_split_kv_kernel_on_gpu(tmp_path):
     assert not any(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(BucketKey(8, 8, 0)))
     tpu = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE))
     assert not any(k.decode for k in tpu.runner.all_buckets())
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q4_k"])
+def test_quantized_weights_lower_under_tp(tmp_path, quantization):
+    """--quantization with --tp 2: the quantized parts are shapes sharded like their float kernels
+    (about half of them per device), dequantized inside the lowered step."""
+    lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE, tensor_parallel_size=2,
+                                                                quantization=quantization))
+    from jaxserve.runtime import quant
+    from jaxserve.runtime.lower import weight_bytes_per_device
+
+    params = lowering.runner.params
+    assert quant.has_quantized(params)
+    float32 = _param_count(json.loads((tmp_path / "config.json").read_text())) * 4
+    assert weight_bytes_per_device(params) <= 0.3 * float32 / 2 + 4096
+    step = lowering.lower(BucketKey(8, 8, 0))
+    assert (step.num_devices, step.kernel_calls) == (2, 2)

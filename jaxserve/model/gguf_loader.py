@@ -2,7 +2,7 @@
 
     config, weights = load_gguf("model.gguf")
 
-With `keep_quantized`, Q8_0/Q4_0/Q4_1 matrices stay in their blocks (runtime/quant.py formats).
+With `keep_quantized`, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/quant.py formats).
 
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
@@ -321,7 +321,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     raise KeyError(gguf_name)
 
 
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types `keep_quantized` holds as stored
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # block types `keep_quantized` holds as stored
 
 
 def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
@@ -330,7 +330,8 @@ def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
     qk_heads: the heads of a llama-permuted q/k projection, whose rows are put back in order."""
     from jaxserve.runtime import quant
 
-    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not quant.quantizable(info.shape[::-1]):
+    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not quant.quantizable(
+            info.shape[::-1], quant.block_of(info.type_name)):
         return None
     raw = g.raw(info)  # (out rows, bytes per row): a permutation of rows applies to it as is
     return quant.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)

@@ -46,7 +46,7 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
-    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1 matrices in their blocks (runtime/quant.py)."""
+    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/quant.py)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None

@@ -19,6 +19,11 @@ what a Pallas kernel needs).
 
 Weights are placed shard by shard: each device receives only its slice of the host array
 (`jax.make_array_from_callback`), never a full copy.
+
+Quantized weights (runtime/quant.py: [N / 64, K-ish, ...] panels and their block scales) shard as
+their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
+with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
+so each device holds whole blocks with their own scales (`quantized_shardings`).
 """
 
 from __future__ import annotations
@@ -195,6 +200,55 @@ def checkpoint_shardings(shapes: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
         return NamedSharding(mesh, param_spec(path, shape, cfg, tp))
 
     return _build(shapes, f)
+
+
+def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
+    """PartitionSpecs of a quantized weight's parts (a NamedTuple of them, like `w`): its float
+    kernel's spec (param_spec) carried to the panels. A UserError names the weight and the valid
+    sizes where tp would split a panel or a block."""
+    from jaxserve.runtime import quant
+
+    q = w[0]
+    k, n = jax.eval_shape(quant.dequantize, w).shape
+
+    def spec(shape):
+        return (tuple(param_spec(path, shape, cfg, tp)) + (None, None))[:2]
+
+    if path[-1] == "embedding":  # held as its LM head's [H, V] panels: vocab is N
+        spec_n, spec_k = spec((n, k))
+    else:
+        spec_k, spec_n = spec((k, n))
+    name = "/".join(path)
+    parts = [a for a in w if a.ndim >= 2]
+    splits = (spec_n and q.shape[0] % tp) or (spec_k and any(a.shape[1] % tp for a in parts))
+    if splits:
+        count = q.shape[0] if spec_n else min(a.shape[1] for a in parts)  # panels, or K's coarsest blocks
+        unit = f"{quant.PANEL}-column panels" if spec_n else f"blocks of {k // count} along K"
+        fits = [t for t in valid_tp_sizes(cfg) if count % t == 0]
+        raise UserError(f"tensor_parallel_size={tp} splits the {unit} of the quantized {name} "
+                        f"({type(w).__name__}, K={k}, N={n}): use one of {', '.join(map(str, fits))}.",
+                        param="tensor_parallel_size")
+    return type(w)(*(P(spec_n) if a.ndim == 1 else P(spec_n, spec_k) for a in w))
+
+
+def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
+    """NamedShardings for a tree holding quantized weights: theirs from `quantized_specs`, the
+    float leaves' from param_spec."""
+    from jaxserve.runtime import quant
+
+    tp = tp_size(mesh)
+    if kv_replication(cfg, tp) > 1:
+        raise UserError(f"tensor_parallel_size={tp} > num_key_value_heads={cfg.num_kv_heads} repeats kv heads, "
+                        "which a model with quantized weights cannot yet: use a tensor parallel size that "
+                        f"divides {cfg.num_kv_heads}, or float weights.", param="tensor_parallel_size")
+
+    def f(path, leaf):
+        names = tuple(str(getattr(k, "key", k)) for k in path)
+        if quant.is_quantized(leaf):
+            return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))
+        return NamedSharding(mesh, param_spec(names, tuple(leaf.shape), cfg, tp))
+
+    return jax.tree_util.tree_map_with_path(f, params, is_leaf=quant.is_quantized)
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

@@ -1,8 +1,9 @@
-"""Linear weights that stay quantized in memory: int8 per output channel and GGUF's Q8_0 / Q4_0 /
-Q4_1 blocks, made at load time from float weights, or kept as a GGUF file stores them; and the two
-formats computed with the CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights
-(activations rounded to bfloat16, float32 sums) and W8A8 (int8 weights and per-row int8
-activations in blocks of 32, int32 sums per block).
+"""Linear weights that stay quantized in memory: int8 per output channel, GGUF's Q8_0 / Q4_0 /
+Q4_1 blocks and Q4_K / Q6_K super-blocks (their codecs: runtime/kquants.py), made at load time
+from float weights, or kept as a GGUF file stores them; and the two formats computed with the
+CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights (activations rounded to
+bfloat16, float32 sums) and W8A8 (int8 weights and per-row int8 activations in blocks of 32, int32
+sums per block).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
@@ -27,6 +28,8 @@ import numpy as np
 
 from jaxserve.config import QUANTIZATIONS
 from jaxserve.errors import UserError
+from jaxserve.runtime import kquants
+from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
 
 PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
 BLOCK = 32  # weights per GGUF block, along K
@@ -82,20 +85,25 @@ class W8A8Weight(NamedTuple):
     scale: jax.Array  # f32[N]: max_k |W[k, n]| / 127
 
 
-QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight
-_FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3}  # the `fmt` attribute of csrc/quant_matmul.cc
+QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | Q4KWeight | Q6KWeight
+_FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3, Q4KWeight: 4, Q6KWeight: 5}  # the `fmt` attribute of csrc/quant_matmul.cc
 _DOT_FMT = {Bf16Weight: 0, W8A8Weight: 1}  # ... of csrc/dot_matmul.cc
 _DOT_NAME = {Bf16Weight: "bfloat16", W8A8Weight: "w8a8"}  # cpu_kernels.dot_isa's names
 _PER_WORD = {Bf16Weight: 2, W8A8Weight: 4}  # k values interleaved per 32-bit lane
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight))
+    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight, Q4KWeight, Q6KWeight))
 
 
-def quantizable(shape) -> bool:
+def block_of(scheme: str) -> int:
+    """Weights per block along K of a scheme or GGUF type name (what K must be a multiple of)."""
+    return kquants.SUPER if scheme.upper() in kquants.FORMATS else BLOCK
+
+
+def quantizable(shape, block: int = BLOCK) -> bool:
     """Whether a [K, N] kernel has a quantized layout: N in whole panels, K in whole blocks."""
-    return len(shape) == 2 and shape[1] % PANEL == 0 and shape[0] % BLOCK == 0
+    return len(shape) == 2 and shape[1] % PANEL == 0 and shape[0] % block == 0
 
 
 # ---- layout (numpy, at load time; jnp inside the computation) ---------------------------------
@@ -146,6 +154,8 @@ def dequantize(w: QuantWeight) -> jax.Array:
         return from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp)
     if isinstance(w, W8A8Weight):
         return from_panels(_w8a8_q(w.q).astype(jnp.float32), jnp) * w.scale
+    if isinstance(w, (Q4KWeight, Q6KWeight)):
+        return from_panels(kquants.decode(w, jnp), jnp)
     return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
 
 
@@ -208,8 +218,10 @@ GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 def from_gguf(raw: np.ndarray, type_name: str) -> QuantWeight:
     """A GGUF tensor's raw bytes (N rows = output channels, bytes per row), type Q8_0, Q4_0 or
-    Q4_1, -> its format here, for the [K, N] kernel (the transpose of the [N, K] file matrix).
-    Values are bit for bit what `gguf.quants.dequantize` gives."""
+    Q4_1 (or Q4_K, Q6_K: kquants.from_gguf), -> its format here, for the [K, N] kernel (the
+    transpose of the [N, K] file matrix). Values are bit for bit what `gguf.quants.dequantize` gives."""
+    if type_name in kquants.FORMATS:
+        return kquants.from_gguf(raw, type_name)
     bb = GGUF_BLOCK_BYTES[type_name]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, -1, bb)  # [N, K / 32, bb]
@@ -238,6 +250,8 @@ def quantize(w, scheme: str) -> QuantWeight:
         return quantize_bf16(w)
     if scheme == "w8a8":
         return quantize_w8a8(w)
+    if scheme.upper() in kquants.FORMATS:
+        return kquants.from_gguf(kquants.quantize_gguf(np.asarray(w, np.float32).T, scheme.upper()), scheme.upper())
     import gguf
 
     raw = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T),
@@ -250,45 +264,73 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
     """A UserError naming `name` and the choices unless it is one of them."""
     if name not in choices:
         raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
-                        "file's Q8_0/Q4_0/Q4_1 blocks as stored; the others are made at load time; bfloat16 "
+                        "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; the others are made at load time; bfloat16 "
                         "and w8a8 run on the CPU's dot-product instructions).",
                         param="quantization")
+
+
+K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
 
 
 def quantize_params(params: dict, scheme: str) -> dict:
     """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
     panels: see the module docstring) by `scheme`'s format; leaves whose shape has no quantized
-    layout stay as they are. Leaves already quantized (a GGUF's blocks) are kept. The float
-    leaves are dropped: nothing here holds on to them."""
+    layout stay as they are. A K-quant scheme falls back, for a kernel whose K is not a multiple
+    of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
+    quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
+    kept. The float leaves are dropped: nothing here holds on to them."""
     check_quantization(scheme, SCHEMES)
+    fallback = K_FALLBACK.get(scheme, scheme)
 
     def convert(path, leaf):
         names = [getattr(k, "key", None) for k in path]
         if is_quantized(leaf):
             return leaf
         on_device = isinstance(leaf, jax.Array)
-        if names[-1] == "kernel" and quantizable(leaf.shape):
-            w = quantize(leaf, scheme)
-        elif names[-2:] == ["embed_tokens", "embedding"] and quantizable(leaf.T.shape):
-            w = quantize(np.asarray(leaf).T, scheme)
+        if names[-1] == "kernel":
+            kernel = leaf
+        elif names[-2:] == ["embed_tokens", "embedding"]:
+            kernel = jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype) if isinstance(
+                leaf, jax.ShapeDtypeStruct) else np.asarray(leaf).T
         else:
             return leaf
+        kind = scheme if quantizable(kernel.shape, block_of(scheme)) else fallback
+        if not quantizable(kernel.shape, block_of(kind)):
+            return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # lowering: only the shapes
+            return abstract(kernel.shape, kind)
+        w = quantize(kernel, kind)
         return type(w)(*map(jnp.asarray, w)) if on_device else w
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+
+
+def abstract(shape, scheme: str) -> QuantWeight:
+    """`scheme`'s format for a [K, N] kernel as ShapeDtypeStructs (jaxserve lower: no weights),
+    from the layout of one block of 64 columns: parts grow with K along axis 1, with N along
+    axis 0 (or along their one axis: per-channel scales)."""
+    k, n = shape
+    block = block_of(scheme)
+    one = quantize(np.zeros((block, PANEL), np.float32), scheme)
+    return type(one)(*(jax.ShapeDtypeStruct((n,) if a.ndim == 1 else (n // PANEL, a.shape[1] * k // block, *a.shape[2:]),
+                                            a.dtype) for a in one))
 
 
 def has_quantized(params) -> bool:
     return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
-def place_params(params: dict, dtype, sharding) -> dict:
-    """Put a tree holding quantized weights on devices: float leaves cast to `dtype`, quantized ones
-    as they are (their scales stay float32 / float16 whatever the compute dtype)."""
-    def put(w):
+def place_params(params: dict, dtype, shardings) -> dict:
+    """Put a tree holding quantized weights on devices, laid out by `shardings` (a tree like it,
+    mesh.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
+    scales stay float32 / float16 whatever the compute dtype)."""
+    def put(w, sharding):
+        if isinstance(w, jax.ShapeDtypeStruct) or is_quantized(w) and isinstance(w[0], jax.ShapeDtypeStruct):
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype if is_quantized(w) else dtype,
+                                                                  sharding=s), w, sharding)
         return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)
 
-    return jax.tree.map(put, params, is_leaf=is_quantized)
+    return jax.tree.map(put, params, shardings, is_leaf=is_quantized)
 
 
 def weight_bytes(params) -> int:
@@ -309,7 +351,10 @@ def _native(native: bool | None, x, *ws) -> bool:
 
 
 def _operands(w):
-    """(q, scales, mins) as the native kernel takes them; a format without mins passes an empty one."""
+    """(q, scales, mins) as the native kernel takes them; a format without mins passes an empty one
+    (K-quants: q, the super-blocks' f16 d, the sub-blocks' integer scales)."""
+    if isinstance(w, (Q4KWeight, Q6KWeight)):
+        return w.q, w.d, w.s
     return (w.q, w.scale, jnp.zeros((0,), jnp.float16)) if isinstance(w, (Int8Weight, Fp8Weight)) else (
         (w.q, w.d, jnp.zeros((0,), jnp.float16)) if isinstance(w, Q8Weight) else (w.q, w.d, w.m))
 
@@ -391,6 +436,8 @@ def embed(w, ids):
         return w.q[p, :, c].astype(jnp.float32) * w.scale[ids][:, None]
     if isinstance(w, Fp8Weight):
         return _e4m3(w.q[p, :, c]) * w.scale[ids][:, None]
+    if isinstance(w, (Q4KWeight, Q6KWeight)):
+        return kquants.decode(kquants.gather_rows(w, p, c), jnp)[:, :, 0]
     if type(w) in _PER_WORD:  # [T, K / per, per] -> [T, K]
         per = _PER_WORD[type(w)]
         q = w.q.reshape(*w.q.shape[:2], PANEL, per)[p, :, c, :].reshape(ids.shape[0], -1).astype(jnp.float32)

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
-from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.llama import LlamaForCausalLM
@@ -169,17 +168,13 @@ class ModelRunner:
     def _place_params(self, params) -> dict:
         mc, mesh = self.source_config, self.mesh
         quantize = self.cfg.quantization not in (None, "gguf")
-        if (quantize or quant.has_quantized(params)) and meshlib.tp_size(mesh) > 1:
-            raise UserError("Quantized weights run on one device for now: use tensor_parallel_size=1.",
-                            param="quantization")
         if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
             params = params.restore(meshlib.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
         if quantize:
             params = quant.quantize_params(params, self.cfg.quantization)
-        if quant.has_quantized(params):  # one device (above): every leaf as it is, floats in dtype
-            params = quant.place_params(params, self.dtype, meshlib.replicated(mesh))
-            self.param_shardings = jax.tree.map(lambda _: meshlib.replicated(mesh), params)
-            return params
+        if quant.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
+            self.param_shardings = meshlib.quantized_shardings(params, mc, mesh)
+            return quant.place_params(params, self.dtype, self.param_shardings)
         if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
             shapes = params.shapes()
             params = params.restore(meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)

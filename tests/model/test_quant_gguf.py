@@ -12,7 +12,7 @@ from jaxserve.model import default_model as dm
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.weights import hf_to_params
-from jaxserve.runtime import quant
+from jaxserve.runtime import kquants, quant
 
 RNG = np.random.default_rng(0)
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 64, 2, 2, 128, 128
@@ -27,8 +27,12 @@ def float_bytes(params) -> int:
     return sum(int(np.prod(x.shape)) * 4 for x in shapes)
 
 
-def write_tiny_gguf(path, matrix_type: str, arch: str = "llama") -> None:
-    """A 2-layer model whose matrices are `matrix_type` blocks (as `gguf` quantizes them), norms F32."""
+def write_tiny_gguf(path, matrix_type: str, arch: str = "llama", hidden: int = HIDDEN, inter: int = INTER,
+                    types: dict | None = None) -> None:
+    """A 2-layer model whose matrices are `matrix_type` blocks (as `gguf` quantizes them; K-quants
+    as kquants.quantize_gguf writes them), norms F32. `types`: other types for some matrices
+    ({"ffn_down": "Q6_K"}), as llama.cpp's mixes (Q4_K_M) have them."""
+    HIDDEN, INTER = hidden, inter  # noqa: N806 (the module's sizes, for this file)
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", 2), ("context_length", 256), ("embedding_length", HIDDEN),
                        ("feed_forward_length", INTER), ("attention.head_count", HEADS),
@@ -36,17 +40,18 @@ def write_tiny_gguf(path, matrix_type: str, arch: str = "llama") -> None:
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    qt = gguf.GGMLQuantizationType[matrix_type]
 
     def matrix(name, rows, cols):
-        raw = gguf.quants.quantize(RNG.standard_normal((rows, cols)).astype(np.float32) * 0.1, qt)
+        kind = (types or {}).get(name.split(".")[-2], matrix_type)
+        qt, x = gguf.GGMLQuantizationType[kind], RNG.standard_normal((rows, cols)).astype(np.float32) * 0.1
+        raw = kquants.quantize_gguf(x, kind) if kind in kquants.FORMATS else gguf.quants.quantize(x, qt)
         w.add_tensor(name, raw, raw_dtype=qt)
 
     matrix("token_embd.weight", VOCAB, HIDDEN)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     for i in range(2):
-        for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", KV_HEADS * 32, HIDDEN),
-                                 ("attn_v", KV_HEADS * 32, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
+        for name, rows, cols in (("attn_q", HIDDEN, HIDDEN), ("attn_k", KV_HEADS * HIDDEN // HEADS, HIDDEN),
+                                 ("attn_v", KV_HEADS * HIDDEN // HEADS, HIDDEN), ("attn_output", HIDDEN, HIDDEN),
                                  ("ffn_gate", INTER, HIDDEN), ("ffn_up", INTER, HIDDEN), ("ffn_down", HIDDEN, INTER)):
             matrix(f"blk.{i}.{name}.weight", rows, cols)
         for name in ("attn_norm", "ffn_norm"):
@@ -91,3 +96,42 @@ def test_default_model_kept_as_q4_1_and_q8_0():
     assert sum(isinstance(w, np.ndarray) and w.ndim == 2 for w in kept.values()) == 0
     total = quant.weight_bytes(kept)
     assert total <= 0.18 * 134_515_008 * 4  # 4.5-5 bits a weight (the Q8_0 embedding: 8.5)
+
+
+K_SIZES = {"hidden": 256, "inter": 512}  # K-quants' super-blocks: K in multiples of 256
+
+
+@pytest.mark.parametrize("matrix_type,types,budget", [("Q4_K", None, 0.17), ("Q6_K", None, 0.22),
+                                                      ("Q4_K", {"ffn_down": "Q6_K", "attn_v": "Q6_K"}, 0.17)])
+def test_tiny_k_quant_gguf_kept_packed(tmp_path, matrix_type, types, budget):
+    p = tmp_path / "m.gguf"
+    write_tiny_gguf(p, matrix_type, types=types, **K_SIZES)
+    kept = assert_kept_exactly(p)
+    kinds = {type(w).__name__ for w in kept.values() if quant.is_quantized(w)}
+    assert kinds == ({"Q4KWeight", "Q6KWeight"} if types else {f"{matrix_type[:2]}KWeight"})
+    assert sum(quant.is_quantized(w) for w in kept.values()) == 1 + 2 * 7
+    cfg = ModelConfig.from_hf(load_gguf(p)[0])
+    params = hf_to_params(kept, cfg)
+    assert quant.weight_bytes(params) <= budget * float_bytes(params)
+
+
+def test_k_quant_gguf_runs_as_its_float_model(tmp_path):
+    """A Q4_K / Q6_K mix kept packed gives the float32 (dequantized) model's greedy tokens, and
+    logits equal to the bit: each block decodes exactly and the native kernel sums in the float32
+    kernel's order."""
+    from tests.parallel.test_tensor_parallel import greedy_run, make_runner
+
+    from jaxserve.model.loader import load_model
+
+    p = tmp_path / "m.gguf"
+    write_tiny_gguf(p, "Q4_K", types={"ffn_down": "Q6_K"}, **K_SIZES)
+    prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
+    packed = make_runner(load_model(str(p), quantization="gguf"), 1)
+    assert quant.has_quantized(packed.params)
+    logits, tokens = greedy_run(packed, prompts, 4)
+    ref_logits, ref_tokens = greedy_run(make_runner(load_model(str(p)), 1), prompts, 4)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    if packed.backend.native_linear:
+        np.testing.assert_array_equal(logits, ref_logits)
+    else:
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)

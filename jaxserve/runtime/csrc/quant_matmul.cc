@@ -9,6 +9,12 @@
 //   2 Q4:    q u8[N / 64, K / 2, 64] (k = 2j low nibble, 2j + 1 high), d and m f16 like Q8_0's d,
 //            W = q * d + m
 //   3 fp8:   q u8[N / 64, K, 64] float8_e4m3fn bits, scale f32[N]  W = q * scale (scale after the sum)
+//   4 Q4_K:  q as Q4's; d f16[N / 64, K / 256, 2, 64] (d, dmin per super-block), m u8[N / 64,
+//            K / 32, 2, 64] (6-bit sc, min per 32-block)  W = q * (d * sc) - dmin * min
+//   5 Q6_K:  q u8[N / 64, K / 256, 192, 64] (per super-block: 128 rows of low-nibble pairs as Q4's,
+//            64 rows of the high 2 bits, k = 4j + t in bits 2t), d f16[N / 64, K / 256, 64],
+//            m i8[N / 64, K / 16, 64] (sc per 16-block)  W = (q - 32) * (d * sc)
+//            (runtime/kquants.py: each product there is exact in float32, so the decode is too)
 // Why: decoding streams every weight once per step, so bytes per weight bound its speed. Each
 // k-row of a panel (64 weights) is decoded in registers into four 16-lane float vectors right
 // before the FMAs that use it, so memory traffic is that of the packed form, and the arithmetic
@@ -19,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -40,7 +47,8 @@ using i32x16 = int32_t __attribute__((vector_size(64)));
 using h16 = _Float16 __attribute__((vector_size(32)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
 
-enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kFp8 = 3, kDecoded = 4 };  // kDecoded: a panel already decoded
+enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kFp8 = 3, kQ4K = 4, kQ6K = 5, kDecoded = 6 };  // kDecoded: a panel already decoded
+constexpr int kSuper = 256;  // K-quants' super-block
 
 // One panel of a quantized weight: its quants and, for the block formats, per-block d and m.
 struct Panel {
@@ -48,6 +56,7 @@ struct Panel {
   const _Float16* d;
   const _Float16* m;
   const float* f = nullptr;  // kDecoded
+  const uint8_t* s = nullptr;  // K-quants: the sub-blocks' integer scales
 };
 
 template <typename V, typename T>
@@ -114,6 +123,38 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
   for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
 
+// Weights per block that shares one (d, m) pair of vectors in ForEachRow.
+template <Fmt F>
+constexpr int kSub = F == kQ6K ? 16 : kBlock;
+
+// Block b's scale (and offset: Q4's m, Q4_K's -dmin * min) vectors, d[kNV] and m[kNV].
+template <Fmt F>
+inline void BlockScales(const Panel& p, int64_t b, v16 d[kNV], v16 m[kNV]) {
+  if constexpr (F == kQ4K) {
+    const int64_t sup = b / (kSuper / kBlock);
+    for (int v = 0; v < kNV; ++v) {
+      d[v] = Half(p.d + (2 * sup) * kPanel + v * kW) * Float(Load<u8x16>(p.s + (2 * b) * kPanel + v * kW));
+      m[v] = -(Half(p.d + (2 * sup + 1) * kPanel + v * kW) * Float(Load<u8x16>(p.s + (2 * b + 1) * kPanel + v * kW)));
+    }
+  } else if constexpr (F == kQ6K) {
+    for (int v = 0; v < kNV; ++v)
+      d[v] = Half(p.d + b / (kSuper / 16) * kPanel + v * kW) * Float(Load<i8x16>(p.s + b * kPanel + v * kW));
+  } else {
+    Halves(p.d + b * kPanel, d);
+    if constexpr (F == kQ4) Halves(p.m + b * kPanel, m);
+  }
+}
+
+// Q6_K rows k and k + 1 (k even) of 16 columns at v: the 6-bit values - 32, as int8.
+inline void Q6Pair(const uint8_t* q, int64_t k, int v, i8x16& lo, i8x16& hi) {
+  const uint8_t* sb = q + k / kSuper * (192 * kPanel);
+  const int64_t kk = k % kSuper;
+  const u8x16 nib = Load<u8x16>(sb + kk / 2 * kPanel + v * kW);
+  const u8x16 top = Load<u8x16>(sb + (128 + kk / 4) * kPanel + v * kW) >> (2 * (kk % 4));
+  lo = (i8x16)((nib & 15) | (top & 3) << 4) - 32;
+  hi = (i8x16)((nib >> 4) | (top & 12) << 2) - 32;
+}
+
 using jaxserve::Opaque;  // (vec.h) a decoded weight's scale is not folded into the FMAs
 
 // Calls use(k, w) for k = 0..K-1 in order, w[kNV] the panel's row k decoded (int8: q, unscaled),
@@ -138,15 +179,21 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
       use(k, w);
     }
   } else {
-    for (int64_t b = 0; b < k_len / kBlock; ++b) {
-      Halves(p.d + b * kPanel, d);
-      if constexpr (F == kQ4) Halves(p.m + b * kPanel, m);
-      for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += F == kQ4 ? 2 : 1) {
+    constexpr bool kPairs = F != kQ8;  // two rows per byte (Q4, Q4_K) or per step (Q6_K)
+    for (int64_t b = 0; b < k_len / kSub<F>; ++b) {
+      BlockScales<F>(p, b, d, m);
+      for (int64_t k = b * kSub<F>; k < (b + 1) * kSub<F>; k += kPairs ? 2 : 1) {
         for (int v = 0; v < kNV; ++v) {
-          if constexpr (F == kQ4) {
+          if constexpr (F == kQ4 || F == kQ4K) {
             const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
             w[v] = Float(byte & 15) * d[v] + m[v];
             hi[v] = Float(byte >> 4) * d[v] + m[v];
+            Opaque(hi[v]);
+          } else if constexpr (F == kQ6K) {
+            i8x16 lo, up;
+            Q6Pair(p.q, k, v, lo, up);
+            w[v] = Float(lo) * d[v];
+            hi[v] = Float(up) * d[v];
             Opaque(hi[v]);
           } else {
             w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW)) * d[v];
@@ -154,7 +201,7 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
           Opaque(w[v]);
         }
         use(k, w);
-        if constexpr (F == kQ4) {
+        if constexpr (kPairs) {
           fence();
           use(k + 1, hi);
         }
@@ -213,8 +260,16 @@ struct Weight {
   const void* d;  // int8: f32 scale[N]; else f16[P, K / 32, 64]
   const _Float16* m;
   Panel At(int64_t panel, int64_t k_len, Fmt f) const {
+    if (f == kInt8 || f == kFp8) return {q + panel * k_len * kPanel, nullptr, nullptr};
+    if (f == kQ4K || f == kQ6K) {  // m holds the sub-blocks' integer scales
+      const int64_t qs = (f == kQ4K ? k_len / 2 : k_len / kSuper * 192) * kPanel;
+      const int64_t ds = k_len / kSuper * (f == kQ4K ? 2 : 1) * kPanel;
+      const int64_t ss = f == kQ4K ? k_len / kBlock * 2 * kPanel : k_len / 16 * kPanel;
+      Panel p{q + panel * qs, static_cast<const _Float16*>(d) + panel * ds, nullptr};
+      p.s = reinterpret_cast<const uint8_t*>(m) + panel * ss;
+      return p;
+    }
     const int64_t qs = f == kQ4 ? k_len / 2 * kPanel : k_len * kPanel, ds = k_len / kBlock * kPanel;
-    if (f == kInt8 || f == kFp8) return {q + panel * qs, nullptr, nullptr};
     return {q + panel * qs, static_cast<const _Float16*>(d) + panel * ds, m ? m + panel * ds : nullptr};
   }
   const float* Scale(int64_t panel, Fmt f) const {
@@ -270,10 +325,25 @@ void Run(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t m_padded, in
   });
 }
 
+bool Dims(ffi::AnyBuffer a, ffi::DataType t, std::initializer_list<int64_t> want) {
+  const auto ad = a.dimensions();
+  return a.element_type() == t && std::equal(ad.begin(), ad.end(), want.begin(), want.end());
+}
+
+// Q4_K / Q6_K operands (q, d, m = the integer scales) as the format's comment above lays them out.
+bool KQuantShapes(Fmt f, int64_t panels, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
+  const int64_t sup = k_len / kSuper;
+  if (f == kQ4K)
+    return Dims(q, ffi::U8, {panels, k_len / 2, kPanel}) && Dims(d, ffi::F16, {panels, sup, 2, kPanel}) &&
+           Dims(m, ffi::U8, {panels, k_len / kBlock, 2, kPanel});
+  return Dims(q, ffi::U8, {panels, sup, 192, kPanel}) && Dims(d, ffi::F16, {panels, sup, kPanel}) &&
+         Dims(m, ffi::S8, {panels, k_len / 16, kPanel});
+}
+
 // The weight's panel count if (q, d, m) is a well-formed weight of format f for x[., K], else -1.
 int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
   const auto qd = q.dimensions();
-  if (qd.size() != 3 || qd[2] != kPanel) return -1;
+  if (qd.size() < 3 || qd.back() != kPanel || (qd.size() != 3 && f != kQ6K)) return -1;
   const int64_t panels = qd[0], blocks = k_len / kBlock;
   const auto dd = d.dimensions();
   const bool block_scales = dd.size() == 3 && dd[0] == panels && dd[1] == blocks && dd[2] == kPanel &&
@@ -288,13 +358,16 @@ int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::Any
     case kQ4:
       return q.element_type() == ffi::U8 && 2 * qd[1] == k_len && block_scales && m.element_type() == ffi::F16 &&
                      m.dimensions().size() == 3 && m.element_count() == d.element_count() ? panels : -1;
+    case kQ4K:
+    case kQ6K:
+      return k_len % kSuper == 0 && KQuantShapes(f, panels, k_len, q, d, m) ? panels : -1;
   }
   return -1;
 }
 
 Weight Of(ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m, Fmt f) {
   return {static_cast<const uint8_t*>(q.untyped_data()), d.untyped_data(),
-          f == kQ4 ? static_cast<const _Float16*>(m.untyped_data()) : nullptr};
+          f == kQ4 || f == kQ4K || f == kQ6K ? static_cast<const _Float16*>(m.untyped_data()) : nullptr};
 }
 
 ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t fmt, const Weight& w, const Weight* up,
@@ -306,12 +379,14 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t fmt,
     case kQ8: Run<kQ8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
     case kQ4: Run<kQ4>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
     case kFp8: Run<kFp8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ4K: Run<kQ4K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ6K: Run<kQ6K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
   }
   return ffi::Error::Success();
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && fmt >= kInt8 && fmt <= kFp8 && rows.element_count() == 1;
+  return x.dimensions().size() == 2 && fmt >= kInt8 && fmt <= kQ6K && rows.element_count() == 1;
 }
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
