@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+import weakref
 from importlib import resources
 
 import numpy as np
@@ -47,6 +48,9 @@ def quality_text() -> str:
     return resources.files("jaxserve.data").joinpath("quality.txt").read_text()
 
 
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> its jitted forward
+
+
 def text_logprobs(runner, ids: list[int]) -> np.ndarray:
     """float64 [n, V] log-probabilities of the next token after each of `ids`, in one forward: token
     i is sequence i, of length i + 1, and all n share one block table, so each attends to tokens
@@ -66,8 +70,10 @@ def text_logprobs(runner, ids: list[int]) -> np.ndarray:
     table[:n, :len(blocks)] = blocks
     md = AttentionMetadata(pad(blocks[pos // bs] * bs + pos % bs), pad(pos + 1),
                            np.minimum(np.arange(t + 1), n).astype(np.int32), table, np.asarray([n], np.int32))
-    fwd = jax.jit(lambda params, layers, ids, pos, md: runner.model.apply(
-        {"params": params}, ids, pos, layers, md, pos, runner.inv_freq)[0])  # no donation: the engine's
+    fwd = _FORWARDS.get(runner)
+    if fwd is None:  # one jit per runner: each length bucket compiles once, not once per call
+        fwd = _FORWARDS[runner] = jax.jit(lambda params, layers, ids, pos, md: runner.model.apply(
+            {"params": params}, ids, pos, layers, md, pos, runner.inv_freq)[0])  # no donation: the engine's
     logits = fwd(runner.params, runner.kv_caches, pad(ids), pad(pos), md)  # pages stay as they were
     x = np.asarray(logits[:n], np.float64)
     x -= x.max(axis=1, keepdims=True)

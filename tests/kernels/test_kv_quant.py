@@ -85,9 +85,10 @@ def test_writes_quantize_like_the_scatter(name):
             assert g.dtype == w.dtype
             np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
 
-    tpu = pallas_kernels.write_kv(*pages, k, v, slots, backend="tpu", interpret=True)
-    same([x._replace(data=x.data.reshape(-1, 3, 64)[real_slots(slots)]) for x in tpu],
-         [x._replace(data=x.data.reshape(-1, 3, 64)[real_slots(slots)]) for x in want])
+    if name == "fp8_e4m3":  # the TPU kernel moves bytes: one dtype is enough (interpreting is slow)
+        tpu = pallas_kernels.write_kv(*pages, k, v, slots, backend="tpu", interpret=True)
+        same([x._replace(data=x.data.reshape(-1, 3, 64)[real_slots(slots)]) for x in tpu],
+             [x._replace(data=x.data.reshape(-1, 3, 64)[real_slots(slots)]) for x in want])
     if cpu_kernels.available() is None:
         got = jax.jit(cpu_kernels.cpu_write_kv, donate_argnums=(0, 1))(*cpu_kernels.to_cpu_layout(*pages), k, v, slots)
         same(got, cpu_kernels.to_cpu_layout(*want))
@@ -123,9 +124,12 @@ def float_oracle(b, qargs, **kw):
                                             *md, **kw)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("case,heads,block_size,window,cap", [
-    ("decode", (9, 3), 16, None, None), ("mixed", (8, 2), 16, 6, 15.0), ("mixed", (6, 2), 8, None, None)])
+# block size 16: the tiled and decode-group paths (the fp8 widening in vector form) for every dtype;
+# block size 8: the generic loop (scalar widening).
+@pytest.mark.parametrize("name,case,heads,block_size,window,cap", [
+    ("int8", "mixed", (9, 3), 16, None, None), ("fp8_e4m3", "mixed", (8, 2), 16, 6, 15.0),
+    ("fp8_e5m2", "mixed", (9, 3), 16, None, None), ("int8", "decode", (6, 2), 8, None, None),
+    ("fp8_e5m2", "mixed", (6, 2), 8, 6, None)])
 def test_xla_and_cpu_paths_match_the_oracle(name, case, heads, block_size, window, cap):
     b = make_batch(np.random.default_rng(3), *CASES[case], num_q_heads=heads[0], num_kv_heads=heads[1],
                    block_size=block_size, pad_tokens=3)
@@ -134,15 +138,14 @@ def test_xla_and_cpu_paths_match_the_oracle(name, case, heads, block_size, windo
     want = float_oracle(b, qargs, **kw)
     got = jax.jit(functools.partial(xla_ragged_paged_attention, **kw))(*qargs)
     assert_close(got, want, b.num_real_tokens, rtol=1e-5, atol=1e-5)
-    if cpu_kernels.available() is None:  # block size 8: the generic loop; 16: the tiled and decode-group paths
+    if cpu_kernels.available() is None:
         q, k, v, *md = qargs
         got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, **kw))(
             q, *cpu_kernels.to_cpu_layout(k, v), *md)
         assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name,case,heads,window", [
-    ("int8", "mixed", (8, 2), None), ("fp8_e4m3", "decode", (9, 3), 6), ("fp8_e5m2", "mixed", (4, 4), None)])
+@pytest.mark.parametrize("name,case,heads,window", [("int8", "mixed", (8, 2), None), ("fp8_e4m3", "decode", (6, 2), 6)])
 def test_gpu_kernels_match_the_oracle_interpreted(name, case, heads, window):
     """The Mosaic GPU prefill kernel and the split-KV decode kernel (interpreters) over quantized
     pages: bfloat16 q and MMA operands, so bfloat16 tolerances."""

@@ -14,7 +14,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from pallas_kernels.kv_quant import QuantPages
 
-KW = dict(precompile=False, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_blocks=12,
+KW = dict(precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=10,
           block_size=16, prefix_cache="hash", tensor_parallel_size=2,
           speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                               "prompt_lookup_max": 3})
@@ -25,7 +25,7 @@ def prompts() -> list[list[int]]:
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 300, size=40).tolist()  # a shared prefix: prefix-cache hits
     out = []
-    for i in range(8):
+    for i in range(6):
         span = rng.integers(3, 300, size=int(rng.integers(4, 12))).tolist()
         out.append((shared if i % 2 else []) + span * 3)  # repeats: n-gram drafts get accepted
     return out
@@ -33,7 +33,7 @@ def prompts() -> list[list[int]]:
 
 def run(path, kv: str):
     llm = LLM(path, kv_cache_dtype=kv, **KW)
-    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), p, use_tqdm=False)]
     return llm, outs
 
