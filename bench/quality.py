@@ -1,6 +1,8 @@
 """`jaxserve bench quality`: what each weight format costs in quality, next to its size and speed.
 
-For every format (`--formats`; `none` is the float32 reference, `gguf` a GGUF file's own blocks):
+For every format (`--formats`; `none` is the float32 reference, `gguf` a GGUF file's own blocks),
+and every quantized KV cache (`--kv-cache-dtypes`: int8, fp8_e4m3, fp8_e5m2, each with float32
+weights, against the same reference, whose KV is the default: bfloat16 for a bfloat16 checkpoint):
   perplexity   on the text the package ships (jaxserve/data/quality.txt), teacher-forced in one
                forward (each token a one-token sequence over the same pages, so the LM head sees
                every position)
@@ -14,7 +16,8 @@ For every format (`--formats`; `none` is the float32 reference, `gguf` a GGUF fi
   weights      bytes held by the parameters after load, and their share of float32
   decode tok/s one stream, `LLM.generate` (time for --decode-tokens more tokens after the first)
 
-    jaxserve bench quality [--model PATH] [--formats none,int8,q8_0,q4_0,q4_1,q4_k,q6_k] [--out f.json]
+    jaxserve bench quality [--model PATH] [--formats none,int8,q8_0,q4_0,q4_1,q4_k,q6_k]
+                           [--kv-cache-dtypes int8,fp8_e4m3,fp8_e5m2] [--out f.json]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+import weakref
 from importlib import resources
 
 import numpy as np
@@ -44,6 +48,9 @@ def quality_text() -> str:
     return resources.files("jaxserve.data").joinpath("quality.txt").read_text()
 
 
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> its jitted forward
+
+
 def text_logprobs(runner, ids: list[int]) -> np.ndarray:
     """float64 [n, V] log-probabilities of the next token after each of `ids`, in one forward: token
     i is sequence i, of length i + 1, and all n share one block table, so each attends to tokens
@@ -63,8 +70,10 @@ def text_logprobs(runner, ids: list[int]) -> np.ndarray:
     table[:n, :len(blocks)] = blocks
     md = AttentionMetadata(pad(blocks[pos // bs] * bs + pos % bs), pad(pos + 1),
                            np.minimum(np.arange(t + 1), n).astype(np.int32), table, np.asarray([n], np.int32))
-    fwd = jax.jit(lambda params, layers, ids, pos, md: runner.model.apply(
-        {"params": params}, ids, pos, layers, md, pos, runner.inv_freq)[0])  # no donation: the engine's
+    fwd = _FORWARDS.get(runner)
+    if fwd is None:  # one jit per runner: each length bucket compiles once, not once per call
+        fwd = _FORWARDS[runner] = jax.jit(lambda params, layers, ids, pos, md: runner.model.apply(
+            {"params": params}, ids, pos, layers, md, pos, runner.inv_freq)[0])  # no donation: the engine's
     logits = fwd(runner.params, runner.kv_caches, pad(ids), pad(pos), md)  # pages stay as they were
     x = np.asarray(logits[:n], np.float64)
     x -= x.max(axis=1, keepdims=True)
@@ -82,12 +91,14 @@ def greedy_agreement(runner, prompts: list[list[int]], tokens: list[list[int]]) 
     return hits / total
 
 
-def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None) -> dict:
+def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None, kv: str | None = None) -> dict:
+    """One row: weights in `fmt`, the KV cache in `kv` (None: the engine's default)."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.runtime import quant
 
     llm = LLM(model, quantization=None if fmt == "none" else fmt, precompile=False, use_tqdm=False,
-              max_num_seqs=len(PROMPTS), max_num_batched_tokens=256, num_blocks=args.num_blocks)
+              max_num_seqs=len(PROMPTS), max_num_batched_tokens=256, num_blocks=args.num_blocks,
+              kv_cache_dtype=kv)
     runner = llm.engine.runner
     ids = ids[:runner.cfg.max_model_len]  # the same for every format of one model
     logp = text_logprobs(runner, ids)
@@ -103,7 +114,7 @@ def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None)
         t0 = time.perf_counter()
         llm.generate(PROMPTS[:1], sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-    out = {"format": fmt, "text_tokens": len(ids), "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant.weight_bytes(runner.params),
+    out = {"format": fmt, "kv_cache_dtype": runner.kv_cache_dtype, "text_tokens": len(ids), "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant.weight_bytes(runner.params),
            "decode_tok_s": args.decode_tokens / max(times[1] - times[0], 1e-9), "top1": top1, "tokens": tokens}
     if ref is not None:
         out["top1_agreement"] = float(np.mean(top1 == ref["top1"]))
@@ -123,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default=None,
                    help="comma-separated: none (float32, the reference), int8, q8_0, q4_0, q4_1, q4_k, q6_k, gguf "
                         "(default: all that apply; gguf for a .gguf model)")
+    p.add_argument("--kv-cache-dtypes", default="int8,fp8_e4m3,fp8_e5m2",
+                   help="comma-separated quantized KV caches measured with float32 weights ('' for none)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     p.add_argument("--text-tokens", type=int, default=1024, help="at most this many tokens of the text (default 1024)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens timed for decode tok/s (default 64)")
@@ -141,18 +154,20 @@ def main(argv=None) -> int:
     ids = Tokenizer.from_gguf(path) if is_gguf else Tokenizer.from_pretrained(path)
     ids = ids.encode(quality_text())[:args.text_tokens]
     results, ref = [], None
-    for fmt in formats:
-        r = measure(args.model, fmt, ids, args, ref)
+    runs = [(fmt, None) for fmt in formats] + [("none", kv) for kv in args.kv_cache_dtypes.split(",") if kv]
+    for fmt, kv in runs:
+        r = measure(args.model, fmt, ids, args, ref, kv)
         ref = ref or r
         results.append(r)
-        print(f"  {fmt}: perplexity {r['perplexity']:.3f}, {r['decode_tok_s']:.1f} tok/s", flush=True)
+        print(f"  {fmt}, KV {r['kv_cache_dtype']}: perplexity {r['perplexity']:.3f}, {r['decode_tok_s']:.1f} tok/s",
+              flush=True)
     pct = lambda r, k: f"{100 * r.get(k, 1.0):.1f}%"
-    rows = [(r["format"], r["weight_bytes"] / 2**20, pct(r, "weights_vs_float32"), f"{r['perplexity']:.3f}",
+    rows = [(r["format"], r["kv_cache_dtype"], r["weight_bytes"] / 2**20, pct(r, "weights_vs_float32"), f"{r['perplexity']:.3f}",
              f"{100 * r.get('perplexity_vs_ref', 0):+.2f}%", pct(r, "top1_agreement"), pct(r, "greedy_agreement"),
              pct(r, "free_running_agreement"), r["decode_tok_s"]) for r in results]
-    print(common.table(rows, ("format", "weights MiB", "of float32", "perplexity", "vs float32", "top-1",
+    print(common.table(rows, ("format", "KV", "weights MiB", "of float32", "perplexity", "vs float32", "top-1",
                               "greedy", "free-running", "decode tok/s"),
-                       f"Weight formats on {path.name}: {results[0]['text_tokens']} text tokens, {len(PROMPTS)} "
+                       f"Weight formats and KV caches on {path.name}: {results[0]['text_tokens']} text tokens, {len(PROMPTS)} "
                        f"prompts x {args.max_tokens} greedy tokens"))
     for r in results:
         r.pop("top1"), r.pop("tokens")

@@ -17,6 +17,7 @@ from jaxserve.errors import UserError
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")  # pallas_kernels/kv_quant.py: per-(token, head) scales
 QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "q4_k", "q6_k")  # runtime/quant.py
 SCHEDULES = POLICIES
 
@@ -74,7 +75,9 @@ class EngineConfig:
     dtype: str | None = _knob(None, "weights and activations (default: float32 on CPU, bfloat16 on TPU/GPU)",
                               choices=DTYPES)
     kv_cache_dtype: str | None = _knob(None, "KV cache storage (default: --dtype, but bfloat16 for a bfloat16 or "
-                                       "quantized checkpoint run in float32)", choices=DTYPES)
+                                       "quantized checkpoint run in float32); int8, fp8_e4m3, fp8_e5m2: "
+                                       "quantized with one float32 scale per token and kv head (~1.9x the "
+                                       "blocks of bfloat16 at head_dim 64)", choices=DTYPES + KV_QUANT_DTYPES)
     tensor_parallel_size: int = _knob(1, "shard the model over N devices", aliases=("--tp",))
     quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
                                      "q4_1, q4_k, q6_k (GGUF's blocks) made at load from any checkpoint; gguf: "

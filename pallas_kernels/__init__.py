@@ -15,7 +15,7 @@ from typing import Literal
 
 import jax
 
-from pallas_kernels import reference
+from pallas_kernels import kv_quant, reference
 
 Backend = Literal["auto", "tpu", "gpu", "reference"]
 
@@ -157,6 +157,16 @@ def write_kv(
     moves only the new rows, so there is no Pallas kernel for it.
     """
     name = resolve_backend(backend, interpret)
+    if name == "tpu" and isinstance(k_pages, kv_quant.QuantPages):
+        # Quantized here, then the same DMA kernel moves the bytes and (as rows of one value) the scales.
+        from pallas_kernels import kv_write
+
+        (kq, ks), (vq, vs) = (kv_quant.quantize(x, k_pages.dtype) for x in (k, v))
+        kw = dict(tokens_per_step=tokens_per_step, interpret=interpret)
+        kd, vd = kv_write.write_kv_tpu(k_pages.data, v_pages.data, kq, vq, slot_mapping, **kw)
+        kss, vss = kv_write.write_kv_tpu(k_pages.scale[..., None], v_pages.scale[..., None], ks[..., None],
+                                         vs[..., None], slot_mapping, **kw)
+        return kv_quant.QuantPages(kd, kss[..., 0]), kv_quant.QuantPages(vd, vss[..., 0])
     if name == "tpu":
         from pallas_kernels import kv_write
 

@@ -16,6 +16,13 @@ included) but never reads the null block or other sequences' pages.
 
 Inputs must be bfloat16 or float16 (WGMMA operands); ``unsupported`` says which shapes run. Any
 GQA ratio G <= 64 works: a tile holds ``64 // G`` tokens and pads its rows to 64.
+
+Quantized pages (``kv_quant.QuantPages``: int8 / fp8 data, a float32 scale per token and kv
+head) stream through the same ring in their own dtype, half the bytes of bfloat16, with each
+page's [block_size, Hkv] scales on the same barrier. A chunk is widened (exactly) into one
+compute-dtype SMEM tile for the MMA; the K scales multiply the chunk's score columns and the V
+scales its probabilities (after the softmax sum), so no element is ever multiplied by a scale.
+Only the interpreter has run this path so far (no GPU in the session that wrote it).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxserve.runtime import compat
 from pallas_kernels import common
+from pallas_kernels.kv_quant import KV_QUANT_DTYPES, QuantPages
 
 ROWS = 64  # WGMMA M per warpgroup
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -53,16 +61,22 @@ def default_pages_per_chunk(head_dim: int, block_size: int) -> int:
     return max(1, CHUNK_TOKENS.get(head_dim, 64) // block_size)
 
 
-def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0) -> int:
-    """q/out tile + K and V x ``stages`` ring slots + barriers + ``extra`` (a kernel's own)."""
+def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0, kv_dtype=None,
+               num_kv_heads: int = 0) -> int:
+    """q/out tile + K and V x ``stages`` ring slots + barriers + ``extra`` (a kernel's own);
+    quantized pages (``kv_dtype`` int8/fp8): ring slots of that dtype, their scale slots
+    ([chunk, num_kv_heads] f32 each) and the two widened compute-dtype tiles."""
     itemsize = jnp.dtype(dtype).itemsize
-    return (ROWS + 2 * stages * chunk) * head_dim * itemsize + 1024 + extra
+    ring = 2 * stages * chunk * head_dim * jnp.dtype(kv_dtype or dtype).itemsize
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        ring += 2 * stages * chunk * num_kv_heads * 4 + 2 * chunk * head_dim * itemsize
+    return ROWS * head_dim * itemsize + ring + 1024 + extra
 
 
-def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0) -> int:
+def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0, kv_dtype=None, num_kv_heads: int = 0) -> int:
     """The deepest TMA ring (2..MAX_STAGES chunks in flight) that fits in shared memory."""
     fits = [n for n in range(2, MAX_STAGES + 1)
-            if smem_bytes(head_dim, chunk, dtype, n, extra) <= SMEM_BYTES]
+            if smem_bytes(head_dim, chunk, dtype, n, extra, kv_dtype, num_kv_heads) <= SMEM_BYTES]
     return max(fits, default=2)
 
 
@@ -126,6 +140,12 @@ class Ops:
         # A fresh accumulator rather than ACC.init(acc) + run_state: keeps one code shape.
         return pl.run_scoped(scope, plgpu.ACC((ROWS, v_ref.shape[1]), jnp.float32))
 
+    def widen(self, src, dst):
+        """A quantized SMEM chunk -> its compute-dtype copy ``dst`` (exact), for the MMA."""
+        dst[...] = src[...].astype(dst.dtype)
+        plgpu.commit_smem()  # the MMA reads dst through the async proxy
+        return dst
+
     def init_carry(self, head_dim):
         acc = self.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         row = plgpu.Layout.WGMMA.reduce(1)
@@ -142,25 +162,47 @@ def smem_transforms(head_dim: int, dtype):
     )
 
 
-def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int):
-    """q/out tile, a ring of ``stages`` K and V chunks, their barriers (one arrival per page)."""
+def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int, kv_dtype=None,
+            num_kv_heads: int = 0):
+    """q/out tile, a ring of ``stages`` K and V chunks, their barriers (one arrival per page);
+    for quantized pages (``kv_dtype``) the ring holds that dtype, and four more: K and V scale
+    slots [stages, chunk, Hkv] (one more arrival per page each) and the widened K and V tiles."""
     transforms = smem_transforms(head_dim, dtype)
-    return (
+    kv_dtype = jnp.dtype(kv_dtype or dtype)
+    quant = kv_dtype != jnp.dtype(dtype)
+    ring = smem_transforms(head_dim, kv_dtype)
+    arrivals = pages_per_chunk * (2 if quant else 1)
+    base = (
         plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((stages, chunk, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, chunk, head_dim), kv_dtype, transforms=ring),
+        plgpu.SMEM((stages, chunk, head_dim), kv_dtype, transforms=ring),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+    )
+    if not quant:
+        return base
+    return base + (
+        plgpu.SMEM((stages, chunk, num_kv_heads), jnp.float32),
+        plgpu.SMEM((stages, chunk, num_kv_heads), jnp.float32),
+        plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
     )
 
 
-def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype):
+def head_scales(ref, head):
+    """f32[chunk] scales of kv head ``head`` out of a [chunk, Hkv] scale slot."""
+    return lax.dynamic_slice_in_dim(ref[...], head, 1, axis=1)[:, 0]
+
+
+def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype, head=None):
     """Online softmax over chunks [c_lo, c_hi) through a ring of ``stages`` SMEM slots: while
     chunk c is on the tensor cores, the TMAs (``fetch(c, slot)``) of the next ``stages - 1``
     chunks are in flight. ``mask_of(c)`` is the chunk's [ROWS, chunk] visibility; masked
-    probabilities are exactly 0, so masked slots need finite (not meaningful) K/V."""
+    probabilities are exactly 0, so masked slots need finite (not meaningful) K/V. Quantized
+    pages (``scratch`` with a kv_dtype): ``head`` picks the kv head's column of the scales."""
     q_smem, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
+    quant = k_smem.dtype != jnp.dtype(dtype)
     stages = k_smem.shape[0]
     log2e = math.log2(math.e)
 
@@ -179,7 +221,12 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
             fetch(ahead, lax.rem(ahead - c_lo, jnp.int32(stages)))
 
         plgpu.barrier_wait(k_bar.at[slot])
-        s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
+        if quant:
+            ks_smem, vs_smem, k_wide, v_wide = scoped[6:10]
+            s = ops.mma_qk(q_smem, ops.widen(k_smem.at[slot], k_wide))
+            s = s * lax.broadcast_in_dim(head_scales(ks_smem.at[slot], head) * sm_scale, s.shape, [1])
+        else:
+            s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = mask_of(c)
@@ -190,14 +237,19 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        acc = acc + ops.mma_pv(p.astype(dtype), v_smem.at[slot])
+        v_ref = v_smem.at[slot]
+        if quant:  # V scales on the probabilities, after their sum l_i
+            p = p * lax.broadcast_in_dim(head_scales(vs_smem.at[slot], head), p.shape, [1])
+            v_ref = ops.widen(v_ref, v_wide)
+        acc = acc + ops.mma_pv(p.astype(dtype), v_ref)
         return acc, m_new, l_i
 
     return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
 
 
-def page_fetcher(scoped, k_g, v_g, head, block_size):
-    """``fetch(slot, block_ids)``: one TMA per (K|V, page) of a chunk into ``slot``."""
+def page_fetcher(scoped, k_g, v_g, head, block_size, scales_g=()):
+    """``fetch(slot, block_ids)``: one TMA per (K|V, page) of a chunk into ``slot``; with
+    quantized pages (``scales_g``: the K and V scale arrays) one more per page for its scales."""
     _, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
 
     def fetch(slot, block_ids):
@@ -205,8 +257,19 @@ def page_fetcher(scoped, k_g, v_g, head, block_size):
             dst = pl.ds(j * block_size, block_size)
             plgpu.copy_gmem_to_smem(k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot])
+            if scales_g:
+                ks_smem, vs_smem = scoped[6:8]
+                plgpu.copy_gmem_to_smem(scales_g[0].at[block], ks_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(scales_g[1].at[block], vs_smem.at[slot, dst], v_bar.at[slot])
 
     return fetch
+
+
+def page_arrays(k_pages, v_pages) -> tuple[tuple, tuple]:
+    """((k, v) data arrays, (k, v) scale arrays or ()) as the kernels take them."""
+    if isinstance(k_pages, QuantPages):
+        return (k_pages.data, v_pages.data), (k_pages.scale, v_pages.scale)
+    return (k_pages, v_pages), ()
 
 
 def normalized(acc, l_i):
@@ -223,7 +286,10 @@ def validate(q, k_pages, v_pages, pages_per_chunk):
     reason = unsupported(q.dtype, head_dim, group, block_size, pages_per_chunk)
     if reason:
         raise ValueError(reason)
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if isinstance(k_pages, QuantPages):
+        if k_pages.dtype not in KV_QUANT_DTYPES.values() or v_pages.dtype != k_pages.dtype:
+            raise ValueError(f"quantized pages must be int8 or fp8, both alike, not {k_pages.dtype}/{v_pages.dtype}")
+    elif k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise ValueError("q, k_pages and v_pages must share a dtype")
     return group, pages_per_chunk
 
@@ -261,7 +327,10 @@ def ragged_paged_attention(
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
     tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
 
-    def body(seq_lens_g, qsl_g, tables_g, lo_g, hi_g, q_g, k_g, v_g, o_g, scoped):
+    (k_data, v_data), scales = page_arrays(k_pages, v_pages)
+
+    def body(seq_lens_g, qsl_g, tables_g, lo_g, hi_g, q_g, k_g, v_g, *rest):
+        *scales_g, o_g, scoped = rest
         q_smem, q_bar = scoped[0], scoped[3]
         tile = lax.axis_index("tile")
         head = lax.axis_index("head")
@@ -274,7 +343,7 @@ def ragged_paged_attention(
         # Rows past block_q * G pad the tile to 64: out of every sequence.
         row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, jnp.int32(group)), -1)
         col = ops.iota((ROWS, chunk), 1)
-        copy = page_fetcher(scoped, k_g, v_g, head, block_size)
+        copy = page_fetcher(scoped, k_g, v_g, head, block_size, scales_g)
 
         def seq_body(seq, carry):
             q_start = qsl_g[seq]
@@ -311,7 +380,7 @@ def ragged_paged_attention(
                 return mask
 
             return stream_chunks(ops, scoped, fetch=fetch, mask_of=mask_of, c_lo=c_lo, c_hi=c_hi,
-                           carry=carry, sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype)
+                           carry=carry, sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype, head=head)
 
         acc, _, l_i = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, ops.init_carry(head_dim))
         q_smem[...] = normalized(acc, l_i).astype(dtype)
@@ -323,7 +392,8 @@ def ragged_paged_attention(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
             *scratch(head_dim, chunk, pages_per_chunk, dtype,
-                     num_stages(head_dim, chunk, dtype)),
+                     num_stages(head_dim, chunk, dtype, kv_dtype=k_data.dtype, num_kv_heads=num_kv_heads),
+                     k_data.dtype, num_kv_heads),
         ),
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),
@@ -338,7 +408,8 @@ def ragged_paged_attention(
         tile_lo,
         tile_hi,
         q_rows,
-        k_pages,
-        v_pages,
+        k_data,
+        v_data,
+        *scales,
     )
     return common.from_rows(out, num_tokens, num_q_heads, block_q)

@@ -80,8 +80,11 @@ def decode_attention(
     tables = tables.set(block_tables[:num_tokens].astype(jnp.int32)).reshape(-1)
     q_rows = common.to_rows(q, num_kv_heads, 1, gpu.ROWS)  # [Hkv, T * 64, D]
 
-    def body(lens_g, tables_g, q_g, k_g, v_g, o_g, lse_g, scoped):
-        q_smem, q_bar, lse_smem = scoped[0], scoped[3], scoped[6]
+    (k_data, v_data), scales = gpu.page_arrays(k_pages, v_pages)
+
+    def body(lens_g, tables_g, q_g, k_g, v_g, *rest):
+        *scales_g, o_g, lse_g, scoped = rest
+        q_smem, q_bar, lse_smem = scoped[0], scoped[3], scoped[-1]
         seq = lax.axis_index("seq")
         head = lax.axis_index("head")
         split = lax.axis_index("split")
@@ -104,7 +107,7 @@ def decode_attention(
         kv_lo = jnp.maximum(p_lo * block_size, kv_begin)
         kv_hi = jnp.minimum(p_hi * block_size, kv_len)
         col = ops.iota((gpu.ROWS, chunk), 1)
-        copy = gpu.page_fetcher(scoped, k_g, v_g, head, block_size)
+        copy = gpu.page_fetcher(scoped, k_g, v_g, head, block_size, scales_g)
 
         def fetch(c, slot):
             # Past this split's last page, re-fetch it (static arrival count, never the null block).
@@ -119,7 +122,7 @@ def decode_attention(
 
         acc, m_i, l_i = gpu.stream_chunks(
             ops, scoped, fetch=fetch, mask_of=mask_of, c_lo=jnp.int32(0), c_hi=n_chunks,
-            carry=ops.init_carry(head_dim), sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype,
+            carry=ops.init_carry(head_dim), sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype, head=head,
         )
         # log2-domain log-sum-exp of this split; MASK_VALUE where it saw nothing.
         lse = jnp.where(l_i > 0.0, m_i + jnp.log2(jnp.where(l_i > 0.0, l_i, 1.0)),
@@ -137,11 +140,12 @@ def decode_attention(
     lse_smem = plgpu.SMEM((gpu.ROWS, LSE_COLS), jnp.float32,
                           transforms=gpu.smem_transforms(LSE_COLS, jnp.float32))
     rows = num_tokens * num_splits * out_rows
-    stages = gpu.num_stages(head_dim, chunk, dtype, extra=gpu.ROWS * LSE_COLS * 4)
+    stages = gpu.num_stages(head_dim, chunk, dtype, extra=gpu.ROWS * LSE_COLS * 4, kv_dtype=k_data.dtype,
+                            num_kv_heads=num_kv_heads)
     kernel = plgpu.kernel(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
-            *gpu.scratch(head_dim, chunk, pages_per_chunk, dtype, stages), lse_smem,
+            *gpu.scratch(head_dim, chunk, pages_per_chunk, dtype, stages, k_data.dtype, num_kv_heads), lse_smem,
         ),
         out_type=(
             jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), dtype),
@@ -152,7 +156,7 @@ def decode_attention(
         compiler_params=compat.gpu_compiler_params(approx_math=True),
         interpret=compat.gpu_interpret_params() if interpret else None,
     )
-    o_part, lse = kernel(lens, tables, q_rows, k_pages, v_pages)
+    o_part, lse = kernel(lens, tables, q_rows, k_data, v_data, *scales)
     return combine(o_part, lse, num_tokens, num_splits, group)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import gather, scatter_rows
+
 MASK_VALUE = -1e30
 
 
@@ -51,10 +53,11 @@ def ragged_paged_attention(
     ctx = max_blocks * block_size
 
     seq, pos, valid = token_layout(seq_lens, query_start_loc, num_seqs, num_tokens)
-    k = k_pages[block_tables].reshape(-1, ctx, num_kv_heads, head_dim)  # [S, ctx, Hkv, D]
-    v = v_pages[block_tables].reshape(-1, ctx, num_kv_heads, head_dim)
-    k = jnp.repeat(k[seq], group, axis=2).astype(jnp.float32)  # [T, ctx, Hq, D]
-    v = jnp.repeat(v[seq], group, axis=2).astype(jnp.float32)
+    # Pages as float32 (quantized pages dequantized: kv_quant.QuantPages).
+    k = gather(k_pages, block_tables).reshape(-1, ctx, num_kv_heads, head_dim)  # [S, ctx, Hkv, D]
+    v = gather(v_pages, block_tables).reshape(-1, ctx, num_kv_heads, head_dim)
+    k = jnp.repeat(k[seq], group, axis=2)  # [T, ctx, Hq, D]
+    v = jnp.repeat(v[seq], group, axis=2)
 
     s = jnp.einsum("thd,tchd->thc", q.astype(jnp.float32), k) * sm_scale
     if soft_cap is not None:
@@ -73,19 +76,14 @@ def ragged_paged_attention(
 
 
 def write_kv(
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k_pages,  # [num_blocks, block_size, Hkv, D] (or kv_quant.QuantPages)
+    v_pages,
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]; slot = block_id * block_size + offset
     *,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+):
+    """New K/V rows into their slots (rounded to the pages' dtype, or quantized)."""
     del interpret
-    num_blocks, block_size, num_kv_heads, head_dim = k_pages.shape
-    flat = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype))
-    return k_pages.reshape(num_blocks, block_size, num_kv_heads, head_dim), v_pages.reshape(
-        num_blocks, block_size, num_kv_heads, head_dim
-    )
+    return scatter_rows(k_pages, k, slot_mapping), scatter_rows(v_pages, v, slot_mapping)

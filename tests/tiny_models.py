@@ -49,7 +49,7 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, max_pos: int = 512, seed: int = 0) -> Path:
+                    kv_heads: int = 2, max_pos: int = 512, seed: int = 0, std: float = 0.08) -> Path:
     import torch
     import transformers
 
@@ -68,7 +68,7 @@ def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden:
     with torch.no_grad():  # larger weights than the default init, so logits are not all ~0
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, std)
             elif "norm" in str(p.shape):
                 pass
     model.save_pretrained(path, safe_serialization=True)

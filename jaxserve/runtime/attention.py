@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 # The XLA KV write is one scatter (in place: the pages are donated). pallas_kernels.write_kv has a
 # Mosaic TPU kernel too; it is not wired in yet.
+from pallas_kernels.kv_quant import gather as load_pages
 from pallas_kernels.reference import token_layout, write_kv  # noqa: F401  (re-exported)
 
 
@@ -115,8 +116,8 @@ def xla_ragged_paged_attention(
             blk = jax.lax.dynamic_slice_in_dim(rtab, c * dbpc, dbpc, axis=1)
             kv_pos = c * dchunk + jnp.arange(dchunk, dtype=jnp.int32)
             ok = visible(kv_pos, rpos)
-            k = k_pages[blk].reshape(rd, dchunk, hkv, d).astype(jnp.float32)
-            v = jnp.where(ok[:, :, None, None], v_pages[blk].reshape(rd, dchunk, hkv, d).astype(jnp.float32), 0.0)
+            k = load_pages(k_pages, blk).reshape(rd, dchunk, hkv, d)
+            v = jnp.where(ok[:, :, None, None], load_pages(v_pages, blk).reshape(rd, dchunk, hkv, d), 0.0)
             return online(inner, jnp.einsum("rkgd,rckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,rckd->rkgd")
 
         num_chunks = (jnp.max(rpos) + dchunk) // dchunk
@@ -149,8 +150,8 @@ def xla_ragged_paged_attention(
                 blk = jax.lax.dynamic_slice_in_dim(tables[sid], c * blocks_per_chunk, blocks_per_chunk)
                 kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
                 ok = visible(kv_pos, rpos) & mine[:, None]
-                k = k_pages[blk].reshape(chunk, hkv, d).astype(jnp.float32)
-                v = jnp.where((kv_pos <= top)[:, None, None], v_pages[blk].reshape(chunk, hkv, d).astype(jnp.float32), 0.0)
+                k = load_pages(k_pages, blk).reshape(chunk, hkv, d)
+                v = jnp.where((kv_pos <= top)[:, None, None], load_pages(v_pages, blk).reshape(chunk, hkv, d), 0.0)
                 return online(inner2, jnp.einsum("rkgd,ckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,ckd->rkgd")
 
             return jax.lax.fori_loop(0, (top + chunk) // chunk, kv_chunk, inner)

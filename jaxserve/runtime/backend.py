@@ -167,8 +167,13 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
 
     ``target`` (``cuda``/``gpu``/``tpu``) decides for that platform instead of this host's, with
     ``compute_capability`` standing in for the GPU's: what `jaxserve lower` exports for."""
+    from jaxserve.config import DTYPES
     from jaxserve.runtime import compat
+    from pallas_kernels import kv_quant
 
+    if kv_dtype not in DTYPES and not kv_quant.is_quantized(kv_dtype):
+        raise UserError(f"Unknown KV cache dtype {kv_dtype!r}: choose one of "
+                        f"{', '.join(DTYPES + tuple(kv_quant.KV_QUANT_DTYPES))}.", param="kv_cache_dtype")
     platform = target or jax.default_backend()
     platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
     if target is None:
@@ -184,11 +189,15 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                             param="attention_backend")
         name = requested or "pallas"
         reason = "requested" if requested else f"default on {platform}"
+        if name == "pallas" and platform == "tpu" and kv_quant.is_quantized(kv_dtype):
+            raise UserError(f"KV cache dtype {kv_dtype!r} has no TPU Pallas kernel yet: use "
+                            "--attention-backend xla, or a float --kv-cache-dtype.", param="kv_cache_dtype")
         if name == "pallas" and shape is not None:
             import pallas_kernels
 
+            # Quantized pages are widened to the compute dtype inside the kernel.
             why = pallas_kernels.supported(
-                platform, dtype=kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
+                platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
                 compute_capability=compute_capability)
             if why and requested:
                 raise UserError(f"Attention backend 'pallas' cannot run this model here: {why}; "
@@ -197,12 +206,12 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                 log.warning("Pallas attention unavailable (%s); using the portable 'xla' backend.", why)
                 name, reason = "xla", f"pallas unavailable: {why}"
         return Backend(platform, name, "paged", False, False, reason)
-    native_dtypes = dtype == "float32" and kv_dtype in ("float32", "bfloat16")
+    native_dtypes = dtype == "float32" and (kv_dtype in ("float32", "bfloat16") or kv_quant.is_quantized(kv_dtype))
     if requested in (None, "cpu"):
         from jaxserve.runtime import cpu_kernels
 
         why = None if native_dtypes else (
-            f"the native kernels compute in float32 with float32 or bfloat16 KV, not {dtype} with {kv_dtype} KV "
+            f"the native kernels compute in float32 with float32, bfloat16, int8 or fp8 KV, not {dtype} with {kv_dtype} KV "
             "(bfloat16 weights on them: --dtype float32 --quantization bfloat16)")
         why = why or cpu_kernels.available()  # builds the library now, outside any trace
         if why is None:

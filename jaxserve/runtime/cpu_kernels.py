@@ -34,9 +34,12 @@ import numpy as np
 
 from jaxserve.model.default_model import cache_dir
 from jaxserve.runtime.compat import ffi
+from pallas_kernels.kv_quant import QuantPages, quantize
 
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
+           "jaxserve_paged_attention_quant": "JaxservePagedAttentionQuant",
+           "jaxserve_write_kv_quant": "JaxserveWriteKvQuant",
            "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_gated": "JaxserveMatmulGated",
            "jaxserve_argmax": "JaxserveArgmax",
            "jaxserve_quant_matmul": "JaxserveQuantMatmul",
@@ -157,7 +160,13 @@ def available() -> str | None:
 
 def to_cpu_layout(k_pages, v_pages):
     """Pages in the engine's [nb, bs, Hkv, D] layout -> this backend's (same shape; K blocks hold
-    [Hkv, D, bs], V blocks [Hkv, bs, D]: see csrc/paged_attention.cc). For tests and tools."""
+    [Hkv, D, bs], V blocks [Hkv, bs, D], quantized pages' scale blocks [Hkv, bs]: see
+    csrc/paged_attention.cc). For tests and tools."""
+    if isinstance(k_pages, QuantPages):
+        k, v = to_cpu_layout(k_pages.data, v_pages.data)
+        nb, bs, hkv = k_pages.scale.shape
+        scales = [jnp.transpose(s, (0, 2, 1)).reshape(nb, bs, hkv) for s in (k_pages.scale, v_pages.scale)]
+        return QuantPages(k, scales[0]), QuantPages(v, scales[1])
     nb, bs, hkv, d = k_pages.shape
     k = jnp.transpose(k_pages, (0, 2, 3, 1)).reshape(nb, bs, hkv, d)
     v = jnp.transpose(v_pages, (0, 2, 1, 3)).reshape(nb, bs, hkv, d)
@@ -169,19 +178,31 @@ def cpu_ragged_paged_attention(
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, **unused,
 ):
     """`xla_ragged_paged_attention` over pages written by `cpu_write_kv` (the `cpu-tiled` KV
-    layout): float32 q, float32 or bfloat16 pages. The backend checks dtypes once
-    (backend.resolve_backend); this is the call itself."""
+    layout): float32 q, float32 or bfloat16 pages, or QuantPages (int8/fp8 and their scales). The
+    backend checks dtypes once (backend.resolve_backend); this is the call itself."""
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
-    return ffi.ffi_call("jaxserve_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
-        q, k_pages, v_pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
+    target, pages = "jaxserve_paged_attention", (k_pages, v_pages)
+    if isinstance(k_pages, QuantPages):
+        target, pages = "jaxserve_paged_attention_quant", (k_pages.data, v_pages.data, k_pages.scale, v_pages.scale)
+    return ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
+        q, *pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )
 
 
 def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """`write_kv` (rounding to the pages' dtype) into the `cpu-tiled` layout, in place through
-    aliased outputs."""
+    """`write_kv` (rounding to the pages' dtype, or quantized by kv_quant.quantize) into the
+    `cpu-tiled` layout, in place through aliased outputs."""
+    if isinstance(k_pages, QuantPages):
+        (kq, ks), (vq, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
+        data = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
+        scale = jax.ShapeDtypeStruct(k_pages.scale.shape, jnp.float32)
+        kd, vd, kss, vss = ffi.ffi_call(
+            "jaxserve_write_kv_quant", (data, data, scale, scale), input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+            vmap_method="sequential")(k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, kq, vq, ks, vs,
+                                      slot_mapping.astype(jnp.int32))
+        return QuantPages(kd, kss), QuantPages(vd, vss)
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     return ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},
                             vmap_method="sequential")(k_pages, v_pages, k.astype(jnp.float32),

@@ -251,8 +251,22 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(f, params, is_leaf=quant.is_quantized)
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(None, None, MODEL, None) if tp_size(mesh) > 1 else P())
+def kv_cache_sharding(mesh: Mesh, quantized: bool = False):
+    """One layer's K (or V) pages' sharding: kv heads over "model"; quantized pages' scales
+    ([nb, bs, Hkv]) go with their heads (a kv_quant.QuantPages of two shardings)."""
+    from pallas_kernels.kv_quant import QuantPages
+
+    spec = page_spec(quantized) if tp_size(mesh) > 1 else (QuantPages(P(), P()) if quantized else P())
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
+
+
+def page_spec(quantized: bool):
+    """The partition spec of one layer's K (or V) pages: P over [nb, bs, Hkv, D], or for
+    quantized pages a QuantPages of the data's and the scales' specs."""
+    from pallas_kernels.kv_quant import QuantPages
+
+    pages = P(None, None, MODEL, None)
+    return QuantPages(pages, P(None, None, MODEL)) if quantized else pages
 
 
 # ---- placing weights --------------------------------------------------------------------------
@@ -315,9 +329,12 @@ def shard_attention(attn_fn, mesh: Mesh):
     """
     if tp_size(mesh) == 1:
         return attn_fn
-    heads, pages, rep = P(None, MODEL, None), P(None, None, MODEL, None), P()
+    heads, rep = P(None, MODEL, None), P()
 
     def sharded(q, k, v, k_pages, v_pages, md, **kw):
+        from pallas_kernels.kv_quant import QuantPages
+
+        pages = page_spec(isinstance(k_pages, QuantPages))
         f = jax.shard_map(
             functools.partial(attn_fn, **kw), mesh=mesh,
             in_specs=(heads, heads, heads, pages, pages, rep), out_specs=(heads, pages, pages), check_vma=False,

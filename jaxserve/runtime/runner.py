@@ -37,6 +37,7 @@ from jaxserve.runtime import quant
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.sampler import sample
+from pallas_kernels import kv_quant
 
 log = logging.getLogger("jaxserve")
 
@@ -64,7 +65,8 @@ class RunnerConfig:
 
 
 class KVCaches(NamedTuple):
-    """Per-layer (k_pages, v_pages), with the layout they hold (backend.KV_LAYOUTS)."""
+    """Per-layer (k_pages, v_pages), with the layout they hold (backend.KV_LAYOUTS); pages are
+    arrays, or kv_quant.QuantPages (data + per-(token, head) scales) for a quantized cache."""
 
     layers: list
     layout: str
@@ -94,7 +96,13 @@ def unpack_batch(flat, specs) -> StepBatch:
 
 
 def dtype_size(dtype: str) -> int:
-    return np.dtype(jnp.dtype(dtype)).itemsize
+    return np.dtype(kv_storage_dtype(dtype)).itemsize
+
+
+def kv_storage_dtype(name: str):
+    """The dtype a KV cache's values are stored in: the dtype itself, or a quantized format's data
+    dtype (int8, float8_e4m3fn, float8_e5m2)."""
+    return kv_quant.KV_QUANT_DTYPES.get(name) or jnp.dtype(name)
 
 
 class ModelRunner:
@@ -103,11 +111,14 @@ class ModelRunner:
         `restore(shardings, dtype)` (an Orbax checkpoint, restored straight onto the mesh)."""
         self.cfg = cfg
         self.dtype = jnp.dtype(cfg.dtype)
-        self.kv_dtype = jnp.dtype(cfg.kv_cache_dtype or cfg.dtype)
+        # The KV cache's name (a dtype, or a quantized format: pallas_kernels/kv_quant.py) and the
+        # dtype its data is stored in.
+        self.kv_cache_dtype = cfg.kv_cache_dtype or cfg.dtype
+        self.kv_dtype = kv_storage_dtype(self.kv_cache_dtype)
         self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
         tp = meshlib.tp_size(self.mesh)
         shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
-        self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, str(self.kv_dtype), tp, shape)
+        self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
         log.info(self.backend.describe())
         self.source_config = model_cfg
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
@@ -124,7 +135,8 @@ class ModelRunner:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
-        self.kv_sharding = meshlib.kv_cache_sharding(self.mesh)
+        self.page_sharding = meshlib.kv_cache_sharding(self.mesh, kv_quant.is_quantized(self.kv_cache_dtype))
+        self.kv_sharding = [(self.page_sharding,) * 2] * model_cfg.num_layers
         self.kv = self._allocate_kv(cfg.num_blocks)
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -146,7 +158,7 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
         mc = self.model_cfg
         shape = (num_blocks, self.cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self.kv_sharding)
+        zeros = jax.jit(lambda: kv_quant.empty(shape, self.kv_cache_dtype), out_shardings=self.page_sharding)
         return KVCaches([(zeros(), zeros()) for _ in range(mc.num_layers)], self.backend.kv_layout)
 
     def resize_kv(self, num_blocks: int) -> None:
@@ -296,10 +308,12 @@ class ModelRunner:
 
 
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """KV bytes of one block on one device (kv heads split over tp, at least one head each)."""
+    """KV bytes of one block on one device (kv heads split over tp, at least one head each); a
+    quantized cache counts its data and its float32 scale per (token, kv head)."""
     tp = tensor_parallel_size
     heads = max(model_cfg.num_kv_heads // tp, 1) if tp > 1 else model_cfg.num_kv_heads
-    return 2 * model_cfg.num_layers * heads * model_cfg.head_dim * block_size * dtype_size(dtype)
+    per_head = model_cfg.head_dim * dtype_size(dtype) + (4 if kv_quant.is_quantized(dtype) else 0)
+    return 2 * model_cfg.num_layers * heads * per_head * block_size
 
 
 def default_dtype() -> str:

@@ -1,7 +1,7 @@
 // Ragged paged attention for XLA:CPU, as XLA FFI custom calls: the KV write and the attention.
 //
-// Contract of pallas_kernels.reference.ragged_paged_attention (float32 q and math; float32 or
-// bfloat16 pages, widened on load): q[T, Hq, D]; sequence
+// Contract of pallas_kernels.reference.ragged_paged_attention (float32 q and math; float32,
+// bfloat16, int8 or fp8 (e4m3fn / e5m2) pages, widened on load): q[T, Hq, D]; sequence
 // s owns the new tokens query_start_loc[s] .. query_start_loc[s+1] and has seq_lens[s] tokens of
 // context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
 // are padding and come out zero.
@@ -12,6 +12,10 @@
 //   K block: [Hkv][D][block_size]  (transposed: 16 consecutive slots of one dim are one vector)
 //   V block: [Hkv][block_size][D]
 // so a head's part of a block is one contiguous run, and scoring needs no transposes.
+// Quantized pages (pallas_kernels/kv_quant.py) come with float32 scales, one per (slot, kv head),
+// held per block as [Hkv][block_size] in the nominal [num_blocks, block_size, Hkv] array. A tile's
+// int8/fp8 values are widened exactly; the scales then multiply the tile's scores (K) and its
+// probabilities (V), never the K/V elements.
 //
 // Attention: each work item is (sequence, block of rows, all kv heads); it reads the sequence's
 // pages once and scores the rows' query vectors Q at a time against 16-slot tiles (online softmax,
@@ -27,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -51,6 +56,12 @@ struct Problem {
   int64_t max_blocks, num_blocks, block_size, hq, hkv, d;
   float scale, soft_cap;
   int64_t window;  // 0: none
+  const float* ks = nullptr;  // quantized pages: per-(slot, head) scales, per block [Hkv][bs]
+  const float* vs = nullptr;
+
+  // The scales of slots c.. of block blk, head h.
+  const float* KScale(int64_t blk, int64_t h, int64_t c) const { return ks + (blk * hkv + h) * block_size + c; }
+  const float* VScale(int64_t blk, int64_t h, int64_t c) const { return vs + (blk * hkv + h) * block_size + c; }
 
   // Element (slot c of block blk, head h, dim e) in this backend's layout.
   template <typename T>
@@ -75,11 +86,37 @@ inline float ToFloat(Bf16 x) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
-inline void FromFloat(float x, float* dst) { *dst = x; }
-inline void FromFloat(float x, Bf16* dst) {
+inline void Store(float x, float* dst) { *dst = x; }
+inline void Store(float x, Bf16* dst) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
   dst->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void Store(uint8_t x, uint8_t* dst) { *dst = x; }  // quantized bytes (made by kv_quant.quantize)
+
+// Quantized storage: int8, and fp8 as e4m3fn (4 exponent bits, bias 7, 3 mantissa bits) or e5m2
+// (bias 15, 2 mantissa bits). Widening is exact; the NaN codes never occur (values are clipped to
+// the format's max before they are stored).
+template <int M, int Bias>
+struct Fp8 {
+  uint8_t bits;
+};
+using E4m3 = Fp8<3, 7>;
+using E5m2 = Fp8<2, 15>;
+template <typename T>
+constexpr bool kQuant = !std::is_same<T, float>::value && !std::is_same<T, Bf16>::value;
+
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+// value = mantissa (with its implicit leading one when the exponent field is not zero) * 2^(e - bias - M),
+// the power of two made from its bits (always a normal float): no subnormal arithmetic, no table.
+template <int M, int Bias>
+inline float ToFloat(Fp8<M, Bias> x) {
+  const int32_t m = x.bits & ((1 << M) - 1), e = (x.bits >> M) & ((1 << (7 - M)) - 1);
+  const uint32_t pow_bits = uint32_t(std::max(e, 1) - Bias - M + 127) << 23;
+  float pow;
+  std::memcpy(&pow, &pow_bits, sizeof(pow));
+  const float v = static_cast<float>(e == 0 ? m : m + (1 << M)) * pow;
+  return x.bits & 0x80 ? -v : v;
 }
 
 constexpr int kGroup = 4;  // decode sequences per group item (interleaved memory streams)
@@ -130,6 +167,7 @@ void GenericItem(const Problem& p, const Item& it) {
         float s = 0.0f;
         for (int64_t e = 0; e < d; ++e) s += qi[e] * ToFloat(*p.KAt<T>(blk, h, c, e));
         s *= p.scale;
+        if constexpr (kQuant<T>) s *= *p.KScale(blk, h, c);
         if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
         sc[c] = s;
         mx = std::max(mx, s);
@@ -140,8 +178,9 @@ void GenericItem(const Problem& p, const Item& it) {
       for (int64_t c = lo; c <= hi; ++c) {
         const float pc = std::exp(sc[c] - mx);
         l += pc;
+        const float pv = kQuant<T> ? pc * *p.VScale(blk, h, c) : pc;
         const T* vc = p.VAt<T>(blk, h, c, 0);
-        for (int64_t e = 0; e < d; ++e) acc[e] += pc * ToFloat(vc[e]);
+        for (int64_t e = 0; e < d; ++e) acc[e] += pv * ToFloat(vc[e]);
       }
       m = mx;
     }
@@ -180,6 +219,47 @@ inline v16 LoadU(const Bf16* src) {
   v16 x;
   std::memcpy(&x, &w, sizeof(x));
   return x;
+}
+
+inline v16 LoadU(const int8_t* src) {
+  using i8x16 = int8_t __attribute__((vector_size(16)));
+  i8x16 b;
+  std::memcpy(&b, src, sizeof(b));
+  return __builtin_convertvector(b, v16);
+}
+
+// 16 fp8 values: ToFloat's arithmetic, lane-wise.
+template <int M, int Bias>
+inline v16 LoadU(const Fp8<M, Bias>* src) {
+  using u8x16 = uint8_t __attribute__((vector_size(16)));
+  using i32x16 = int32_t __attribute__((vector_size(64)));
+  u8x16 b;
+  std::memcpy(&b, src, sizeof(b));
+  const i32x16 i = __builtin_convertvector(b, i32x16);
+  const i32x16 m = i & ((1 << M) - 1), e = (i >> M) & ((1 << (7 - M)) - 1);
+  const i32x16 mant = e == 0 ? m : m + (1 << M);
+  const i32x16 pow_bits = ((e == 0 ? i32x16{} + 1 : e) + (127 - Bias - M)) << 23;
+  v16 pow;
+  std::memcpy(&pow, &pow_bits, sizeof(pow));
+  const v16 v = __builtin_convertvector(mant, v16) * pow;
+  return (i & 0x80) != 0 ? -v : v;
+}
+
+// Quantized pages: a tile's per-slot K scales multiply its scores; V scales multiply each visible
+// probability [jlo, jhi] (the softmax sum l is taken before, over the unscaled probabilities).
+template <typename T>
+inline void ScaleScores(const Problem& p, int64_t blk, int64_t h, int64_t off, v16* sc, int n) {
+  if constexpr (kQuant<T>) {
+    const v16 s = LoadU(p.KScale(blk, h, off));
+    for (int q = 0; q < n; ++q) sc[q] *= s;
+  }
+}
+template <typename T>
+inline void ScaleProbs(const Problem& p, int64_t blk, int64_t h, int64_t off, int64_t jlo, int64_t jhi, float* pr) {
+  if constexpr (kQuant<T>) {
+    const float* s = p.VScale(blk, h, off);
+    for (int64_t c = jlo; c <= jhi; ++c) pr[c] *= s[c];
+  }
 }
 
 // One online-softmax step of a query vector over a 16-slot tile whose visible lanes are
@@ -280,6 +360,7 @@ void TiledItem(const Problem& p, const Item& it) {
           const v16 kv = LoadU(kf + e * ks);
           for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
         }
+        ScaleScores<T>(p, blk, h, off, sc, Q);
         float pr[Q][kW];
         for (int q = 0; q < Q; ++q) {
           const int64_t i = i0 + q;
@@ -288,6 +369,7 @@ void TiledItem(const Problem& p, const Item& it) {
             continue;
           }
           OnlineSoftmax<DV>(p, sc[q], jlo[q], jhi[q], &m[i], &l[i], &acc[i * DV], pr[q]);
+          ScaleProbs<T>(p, blk, h, off, jlo[q], jhi[q], pr[q]);
         }
         // Only slots some vector sees are read: past the context a tile may hold anything.
         v16* av = acc.data() + i0 * DV;
@@ -376,6 +458,8 @@ void DecodeGroup(const Problem& p, const Item& it) {
           const float* qv = qs.data() + (s * hkv + h) * Q * D + e;
           for (int q = 0; q < Q; ++q) sc[s][q] += qv[q * D] * kv;
         }
+      for (int s = 0; s < S; ++s)
+        if (blk[s] >= 0) ScaleScores<T>(p, blk[s], h, off, sc[s], Q);
       float pr[S][Q][kW];
       for (int s = 0; s < S; ++s)
         for (int q = 0; q < Q; ++q) {
@@ -385,6 +469,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
             continue;
           }
           OnlineSoftmax<DV>(p, sc[s][q], jlo[s], jhi[s], &m[i], &l[i], &acc[i * DV], pr[s][q]);
+          ScaleProbs<T>(p, blk[s], h, off, jlo[s], jhi[s], pr[s][q]);
         }
       for (int e = 0; e < DV; ++e) {
         v16 a[S][Q];
@@ -436,8 +521,22 @@ ItemFn PickItemFn(int64_t bs, int64_t d) {
   return d == 64 ? TiledAny<64, T> : d == 128 ? TiledAny<128, T> : TiledAny<256, T>;
 }
 
+// The item function for the pages' element type (nullptr: not a type this kernel reads).
+ItemFn PickItemFn(ffi::DataType type, int64_t bs, int64_t d) {
+  switch (type) {
+    case ffi::DataType::F32: return PickItemFn<float>(bs, d);
+    case ffi::DataType::BF16: return PickItemFn<Bf16>(bs, d);
+    case ffi::DataType::S8: return PickItemFn<int8_t>(bs, d);
+    case ffi::DataType::F8E4M3FN: return PickItemFn<E4m3>(bs, d);
+    case ffi::DataType::F8E5M2: return PickItemFn<E5m2>(bs, d);
+    default: return nullptr;
+  }
+}
+
+// Float pages (k_scale == nullptr) or quantized pages with their scales.
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                     ffi::AnyBuffer v, ffi::Buffer<ffi::S32> seq_lens,
+                     ffi::AnyBuffer v, const ffi::Buffer<ffi::F32>* k_scale, const ffi::Buffer<ffi::F32>* v_scale,
+                     ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> block_tables,
                      ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
                      float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
@@ -445,9 +544,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   const auto kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("paged attention: expected q[T,Hq,D], pages[nb,bs,Hkv,D]");
-  const bool bf16 = k.element_type() == ffi::DataType::BF16;
-  if (k.element_type() != v.element_type() || (!bf16 && k.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("paged attention: pages must be float32 or bfloat16, both alike");
+  const auto type = k.element_type();
+  const bool quant = type != ffi::DataType::F32 && type != ffi::DataType::BF16;
+  const ItemFn fn = PickItemFn(type, kd[1], kd[3]);
+  if (type != v.element_type() || fn == nullptr || quant != (k_scale != nullptr))
+    return ffi::Error::InvalidArgument(
+        "paged attention: pages must be float32 or bfloat16, or int8/fp8 with scales, both alike");
+  if (quant && (k_scale->element_count() != kd[0] * kd[1] * kd[2] ||
+                v_scale->element_count() != kd[0] * kd[1] * kd[2]))
+    return ffi::Error::InvalidArgument("paged attention: scales must be [nb, bs, Hkv]");
   const int64_t t = qd[0];
   Problem p;
   std::vector<Item> items;
@@ -455,6 +560,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
               seq_lens.typed_data(), query_start_loc.typed_data(), block_tables.typed_data(),
               block_tables.dimensions()[1], kd[0], kd[1], qd[1], kd[2], qd[2],
               sm_scale, soft_cap, sliding_window};
+  if (quant) p.ks = k_scale->typed_data(), p.vs = v_scale->typed_data();
   if (p.hq % p.hkv != 0 || kd[3] != p.d)
     return ffi::Error::InvalidArgument("paged attention: head counts or head_dim do not match");
   const int64_t s_cap = seq_lens.dimensions()[0];
@@ -463,7 +569,6 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   const int64_t valid = ns > 0 ? std::clamp<int64_t>(qsl[ns], 0, t) : 0;
   if (valid < t) std::memset(p.out + valid * p.hq * p.d, 0, (t - valid) * p.hq * p.d * sizeof(float));
 
-  const ItemFn fn = bf16 ? PickItemFn<Bf16>(p.block_size, p.d) : PickItemFn<float>(p.block_size, p.d);
   const bool grouped = Tiled(p.block_size, p.d) && p.hq / p.hkv <= 4;
   std::vector<int32_t> decodes;  // single-row sequences, grouped below when the fast path runs
   for (int32_t s = 0; s < ns; ++s) {
@@ -500,20 +605,38 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+ffi::Error FloatAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                          int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Attention(pool, q, k, v, nullptr, nullptr, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale,
+                   sliding_window, soft_cap, out);
+}
+
+ffi::Error QuantAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                          int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Attention(pool, q, k, v, &k_scale, &v_scale, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale,
+                   sliding_window, soft_cap, out);
+}
+
 // Tokens t0..t1-1 go to consecutive slots c0.. of block blk: for each (head, dim) the run's K
 // values fill consecutive slots (one cache line for a 16-token run), V rows are contiguous.
-template <typename T>
-void WriteRun(const float* k, const float* v, int64_t t0, int64_t t1, int64_t blk, int64_t c0, int64_t bs,
+// S -> T: float -> float / bfloat16, or quantized bytes as they are; scales are rows of d = 1.
+template <typename S, typename T>
+void WriteRun(const S* k, const S* v, int64_t t0, int64_t t1, int64_t blk, int64_t c0, int64_t bs,
               int64_t hkv, int64_t d, T* ko, T* vo) {
   for (int64_t h = 0; h < hkv; ++h) {
     for (int64_t e = 0; e < d; ++e) {
       T* kdst = ko + ((blk * hkv + h) * d + e) * bs + c0;  // K block [Hkv][D][bs]
-      for (int64_t t = t0; t < t1; ++t) FromFloat(k[(t * hkv + h) * d + e], kdst + (t - t0));
+      for (int64_t t = t0; t < t1; ++t) Store(k[(t * hkv + h) * d + e], kdst + (t - t0));
     }
     for (int64_t t = t0; t < t1; ++t) {
-      const float* vr = v + (t * hkv + h) * d;
+      const S* vr = v + (t * hkv + h) * d;
       T* vdst = vo + ((blk * hkv + h) * bs + c0 + (t - t0)) * d;  // V block [Hkv][bs][D]
-      for (int64_t e = 0; e < d; ++e) FromFloat(vr[e], vdst + e);
+      for (int64_t e = 0; e < d; ++e) Store(vr[e], vdst + e);
     }
   }
 }
@@ -521,8 +644,8 @@ void WriteRun(const float* k, const float* v, int64_t t0, int64_t t1, int64_t bl
 // Splits the tokens into runs of consecutive slots within one block and writes the runs in
 // parallel. Runs into the same block as the run before (padding tokens all write the null block)
 // stay in one work item, so no two threads write one block.
-template <typename T>
-void WriteRows(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots, int64_t t_count,
+template <typename S, typename T>
+void WriteRows(ffi::ThreadPool& pool, const S* k, const S* v, const int32_t* slots, int64_t t_count,
                int64_t bs, int64_t hkv, int64_t d, T* ko, T* vo) {
   std::vector<int64_t> run_start, item_start;  // item i covers runs item_start[i] .. item_start[i+1]-1
   for (int64_t t = 0; t < t_count; ++t) {
@@ -565,9 +688,40 @@ ffi::Error WriteKv(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// Quantized pages: this step's K/V already quantized (kv_quant.quantize: bytes + a scale per
+// token and head) go to their slots, the bytes as they are and the scales as rows of one value.
+ffi::Error WriteKvQuant(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                        ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
+                        ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
+                        ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::Buffer<ffi::F32>> ks_out,
+                        ffi::Result<ffi::Buffer<ffi::F32>> vs_out) {
+  const auto pd = k_pages.dimensions();
+  const auto kd = k.dimensions();
+  if (pd.size() != 4 || kd.size() != 3 || kd[1] != pd[2] || kd[2] != pd[3])
+    return ffi::Error::InvalidArgument("kv write: expected pages[nb,bs,Hkv,D] and k/v[T,Hkv,D]");
+  const auto type = k_pages.element_type();
+  if (type != v_pages.element_type() || type != k.element_type() || type != v.element_type() ||
+      ffi::ByteWidth(type) != 1)
+    return ffi::Error::InvalidArgument("kv write: quantized pages and new rows must share a one-byte type");
+  const int64_t bs = pd[1], hkv = pd[2], d = pd[3], num_slots = pd[0] * bs;
+  if (k_scales.element_count() != num_slots * hkv || ks.element_count() != kd[0] * hkv)
+    return ffi::Error::InvalidArgument("kv write: scales must be [nb, bs, Hkv] and [T, Hkv]");
+  const int32_t* slots = slot_mapping.typed_data();
+  for (int64_t t = 0; t < kd[0]; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
+  const auto* kb = static_cast<const uint8_t*>(k.untyped_data());
+  const auto* vb = static_cast<const uint8_t*>(v.untyped_data());
+  WriteRows(pool, kb, vb, slots, kd[0], bs, hkv, d, static_cast<uint8_t*>(k_out->untyped_data()),
+            static_cast<uint8_t*>(v_out->untyped_data()));
+  WriteRows(pool, ks.typed_data(), vs.typed_data(), slots, kd[0], bs, hkv, int64_t{1}, ks_out->typed_data(),
+            vs_out->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, Attention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, FloatAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
@@ -592,3 +746,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
                                   .Ret<ffi::AnyBuffer>()  // k_pages (aliased)
                                   .Ret<ffi::AnyBuffer>());  // v_pages (aliased)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQuant, QuantAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k_pages data (int8 / fp8)
+                                  .Arg<ffi::AnyBuffer>()  // v_pages data
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [nb, bs, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvQuant, WriteKvQuant,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // k_pages data (int8 / fp8)
+                                  .Arg<ffi::AnyBuffer>()  // v_pages data
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [nb, bs, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
+                                  .Arg<ffi::AnyBuffer>()  // k[T, Hkv, D] quantized
+                                  .Arg<ffi::AnyBuffer>()  // v[T, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [T, Hkv]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Ret<ffi::AnyBuffer>()  // k_pages data (aliased)
+                                  .Ret<ffi::AnyBuffer>()  // v_pages data (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k scales (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // v scales (aliased)
