@@ -26,7 +26,9 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
 
     eng = llm.engine
     vocab = eng.model_config.vocab_size
-    p = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    # Long enough that no request ends before the timed steps are over: the prefill of N prompts
+    # takes N x prompt_len / max_num_batched_tokens steps, in which the first ones already decode.
+    p = SamplingParams(max_tokens=steps + 8 + prefill_steps(n, prompt_len), temperature=0, ignore_eos=True)
     for i in range(n):
         eng.add_request(f"h{n}-{i}", None, p, prompt_token_ids=[(7 * i + j) % (vocab - 10) + 5
                                                                  for j in range(prompt_len)])
@@ -36,11 +38,13 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
         eng.step()
     t = eng.timing
     h0, w0, s0, t0, c0 = t["host_s"], t["device_wait_s"], t["steps"], time.perf_counter(), time.thread_time()
+    rows = len(eng.scheduler.running)
     for _ in range(steps):
         eng.step()
     wall = time.perf_counter() - t0
     cpu = time.thread_time() - c0
     k = t["steps"] - s0
+    assert rows == n == len(eng.scheduler.running), (n, rows, len(eng.scheduler.running))
     device = device_step_s(eng, steps)
     for i in range(n):
         eng.abort_request(f"h{n}-{i}")
@@ -49,6 +53,10 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
     return {"running": n, "steps": k, "host_ms": 1e3 * (t["host_s"] - h0) / k, "host_cpu_ms": 1e3 * cpu / k,
             "device_wait_ms": 1e3 * (t["device_wait_s"] - w0) / k, "wall_ms": 1e3 * wall / k,
             "device_step_ms": 1e3 * device, "exposed_ms": max(0.0, 1e3 * (wall / k - device))}
+
+
+def prefill_steps(n: int, prompt_len: int) -> int:
+    return -(-n * prompt_len // max(512, n)) + 1
 
 
 def device_step_s(eng, steps: int) -> float:
@@ -88,7 +96,7 @@ def main(argv=None) -> int:
     rows, results = [], []
     for overlap in (True, False):
         llm = LLM(args.model, max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
-                  max_model_len=args.prompt_len + args.steps + 64, precompile=False, async_scheduling=overlap)
+                  max_model_len=args.prompt_len + args.steps + 64 + prefill_steps(max(levels), args.prompt_len), precompile=False, async_scheduling=overlap)
         for n in levels:
             run(llm, n, args.prompt_len, 4)  # warm-up: every bucket these steps meet is compiled
             r = run(llm, n, args.prompt_len, args.steps) | {"async_scheduling": overlap}
