@@ -86,8 +86,8 @@ def resolve_backend(backend: Backend = "auto", interpret: bool = False) -> str:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D] (tpu: or the tpu-fused pages)
+    v_pages: jax.Array | None,  # [num_blocks, block_size, Hkv, D] (None with tpu-fused pages)
     seq_lens: jax.Array,  # i32[S]
     query_start_loc: jax.Array,  # i32[S+1]
     block_tables: jax.Array,  # i32[S, max_blocks]
@@ -115,8 +115,12 @@ def ragged_paged_attention(
     if name == "tpu":
         from pallas_kernels import tpu
 
-        group = q.shape[1] // k_pages.shape[2]
-        sizes = {**tpu.block_sizes(decode_only, group, k_pages.shape[1]), **block_sizes}
+        fused = v_pages is None  # the tpu-fused layout [nb, 2 * Hkv, bs, Dp]
+        hkv = k_pages.shape[1] // 2 if fused else k_pages.shape[2]
+        bs = k_pages.shape[2] if fused else k_pages.shape[1]
+        table = tpu.block_sizes(decode_only, q.shape[1] // hkv, bs, num_kv_heads=hkv,
+                                head_dim=q.shape[2], itemsize=k_pages.dtype.itemsize)
+        sizes = {**table, **block_sizes}
         return tpu.ragged_paged_attention(*args, **kwargs, **sizes, interpret=interpret)
     if name == "gpu" and decode_only:
         from pallas_kernels import gpu_decode
