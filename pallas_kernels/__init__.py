@@ -66,8 +66,11 @@ def supported(
             return f"the TPU attention kernel supports {TPU_DTYPES}, not {name}"
         if head_dim not in HEAD_DIMS:
             return f"the TPU attention kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
-        if group < 1 or block_size % 8:
-            return f"the TPU attention kernel needs a block size multiple of 8, not {block_size}"
+        from pallas_kernels import tpu
+
+        if group < 1 or block_size % tpu.sublanes(dtype):
+            return (f"the TPU attention kernel needs a block size multiple of {tpu.sublanes(dtype)} "
+                    f"(the sublane packing of {name}), not {block_size}")
         return None
     return f"no Pallas attention kernel for platform {platform!r} (use xla)"
 
@@ -143,8 +146,8 @@ def for_step(*, decode_only: bool, backend: Backend = "auto", interpret: bool = 
 
 
 def write_kv(
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D], or the tpu-fused pages
+    v_pages: jax.Array | None,  # [num_blocks, block_size, Hkv, D], None with tpu-fused pages
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]
@@ -152,8 +155,11 @@ def write_kv(
     backend: Backend = "auto",
     interpret: bool = False,
     tokens_per_step: int = 8,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
     """New K/V into their slots (in place when the pages are donated).
+
+    Fused pages (``v_pages`` None, ``tpu.fused_shape``): ``kv_write.write_kv_fused``, one DMA of
+    all kv heads' K and V per new token, whatever the backend.
 
     ``tpu`` (and ``auto`` on CPU with ``interpret=True``): the Mosaic TPU kernel in ``kv_write``,
     pages aliased in HBM and one DMA per new row, ``tokens_per_step`` rows per grid step.
@@ -161,6 +167,12 @@ def write_kv(
     moves only the new rows, so there is no Pallas kernel for it.
     """
     name = resolve_backend(backend, interpret)
+    if v_pages is None:  # the tpu-fused layout: one array, returned as (pages, None)
+        from pallas_kernels import kv_write
+
+        pages = kv_write.write_kv_fused(k_pages, k, v, slot_mapping,
+                                        tokens_per_step=tokens_per_step, interpret=interpret)
+        return pages, None
     if name == "tpu":
         from pallas_kernels import kv_write
 

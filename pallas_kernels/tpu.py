@@ -106,8 +106,8 @@ def _kernel(*refs, tables_in_smem: bool, **static):
         tables = (tables_ref,)
     else:
         (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, tables_hbm, o_ref, *scratch) = refs
-        tables = (tables_hbm, *scratch[7:])
-    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch[:7],
+        tables = (tables_hbm, *scratch[6:])
+    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch[:6],
           tables=tables, **static)
 
 

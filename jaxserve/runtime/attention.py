@@ -18,8 +18,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-# The XLA KV write is one scatter (in place: the pages are donated). pallas_kernels.write_kv has a
-# Mosaic TPU kernel too; it is not wired in yet.
+# The XLA KV write is one scatter (in place: the pages are donated); the tpu-fused layout has its
+# own Pallas write kernel (pallas_kernels.write_kv).
 from pallas_kernels.reference import token_layout, write_kv  # noqa: F401  (re-exported)
 
 
@@ -214,12 +214,22 @@ def get_backend(name: str, platform: str | None = None, decode_only: bool = Fals
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 
 
-def layer_attention(name: str, platform: str | None = None, decode_only: bool = False) -> AttentionFn:
-    """What one model layer calls: write this step's K/V into its pages, then attend over them."""
+def layer_attention(name: str, platform: str | None = None, decode_only: bool = False,
+                    kv_layout: str = "paged") -> AttentionFn:
+    """What one model layer calls: write this step's K/V into its pages, then attend over them.
+    With the ``tpu-fused`` layout ``k_pages`` is the layer's one array and ``v_pages`` None; the
+    Pallas write kernel fills it."""
     kernel = get_backend(name, platform, decode_only)
     write = write_kv
     if name == "cpu":
         from jaxserve.runtime.cpu_kernels import cpu_write_kv as write
+    if kv_layout == "tpu-fused":
+        import functools
+
+        import pallas_kernels
+
+        interpret = platform != "tpu" and jax.default_backend() == "cpu"
+        write = functools.partial(pallas_kernels.write_kv, backend="tpu", interpret=interpret)
 
     def attend(q, k, v, k_pages, v_pages, md: AttentionMetadata, **kw):
         k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)

@@ -219,7 +219,7 @@ def prepare(
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(
         device_limit=device_memory or DEFAULT_DEVICE_MEMORY[platform], bytes_in_use=weights,
-        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp),
+        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
         block_size=config.block_size, max_model_len=max_model_len, utilization=config.gpu_memory_utilization,
         tensor_parallel_size=tp, reserved_blocks=1,
     )

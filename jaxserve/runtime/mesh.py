@@ -197,8 +197,13 @@ def checkpoint_shardings(shapes: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return _build(shapes, f)
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(None, None, MODEL, None) if tp_size(mesh) > 1 else P())
+def kv_page_spec(layout: str = "paged") -> P:
+    """Where a layer's KV array splits over the model axis: its kv heads (dim 1 of tpu-fused)."""
+    return P(None, MODEL, None, None) if layout == "tpu-fused" else P(None, None, MODEL, None)
+
+
+def kv_cache_sharding(mesh: Mesh, layout: str = "paged") -> NamedSharding:
+    return NamedSharding(mesh, kv_page_spec(layout) if tp_size(mesh) > 1 else P())
 
 
 # ---- placing weights --------------------------------------------------------------------------
@@ -251,7 +256,7 @@ def bytes_per_device(tree) -> dict:
 
 
 # ---- attention under shard_map ----------------------------------------------------------------
-def shard_attention(attn_fn, mesh: Mesh):
+def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
     """Run a layer's attention (KV write + kernel) per model shard: each device writes and attends
     over its own q and kv heads.
 
@@ -261,7 +266,7 @@ def shard_attention(attn_fn, mesh: Mesh):
     """
     if tp_size(mesh) == 1:
         return attn_fn
-    heads, pages, rep = P(None, MODEL, None), P(None, None, MODEL, None), P()
+    heads, pages, rep = P(None, MODEL, None), kv_page_spec(layout), P()
 
     def sharded(q, k, v, k_pages, v_pages, md, **kw):
         f = jax.shard_map(
