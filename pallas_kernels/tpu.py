@@ -37,8 +37,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxserve.runtime import compat
 from pallas_kernels import common
 
-# SMEM is about 1 MiB per core (less on older chips), shared with the other scalar operands.
-TABLE_SMEM_BYTES = 256 * 1024
+# SMEM is small (tens to hundreds of KiB per core by generation) and shared with the other scalar
+# operands: tables up to 4096 entries (16 sequences x 4k tokens of 16) are prefetched whole.
+TABLE_SMEM_BYTES = 16 * 1024
 LANES = 128
 CHUNK_VMEM_BYTES = 4 << 20  # both slots of the K/V chunk buffer
 
