@@ -7,6 +7,9 @@ fixes the step kind per compiled bucket: decode-only steps get the split-KV ``gp
 on GPU and the decode row of the block-size table on TPU. ``supported(...)`` says, before anything
 traces, whether a platform's kernel runs a shape (else why), for backend resolution.
 ``write_kv`` dispatches the same way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
+The TPU kernel reads (and ``write_kv`` writes) the ``tpu-fused`` layout, one array per layer
+(``tpu.fused_shape``), passed as ``k_pages`` with ``v_pages=None``; given separate K/V pages the
+TPU path fuses them first (tests, this generic API).
 With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host.
 """
 from __future__ import annotations
