@@ -55,12 +55,15 @@ def xla_ragged_paged_attention(
     decode_blocks_per_chunk: int = 8,
     prefill_rows: int = 128,
     blocks_per_chunk: int = 8,
+    static_bounds: bool = True,
 ):
     """Ragged paged attention in plain XLA: flash-style loops whose trip counts are static.
 
     Every loop bound comes from the shapes (T, S, max_blocks), never from the batch's values, so
     XLA sees fixed-count loops (no data-dependent ``while``, which on GPU costs a device->host
-    sync per iteration); masking makes the extra iterations no-ops. Two parts:
+    sync per iteration); masking makes the extra iterations no-ops. ``static_bounds=False``
+    (XLA:CPU, where a while loop is cheap and reading the whole block table is not) stops each
+    loop at the batch's own extent instead; the loops are the same. Two parts:
 
     - decode: rows [0, min(S, T)) that are one-token sequences (the batch builder puts decode
       rows first), a block of ``decode_rows`` at a time, each row gathering its own pages over
@@ -117,6 +120,10 @@ def xla_ragged_paged_attention(
     def empty(r):
         return jnp.full((r, hkv, g), -jnp.inf), jnp.zeros((r, hkv, g)), jnp.zeros((r, hkv, g, d))
 
+    def bound(static: int, extent):
+        """A loop's trip count: the shapes' ``static`` one, or the data's ``extent`` (<= it)."""
+        return static if static_bounds else jnp.minimum(extent, static)
+
     # Decode part: per-row page gather; rows that are not decode rows see nothing.
     dq = jnp.pad(qf[:nd], ((0, num_dblocks * rd - nd), (0, 0), (0, 0), (0, 0)))
     dseq = jnp.pad(seq[:nd], (0, num_dblocks * rd - nd))
@@ -137,10 +144,12 @@ def xla_ragged_paged_attention(
             v = jnp.where(ok[:, :, None, None], pages_at(v_pages, blk).reshape(rd, dchunk, hkv, d), 0.0)
             return online(inner, jnp.einsum("rkgd,rckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,rckd->rkgd")
 
-        state = jax.lax.fori_loop(0, num_dchunks, kv_chunk, empty(rd))
+        state = jax.lax.fori_loop(0, bound(num_dchunks, (jnp.max(rpos) + dchunk) // dchunk), kv_chunk, empty(rd))
         return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, state))
 
-    m_d, l_d, acc_d = jax.lax.fori_loop(0, num_dblocks, decode_block, empty(num_dblocks * rd))
+    decode_extent = (jnp.max(jnp.where(in_decode[:nd], rows[:nd], -1)) + rd) // rd
+    m_d, l_d, acc_d = jax.lax.fori_loop(0, bound(num_dblocks, decode_extent), decode_block,
+                                        empty(num_dblocks * rd))
 
     # Prefill part: the (tile, sequence) pairs, in order; pair p belongs to tile pair_tile[p].
     tile_rows = seq_p.reshape(num_tiles, rp)
@@ -172,11 +181,14 @@ def xla_ragged_paged_attention(
             return online(inner, jnp.einsum("rkgd,ckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,ckd->rkgd")
 
         state = tuple(jax.lax.dynamic_slice_in_dim(o, start, rp) for o in out)
-        state = jax.lax.fori_loop(0, num_chunks, kv_chunk, state)
+        state = jax.lax.fori_loop(0, bound(num_chunks, (top + chunk) // chunk), kv_chunk, state)
         return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, state))
 
     state = empty(num_tiles * rp)
-    _, l_p, acc_p = jax.lax.fori_loop(0, num_pairs, prefill_pair, state) if num_pairs else state
+    if num_pairs:
+        _, l_p, acc_p = jax.lax.fori_loop(0, bound(num_pairs, ends[-1]), prefill_pair, state)
+    else:
+        _, l_p, acc_p = state
     pad_d = ((0, t - nd), (0, 0), (0, 0))
     dec = in_decode[:, None, None]
     l_all = jnp.where(dec, jnp.pad(l_d[:nd], pad_d), l_p[:t])
@@ -198,8 +210,11 @@ def get_backend(name: str, platform: str | None = None, decode_only: bool = Fals
     when it is not this host's (`jaxserve lower` exports for it). ``decode_only``: a step of one
     decode token per sequence, token t of sequence t (pallas: the split-KV kernel on GPU, the
     decode block sizes on TPU; the other backends serve every step alike)."""
-    if name == "xla":
-        return xla_ragged_paged_attention
+    if name == "xla":  # static loop bounds except on XLA:CPU (see xla_ragged_paged_attention)
+        import functools
+
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        return functools.partial(xla_ragged_paged_attention, static_bounds=not on_cpu)
     if name == "pallas":
         import pallas_kernels
 
