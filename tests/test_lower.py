@@ -205,8 +205,7 @@ def test_presets_are_the_models_they_name():
 
 def test_decode_buckets_get_the_split_kv_kernel_on_gpu(tmp_path):
     """A GPU engine compiles decode-only buckets (every row one token) with the split-KV decode
-    kernel, whose Mosaic call returns (outputs, lse); other buckets keep the prefill kernel. TPU
-    and CPU engines have no such buckets."""
+    kernel, whose Mosaic call returns (outputs, lse); other buckets keep the prefill kernel."""
     import re
 
     lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE))
@@ -220,8 +219,22 @@ def test_decode_buckets_get_the_split_kv_kernel_on_gpu(tmp_path):
 
     assert all(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(decode))
     assert not any(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(BucketKey(8, 8, 0)))
-    tpu = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE))
-    assert not any(k.decode for k in tpu.runner.all_buckets())
+
+
+def test_decode_buckets_get_the_decode_block_sizes_on_tpu(tmp_path):
+    """A TPU engine's decode-only buckets run the kernel with the table's decode row: one token
+    per grid step (G = 4 q rows padded to 16 bf16 sublanes), not 32-token tiles (128 rows)."""
+    lowering = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE))
+    keys = lowering.runner.all_buckets()
+    decode, mixed = BucketKey(4, 4, 0, True), BucketKey(4, 4, 0)
+    assert decode in keys and mixed in keys
+
+    def attention_rows(key):
+        text = lowering.export(key).mlir_module()
+        call = next(line for line in text.splitlines() if 'kernel_name = "ragged_paged_attention_tpu"' in line)
+        return int(re.search(r"-> tensor<2x(\d+)x128xbf16>", call).group(1))
+
+    assert (attention_rows(decode), attention_rows(mixed)) == (4 * 16, 128)
 
 
 @pytest.mark.parametrize("tp", [1, 8])

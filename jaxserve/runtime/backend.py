@@ -87,8 +87,9 @@ class Backend:
 
     @property
     def has_decode_kernel(self) -> bool:
-        """A kernel of its own for steps whose every row is one decode token (split-KV on GPU)."""
-        return self.attention == "pallas" and self.platform == "gpu"
+        """A kernel of its own for steps whose every row is one decode token: split-KV on GPU, the
+        TPU kernel's decode block sizes (one sequence per grid step) on TPU."""
+        return self.attention == "pallas" and self.platform in ("gpu", "tpu")
 
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
         """The model's ops; each also takes weights in runtime/quant.py's formats.
