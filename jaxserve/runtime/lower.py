@@ -126,7 +126,8 @@ class LoweredStep:
 
     def describe(self) -> str:
         k = self.key
-        return (f"lowered T={k.t} S={k.s} W={k.w} for {self.platform} on {self.num_devices} device(s): "
+        kind = " decode" if k.decode else ""
+        return (f"lowered T={k.t} S={k.s} W={k.w}{kind} for {self.platform} on {self.num_devices} device(s): "
                 f"{self.kernel_calls} {KERNEL_CALL[self.platform]} calls, "
                 f"{self.module_bytes / 1e6:.1f} MB StableHLO, {self.seconds:.1f} s")
 
