@@ -113,7 +113,8 @@ class LLMEngine:
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2f",
             self.num_blocks - 1, config.block_size, cap_tokens,
-            self.num_blocks * rt.kv_bytes_per_block(mc, config.block_size, kv_dtype) / 2**20, kv_dtype,
+            self.num_blocks * rt.kv_bytes_per_block(mc, config.block_size, kv_dtype,
+                                                     layout=self.runner.backend.kv_layout) / 2**20, kv_dtype,
             self.max_model_len, cap_tokens / self.max_model_len,
         )
         self.kv_capacity_tokens = cap_tokens
@@ -138,7 +139,8 @@ class LLMEngine:
         plan = memory.plan_kv_memory(  # a GPU pool sized by size_gpu_pool: planned against the whole device
             device_limit=memory.device_total(limit, jax.default_backend()), allocator_limit=limit,
             bytes_in_use=in_use, activation_bytes=self.runner.peak_step_bytes(),
-            block_bytes=rt.kv_bytes_per_block(self.model_config, self.config.block_size, kv_dtype, tp),
+            block_bytes=rt.kv_bytes_per_block(self.model_config, self.config.block_size, kv_dtype, tp,
+                                              self.runner.backend.kv_layout),
             block_size=self.config.block_size, max_model_len=self.max_model_len,
             utilization=self.config.gpu_memory_utilization, tensor_parallel_size=tp, reserved_blocks=1,
         )

@@ -7,6 +7,9 @@ fixes the step kind per compiled bucket: decode-only steps get the split-KV ``gp
 on GPU and the decode row of the block-size table on TPU. ``supported(...)`` says, before anything
 traces, whether a platform's kernel runs a shape (else why), for backend resolution.
 ``write_kv`` dispatches the same way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
+The TPU kernel reads (and ``write_kv`` writes) the ``tpu-fused`` layout, one array per layer
+(``tpu.fused_shape``), passed as ``k_pages`` with ``v_pages=None``; given separate K/V pages the
+TPU path fuses them first (tests, this generic API).
 With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host.
 """
 from __future__ import annotations
@@ -66,8 +69,11 @@ def supported(
             return f"the TPU attention kernel supports {TPU_DTYPES}, not {name}"
         if head_dim not in HEAD_DIMS:
             return f"the TPU attention kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
-        if group < 1 or block_size % 8:
-            return f"the TPU attention kernel needs a block size multiple of 8, not {block_size}"
+        from pallas_kernels import tpu
+
+        if group < 1 or block_size % tpu.sublanes(dtype):
+            return (f"the TPU attention kernel needs a block size multiple of {tpu.sublanes(dtype)} "
+                    f"(the sublane packing of {name}), not {block_size}")
         return None
     return f"no Pallas attention kernel for platform {platform!r} (use xla)"
 
@@ -86,8 +92,8 @@ def resolve_backend(backend: Backend = "auto", interpret: bool = False) -> str:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D] (tpu: or the tpu-fused pages)
+    v_pages: jax.Array | None,  # [num_blocks, block_size, Hkv, D] (None with tpu-fused pages)
     seq_lens: jax.Array,  # i32[S]
     query_start_loc: jax.Array,  # i32[S+1]
     block_tables: jax.Array,  # i32[S, max_blocks]
@@ -115,8 +121,12 @@ def ragged_paged_attention(
     if name == "tpu":
         from pallas_kernels import tpu
 
-        group = q.shape[1] // k_pages.shape[2]
-        sizes = {**tpu.block_sizes(decode_only, group, k_pages.shape[1]), **block_sizes}
+        fused = v_pages is None  # the tpu-fused layout [nb, 2 * Hkv, bs, Dp]
+        hkv = k_pages.shape[1] // 2 if fused else k_pages.shape[2]
+        bs = k_pages.shape[2] if fused else k_pages.shape[1]
+        table = tpu.block_sizes(decode_only, q.shape[1] // hkv, bs, num_kv_heads=hkv,
+                                head_dim=q.shape[2], itemsize=k_pages.dtype.itemsize)
+        sizes = {**table, **block_sizes}
         return tpu.ragged_paged_attention(*args, **kwargs, **sizes, interpret=interpret)
     if name == "gpu" and decode_only:
         from pallas_kernels import gpu_decode
@@ -139,8 +149,8 @@ def for_step(*, decode_only: bool, backend: Backend = "auto", interpret: bool = 
 
 
 def write_kv(
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D], or the tpu-fused pages
+    v_pages: jax.Array | None,  # [num_blocks, block_size, Hkv, D], None with tpu-fused pages
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]
@@ -148,8 +158,11 @@ def write_kv(
     backend: Backend = "auto",
     interpret: bool = False,
     tokens_per_step: int = 8,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
     """New K/V into their slots (in place when the pages are donated).
+
+    Fused pages (``v_pages`` None, ``tpu.fused_shape``): ``kv_write.write_kv_fused``, one DMA of
+    all kv heads' K and V per new token, whatever the backend.
 
     ``tpu`` (and ``auto`` on CPU with ``interpret=True``): the Mosaic TPU kernel in ``kv_write``,
     pages aliased in HBM and one DMA per new row, ``tokens_per_step`` rows per grid step.
@@ -157,6 +170,12 @@ def write_kv(
     moves only the new rows, so there is no Pallas kernel for it.
     """
     name = resolve_backend(backend, interpret)
+    if v_pages is None:  # the tpu-fused layout: one array, returned as (pages, None)
+        from pallas_kernels import kv_write
+
+        pages = kv_write.write_kv_fused(k_pages, k, v, slot_mapping,
+                                        tokens_per_step=tokens_per_step, interpret=interpret)
+        return pages, None
     if name == "tpu" and isinstance(k_pages, kv_quant.QuantPages):
         # Quantized here, then the same DMA kernel moves the bytes and (as rows of one value) the scales.
         from pallas_kernels import kv_write

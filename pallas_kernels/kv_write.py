@@ -120,3 +120,65 @@ def write_kv_tpu(
         k.astype(k_pages.dtype),
         v.astype(v_pages.dtype),
     )
+
+
+def _fused_kernel(slots_ref, kv_in, new_ref, kv_out, sems, *, tokens_per_step: int,
+                  block_size: int, num_tokens: int):
+    """One DMA per new token: its [2 * Hkv, Dp] K/V rows into row ``offset`` of every kv row of
+    its page (a strided destination: one sublane row per kv head and K|V)."""
+    del kv_in  # same buffer as kv_out
+    step = pl.program_id(0)
+    copies = []
+    for j in range(tokens_per_step):
+        t = step * tokens_per_step + j
+        slot = slots_ref[jnp.minimum(t, num_tokens - 1)]
+        dst = kv_out.at[lax.div(slot, block_size), :, pl.ds(lax.rem(slot, block_size), 1)]
+        copies.append((t < num_tokens, pltpu.make_async_copy(new_ref.at[j], dst, sems.at[j])))
+    for valid, cp in copies:
+        pl.when(valid)(cp.start)
+    for valid, cp in copies:
+        pl.when(valid)(cp.wait)
+
+
+def write_kv_fused(
+    kv_pages: jax.Array,  # tpu-fused [num_blocks, 2 * Hkv, block_size, Dp]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # i32[T]
+    *,
+    tokens_per_step: int = 8,
+    interpret: bool = False,
+) -> jax.Array:
+    """New K/V into the fused layout (pallas_kernels.tpu), in place when the pages are donated;
+    same contract as ``write_kv_tpu``. Under tensor parallelism each device writes its own kv
+    heads (the caller runs this per shard)."""
+    _, kv_rows, block_size, padded_dim = kv_pages.shape
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if kv_rows != 2 * num_kv_heads or v.shape != k.shape or head_dim > padded_dim:
+        raise ValueError(f"k {k.shape} / v {v.shape} do not match fused pages {kv_pages.shape}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} != ({num_tokens},)")
+    if num_tokens == 0:
+        return kv_pages
+    new = jnp.stack([k, v], axis=2).reshape(num_tokens, kv_rows, 1, head_dim)  # K, V per head
+    new = jnp.pad(new.astype(kv_pages.dtype), ((0, 0), (0, 0), (0, 0), (0, padded_dim - head_dim)))
+    kernel = functools.partial(_fused_kernel, tokens_per_step=tokens_per_step,
+                               block_size=block_size, num_tokens=num_tokens)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    row_spec = pl.BlockSpec((tokens_per_step, kv_rows, 1, padded_dim), lambda i, *_: (i, 0, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(pl.cdiv(num_tokens, tokens_per_step),),
+        in_specs=[any_spec, row_spec],
+        out_specs=any_spec,
+        scratch_shapes=[pltpu.SemaphoreType.DMA((tokens_per_step,))],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+        input_output_aliases={1: 0},  # operand 0 is the scalar-prefetched slots
+        compiler_params=compat.tpu_compiler_params(dimension_semantics=("parallel",)),
+        interpret=compat.tpu_interpret_params() if interpret else False,
+        name="write_kv_fused_tpu",
+    )(slot_mapping.astype(jnp.int32), kv_pages, new)

@@ -1,17 +1,27 @@
-"""Ragged paged attention for TPU (Pallas / Mosaic TPU).
+"""Ragged paged attention for TPU (Pallas / Mosaic TPU) over the fused ``tpu-fused`` KV layout.
 
-Grid ``(num_q_tiles,)``; each program owns one tile of ``block_q`` tokens for every kv head
-(``block_q * G`` q rows per head, see ``common``), so one DMA per page brings all its kv heads
-(a contiguous ``[block_size, Hkv, D]`` run of HBM instead of Hkv strided ones). Block tables, lengths and the per-tile sequence ranges
-are scalar-prefetched into SMEM, so page addresses are known before the body runs (block tables
-too up to ``TABLE_SMEM_BYTES``; longer ones stay in HBM and each chunk DMAs its few ids into a
-two-slot SMEM buffer, so a 128k-token ``max_model_len`` fits). For each
-sequence overlapping the tile the body walks only the KV positions that tile's rows can see
-(causal upper bound, sliding-window lower bound) in chunks of ``pages_per_chunk`` pages, with
-two VMEM buffers: while chunk c is on the MXU, the DMAs for chunk c+1 (one per page and K/V,
-straight from the paged HBM cache) are in flight. Online softmax in f32, per head.
+Layout (one array per layer, ``fused_shape``): ``[num_blocks, 2 * Hkv, block_size, Dp]``; row
+``2h`` of a page is kv head h's K, row ``2h + 1`` its V, ``Dp`` the head dim padded to 128 lanes.
+One page of every kv head's K and V is one contiguous run of HBM, so one DMA fetches it, and
+each head's K (or V) lands in VMEM as a dense ``[tokens, Dp]`` tile for the MXU. The minor two
+dims ``(block_size, Dp)`` are what the TPU tiles, so the block size must be a multiple of the
+dtype's sublane packing (8 rows of 32-bit, 16 of 16-bit, 32 of 8-bit: ``sublanes``) and nothing
+but the head-dim lanes is padded; a ``[.., block_size, 2 * Hkv, D]`` layout would pad 2 * Hkv up
+to the packing instead (8x the memory at one kv head per device under tensor parallelism).
+Interleaving K and V per head keeps a device's kv heads contiguous when the "model" mesh axis
+shards dim 1. ``memory`` counts these padded bytes, so the logical KV budget is the physical one.
 
-Block sizes are static keyword arguments; nothing is read from the device at trace time.
+Grid ``(num_q_tiles,)``, run in order (``arbitrary``); each program owns ``block_q`` tokens for
+every kv head (``block_q * G`` q rows per head, see ``common``). For each sequence overlapping the
+tile it walks only the KV positions its rows can see (causal upper bound, sliding-window lower
+bound) in chunks of ``pages_per_chunk`` pages through two VMEM slots: while chunk c is on the MXU
+the DMAs of the next chunk are in flight, and the next chunk of the last one of a sequence is the
+next sequence's first, in this tile or the next program's (the slot counter and an in-flight
+flag persist in SMEM across grid steps): decode (one sequence per program) streams pages without
+a bubble between sequences. Lengths and tile ranges are scalar-prefetched into SMEM, block
+tables too up to ``TABLE_SMEM_BYTES``; longer ones (a 128k ``max_model_len``) stay in HBM and
+each chunk DMAs its few ids into a two-slot SMEM buffer, so SMEM use is bounded.
+Online softmax in f32, per head. Block sizes are static (``block_sizes``).
 """
 
 from __future__ import annotations
@@ -27,20 +37,53 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxserve.runtime import compat
 from pallas_kernels import common
 
-# SMEM is about 1 MiB per core (less on older chips), shared with the other scalar operands.
-TABLE_SMEM_BYTES = 256 * 1024
+# SMEM is small (tens to hundreds of KiB per core by generation) and shared with the other scalar
+# operands: tables up to 4096 entries (16 sequences x 4k tokens of 16) are prefetched whole.
+TABLE_SMEM_BYTES = 16 * 1024
+LANES = 128
+CHUNK_VMEM_BYTES = 4 << 20  # both slots of the K/V chunk buffer
 
 
-def block_sizes(decode_only: bool, group: int, block_size: int) -> dict[str, int]:
+def sublanes(dtype) -> int:
+    """Rows of this dtype in one TPU sublane tile: 8 of 32-bit, 16 of 16-bit, 32 of 8-bit."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def fused_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> tuple:
+    """The ``tpu-fused`` array of one layer: [num_blocks, 2 * Hkv, block_size, head_dim to 128]."""
+    if block_size % sublanes(dtype):
+        raise ValueError(f"block_size {block_size} is not a multiple of {sublanes(dtype)}, the "
+                         f"TPU's sublane packing of {jnp.dtype(dtype).name}")
+    return num_blocks, 2 * num_kv_heads, block_size, common.round_up(head_dim, LANES)
+
+
+def fuse_pages(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
+    """Separate [nb, bs, Hkv, D] K and V pages -> the fused layout (tests, the generic API)."""
+    nb, bs, hkv, d = k_pages.shape
+    kv = jnp.stack([k_pages, v_pages], axis=3).transpose(0, 2, 3, 1, 4)  # [nb, Hkv, 2, bs, D]
+    kv = kv.reshape(nb, 2 * hkv, bs, d)
+    return jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, fused_shape(nb, bs, hkv, d, kv.dtype)[3] - d)))
+
+
+def unfuse_pages(kv: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """The inverse of ``fuse_pages`` (tests)."""
+    nb, h2, bs, _ = kv.shape
+    kv = kv[..., :head_dim].reshape(nb, h2 // 2, 2, bs, head_dim).transpose(2, 0, 3, 1, 4)
+    return kv[0], kv[1]
+
+
+def block_sizes(decode_only: bool, group: int, block_size: int, *, num_kv_heads: int = 8,
+                head_dim: int = 128, itemsize: int = 2) -> dict[str, int]:
     """The one table of TPU block sizes, by step kind (a static property of the bucket).
 
-    Decode: one token (one sequence) per program, so each sequence's pages stream once with
-    only its own G rows on the MXU, and 256-token chunks. Prefill/mixed: about 128 q rows per
-    tile (MXU-shaped) and 128-token chunks.
+    Decode: one token (one sequence) per program, so each sequence's pages stream once with only
+    its own G rows on the MXU, 256-token chunks. Prefill/mixed: about 128 q rows per tile
+    (MXU-shaped), 128-token chunks. Chunks shrink so both K/V slots fit ``CHUNK_VMEM_BYTES``.
     """
-    if decode_only:
-        return {"block_q": 1, "pages_per_chunk": max(1, 256 // block_size)}
-    return {"block_q": max(1, 128 // group), "pages_per_chunk": max(1, 128 // block_size)}
+    tokens = 256 if decode_only else 128
+    page_bytes = 2 * num_kv_heads * block_size * common.round_up(head_dim, LANES) * itemsize
+    ppc = max(1, min(tokens // block_size, CHUNK_VMEM_BYTES // (2 * page_bytes)))
+    return {"block_q": 1 if decode_only else max(1, 128 // group), "pages_per_chunk": ppc}
 
 
 def _cdiv(a, b: int):
@@ -53,27 +96,25 @@ def _kernel(*refs, tables_in_smem: bool, **static):
     """Unpack the refs of either table mode, then run the body.
 
     Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], [tables i32[S * max_blocks] when they
-    fit], tile_lo/tile_hi i32[num_tiles]. Inputs: q [Hkv, rows, D] (VMEM block), k/v pages
-    (HBM), [tables in HBM otherwise]. Output: [Hkv, rows, D]. Scratch: k/v chunk buffers
-    [2, chunk, Hkv, D], DMA sems [2, 2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows, D], [the
-    chunk's table entries i32[2 * ppc] in
-    SMEM and their DMA semaphore when the tables stay in HBM as i32[S, max_blocks + ppc]].
+    fit], tile_lo/tile_hi i32[num_tiles]. Inputs: q [Hkv, rows, Dp] (VMEM block), the fused pages
+    (HBM), [tables in HBM i32[S, max_blocks + ppc] otherwise]. Output: [Hkv, rows, Dp]. Scratch:
+    chunk buffer [2, 2 * Hkv, chunk, Dp], DMA sems [2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows,
+    Dp], state i32[2] (SMEM: chunks issued, next chunk in flight), [the chunk's table ids
+    i32[2 * ppc] (SMEM) and their DMA semaphore in HBM-table mode].
     """
     if tables_in_smem:
-        (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, k_hbm, v_hbm, o_ref,
-         *scratch) = refs
+        (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch) = refs
         tables = (tables_ref,)
     else:
-        (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, k_hbm, v_hbm, tables_hbm, o_ref,
-         *scratch) = refs
+        (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, tables_hbm, o_ref, *scratch) = refs
         tables = (tables_hbm, *scratch[6:])
-    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, k_hbm, v_hbm, o_ref, *scratch[:6],
+    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch[:6],
           tables=tables, **static)
 
 
 def _body(
-    seq_lens_ref, qsl_ref, tile_lo_ref, tile_hi_ref, q_ref, k_hbm, v_hbm, o_ref,
-    k_buf, v_buf, sems, m_ref, l_ref, acc_ref,
+    seq_lens_ref, qsl_ref, tile_lo_ref, tile_hi_ref, q_ref, kv_hbm, o_ref,
+    buf, sems, m_ref, l_ref, acc_ref, state,
     *,
     tables: tuple,
     sm_scale: float,
@@ -84,23 +125,38 @@ def _body(
     block_size: int,
     pages_per_chunk: int,
     max_blocks: int,
+    num_tiles: int,
 ):
     tile = pl.program_id(0)
     num_kv_heads, rows, _ = m_ref.shape
     chunk = pages_per_chunk * block_size
 
+    @pl.when(tile == 0)
+    def _():
+        state[0] = 0  # chunks issued so far: chunk n uses slot n % 2
+        state[1] = 0  # 1: the next sequence's first chunk is already in flight
+
     m_ref[...] = jnp.full_like(m_ref, common.MASK_VALUE)
     l_ref[...] = jnp.zeros_like(l_ref)
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    tile_start = tile * block_q
-    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    # Rows past block_q * G pad the tile to the sublane multiple: mark them out of every sequence.
-    row_tok = jnp.where(row < block_q * group, tile_start + lax.div(row, group), -1)
+    def bounds(t, seq):
+        """What tile t's rows need of sequence seq: (c_lo, c_hi, num_pages, kv_end, ...)."""
+        q_start, q_end = qsl_ref[seq], qsl_ref[seq + 1]
+        ctx_before = seq_lens_ref[seq] - (q_end - q_start)  # position of its first new token
+        t_first = jnp.maximum(q_start, t * block_q)
+        t_last = jnp.minimum(q_end, t * block_q + block_q) - 1
+        kv_end = ctx_before + (t_last - q_start) + 1  # exclusive; <= kv_len
+        kv_begin = jnp.int32(0)
+        if sliding_window is not None:
+            kv_begin = jnp.maximum(ctx_before + (t_first - q_start) - sliding_window + 1, 0)
+        c_lo = lax.div(kv_begin, chunk)
+        c_hi = jnp.where(t_last >= t_first, _cdiv(kv_end, chunk), c_lo)
+        return c_lo, c_hi, _cdiv(kv_end, block_size), kv_end, ctx_before, q_start, q_end
 
     def load_table(seq, c, slot):
-        """HBM-table mode: this chunk's block ids into SMEM slot ``slot`` (a few bytes; each
-        row of the table is padded by one chunk, so the slice never runs off its end)."""
+        """HBM-table mode: chunk c's block ids into SMEM slot ``slot`` (a few bytes; each table
+        row is padded by one chunk, so the slice never runs off its end)."""
         if len(tables) == 1:
             return
         tables_hbm, ids, sem = tables
@@ -119,66 +175,66 @@ def _body(
         return tables[1][slot * pages_per_chunk + j]
 
     def page_copies(seq, c, slot, num_pages):
-        """One async copy per (K|V, page) of chunk c, all kv heads of the page at once (a
-        contiguous [block_size, Hkv, D] run of HBM); pages past the sequence are skipped."""
-        copies = []
-        for j in range(pages_per_chunk):
-            page_idx = c * pages_per_chunk + j
-            needed = page_idx < num_pages
-            block = block_id(seq, c, j, slot)
-            for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                copies.append(
-                    (
-                        needed,
-                        pltpu.make_async_copy(
-                            src.at[block],
-                            buf.at[slot, pl.ds(j * block_size, block_size)],
-                            sems.at[kv, slot],
-                        ),
-                    )
-                )
-        return copies
+        """One DMA per page of chunk c: K and V of all its kv heads; pages past the sequence's
+        visible end are skipped."""
+        return [
+            (
+                c * pages_per_chunk + j < num_pages,
+                pltpu.make_async_copy(
+                    kv_hbm.at[block_id(seq, c, j, slot)],
+                    buf.at[slot, :, pl.ds(j * block_size, block_size)],
+                    sems.at[slot],
+                ),
+            )
+            for j in range(pages_per_chunk)
+        ]
 
-    def start(copies):
-        for needed, cp in copies:
+    def fetch(seq, c, slot, num_pages):
+        load_table(seq, c, slot)
+        for needed, cp in page_copies(seq, c, slot, num_pages):
             pl.when(needed)(cp.start)
 
-    def wait(copies):
-        for needed, cp in copies:
-            pl.when(needed)(cp.wait)
+    def prefetch_next(seq, slot, when):
+        """When ``when``, start the first chunk of the sequence after seq (in this tile, else the
+        first of the next tile); 1 when something was started."""
+        in_tile = seq + 1 < tile_hi_ref[tile]
+        next_tile = jnp.where(in_tile, tile, jnp.minimum(tile + 1, num_tiles - 1))
+        next_seq = jnp.where(in_tile, seq + 1, tile_lo_ref[next_tile])
+        exists = in_tile | ((tile + 1 < num_tiles) & (next_seq < tile_hi_ref[next_tile]))
+        c_lo, c_hi, num_pages, *_ = bounds(next_tile, next_seq)
+        go = when & exists & (c_lo < c_hi)
+
+        @pl.when(go)
+        def _():
+            fetch(next_seq, c_lo, slot, num_pages)
+
+        return go.astype(jnp.int32)
+
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    # Rows past block_q * G pad the tile to the sublane multiple: mark them out of every sequence.
+    row_tok = jnp.where(row < block_q * group, tile * block_q + lax.div(row, group), -1)
 
     def seq_body(seq, carry):
-        q_start = qsl_ref[seq]
-        q_end = qsl_ref[seq + 1]
-        kv_len = seq_lens_ref[seq]
-        ctx_before = kv_len - (q_end - q_start)  # position of this sequence's first new token
-        t_first = jnp.maximum(q_start, tile_start)
-        t_last = jnp.minimum(q_end, tile_start + block_q) - 1
-        kv_end = ctx_before + (t_last - q_start) + 1  # exclusive; <= kv_len
-        kv_begin = jnp.int32(0)
-        if sliding_window is not None:
-            kv_begin = jnp.maximum(ctx_before + (t_first - q_start) - sliding_window + 1, 0)
-        num_pages = _cdiv(kv_end, block_size)
-        c_lo = lax.div(kv_begin, chunk)
-        c_hi = jnp.where(t_last >= t_first, _cdiv(kv_end, chunk), c_lo)
-
+        issued, pending = carry
+        c_lo, c_hi, num_pages, kv_end, ctx_before, q_start, q_end = bounds(tile, seq)
         in_seq = (row_tok >= q_start) & (row_tok < q_end)
         row_pos = ctx_before + row_tok - q_start
 
-        @pl.when(c_lo < c_hi)
+        @pl.when((c_lo < c_hi) & (pending == 0))
         def _():
-            load_table(seq, c_lo, 0)
-            start(page_copies(seq, c_lo, 0, num_pages))
+            fetch(seq, c_lo, lax.rem(issued, 2), num_pages)
 
         def chunk_body(c, carry):
-            slot = lax.rem(c - c_lo, 2)
+            issued, pending = carry
+            slot = lax.rem(issued, 2)
 
             @pl.when(c + 1 < c_hi)
             def _():
-                load_table(seq, c + 1, 1 - slot)
-                start(page_copies(seq, c + 1, 1 - slot, num_pages))
+                fetch(seq, c + 1, 1 - slot, num_pages)
 
-            wait(page_copies(seq, c, slot, num_pages))
+            pending = prefetch_next(seq, 1 - slot, c + 1 == c_hi)
+            for needed, cp in page_copies(seq, c, slot, num_pages):
+                pl.when(needed)(cp.wait)
             kv_pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
             mask = in_seq & (kv_pos <= row_pos) & (kv_pos < kv_end)
             if sliding_window is not None:
@@ -186,9 +242,9 @@ def _body(
             # Pages past kv_end were not fetched this round: zero them so stale VMEM
             # (possibly NaN) never reaches the accumulator through 0 * NaN.
             kv_col = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-            for h in range(num_kv_heads):  # static: each head's [chunk, D] slice of the pages
+            for h in range(num_kv_heads):  # static: each head's dense [chunk, Dp] K and V tiles
                 s = lax.dot_general(
-                    q_ref[h], k_buf[slot, :, h, :], (((1,), (1,)), ((), ())),
+                    q_ref[h], buf[slot, 2 * h], (((1,), (1,)), ((), ())),
                     preferred_element_type=jnp.float32,
                 ) * sm_scale
                 if soft_cap is not None:
@@ -198,7 +254,7 @@ def _body(
                 m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
                 p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
                 alpha = jnp.exp(m_prev - m_new)
-                v = v_buf[slot, :, h, :]
+                v = buf[slot, 2 * h + 1]
                 v = jnp.where(kv_col < kv_end, v, jnp.zeros_like(v))
                 pv = lax.dot_general(
                     p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -207,11 +263,15 @@ def _body(
                 m_ref[h] = m_new
                 l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
                 acc_ref[h] = alpha * acc_ref[h] + pv
-            return carry
+            return issued + 1, pending
 
-        return lax.fori_loop(c_lo, c_hi, chunk_body, carry)
+        return lax.fori_loop(c_lo, c_hi, chunk_body, (issued, pending))
 
-    lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], seq_body, 0)
+    issued, pending = lax.fori_loop(
+        tile_lo_ref[tile], tile_hi_ref[tile], seq_body, (state[0], state[1])
+    )
+    state[0] = issued
+    state[1] = pending
 
     l = l_ref[...]
     safe_l = jnp.where(l > 0.0, l, 1.0)
@@ -220,8 +280,8 @@ def _body(
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    k_pages: jax.Array,  # fused [num_blocks, 2 * Hkv, block_size, Dp], or K [nb, bs, Hkv, D]
+    v_pages: jax.Array | None,  # None (fused), or V [nb, bs, Hkv, D] (fused here first)
     seq_lens: jax.Array,  # i32[S]
     query_start_loc: jax.Array,  # i32[S+1]
     block_tables: jax.Array,  # i32[S, max_blocks]
@@ -238,54 +298,49 @@ def ragged_paged_attention(
     """``table_smem_bytes``: block tables up to this size are scalar-prefetched into SMEM;
     larger ones (long ``max_model_len`` x many sequences) stay in HBM and each chunk DMAs its
     ``pages_per_chunk`` ids into a two-slot SMEM buffer, so SMEM use is bounded."""
-    common.check_static(
-        q, k_pages, v_pages, block_tables, block_q=block_q, pages_per_chunk=pages_per_chunk
-    )
+    kv = k_pages if v_pages is None else fuse_pages(k_pages, v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_pages.shape
+    _, kv_rows, block_size, padded_dim = kv.shape
+    num_kv_heads = kv_rows // 2
+    if kv.shape != fused_shape(kv.shape[0], block_size, num_kv_heads, head_dim, kv.dtype):
+        raise ValueError(f"pages {kv.shape} are not the tpu-fused layout of head_dim {head_dim}")
+    if num_q_heads % num_kv_heads or block_q < 1 or pages_per_chunk < 1:
+        raise ValueError(f"bad shapes: Hq={num_q_heads} Hkv={num_kv_heads} {block_q=} "
+                         f"{pages_per_chunk=}")
     group = num_q_heads // num_kv_heads
     num_seqs_max, max_blocks = block_tables.shape
     num_tiles = pl.cdiv(num_tokens, block_q)
-    # Sublane multiple: 8 rows of 32-bit, 16 of 16-bit values; padding rows are masked.
-    rows = common.round_up(block_q * group, 8 * 4 // jnp.dtype(q.dtype).itemsize)
+    rows = common.round_up(block_q * group, sublanes(q.dtype))  # padding rows are masked
     chunk = pages_per_chunk * block_size
 
     q_rows = common.to_rows(q, num_kv_heads, block_q, rows)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_dim - head_dim)))
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
 
     tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
     tables_in_smem = tables.size * 4 <= table_smem_bytes
     kernel = functools.partial(
-        _kernel,
-        tables_in_smem=tables_in_smem,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        block_q=block_q,
-        group=group,
-        block_size=block_size,
-        pages_per_chunk=pages_per_chunk,
-        max_blocks=max_blocks,
+        _kernel, tables_in_smem=tables_in_smem, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, block_q=block_q, group=group, block_size=block_size,
+        pages_per_chunk=pages_per_chunk, max_blocks=max_blocks, num_tiles=num_tiles,
     )
     hbm = pl.BlockSpec(memory_space=compat.tpu_hbm())
-    row_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
+    row_spec = pl.BlockSpec((num_kv_heads, rows, padded_dim), lambda i, *_: (0, i, 0))
     scratch = [
-        pltpu.VMEM((2, chunk, num_kv_heads, head_dim), k_pages.dtype),
-        pltpu.VMEM((2, chunk, num_kv_heads, head_dim), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, 2)),
+        pltpu.VMEM((2, kv_rows, chunk, padded_dim), kv.dtype),
+        pltpu.SemaphoreType.DMA((2,)),
         pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
         pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
-        pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+        pltpu.VMEM((num_kv_heads, rows, padded_dim), jnp.float32),
+        pltpu.SMEM((2,), jnp.int32),
     ]
     lens = (seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32))
     if tables_in_smem:
-        prefetch, inputs = (*lens, tables, tile_lo, tile_hi), (q_rows, k_pages, v_pages)
-        in_specs = [row_spec, hbm, hbm]
+        prefetch, inputs, in_specs = (*lens, tables, tile_lo, tile_hi), (q_rows, kv), [row_spec, hbm]
     else:
         prefetch = (*lens, tile_lo, tile_hi)
         padded = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_chunk)))
-        inputs = (q_rows, k_pages, v_pages, padded)  # [S, max_blocks + ppc], stays in HBM
-        in_specs = [row_spec, hbm, hbm, hbm]
+        inputs, in_specs = (q_rows, kv, padded), [row_spec, hbm, hbm]  # the table stays in HBM
         scratch += [pltpu.SMEM((2 * pages_per_chunk,), jnp.int32), pltpu.SemaphoreType.DMA((1,))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
@@ -298,10 +353,9 @@ def ragged_paged_attention(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        compiler_params=compat.tpu_compiler_params(
-            dimension_semantics=("parallel",),
-        ),
+        # In order: a program's last DMAs fetch the next program's first pages.
+        compiler_params=compat.tpu_compiler_params(dimension_semantics=("arbitrary",)),
         interpret=compat.tpu_interpret_params() if interpret else False,
         name="ragged_paged_attention_tpu",
     )(*prefetch, *inputs)
-    return common.from_rows(out, num_tokens, num_q_heads, block_q)
+    return common.from_rows(out[..., :head_dim], num_tokens, num_q_heads, block_q)

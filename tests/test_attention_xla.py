@@ -4,12 +4,13 @@ poisoned unused pages (so any read outside a sequence's own context fails)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
 import pytest
 
-from jaxserve.runtime.attention import xla_ragged_paged_attention
+from jaxserve.runtime.attention import get_backend, xla_ragged_paged_attention
 from pallas_kernels import reference
 from tests.kernels.batch import assert_close, make_batch
 
@@ -22,23 +23,37 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    "case,heads,window,cap",
+    "case,heads,window,cap,static",
     [
-        ("decode", (4, 4), None, None),
-        ("decode", (9, 3), 6, None),
-        ("prefill", (8, 2), None, None),
-        ("prefill", (4, 4), None, 15.0),
-        ("chunked", (9, 3), None, None),
-        ("chunked", (8, 2), 6, None),
-        ("mixed-long", (8, 2), None, None),
-        ("mixed-long", (9, 3), 6, 15.0),
+        ("decode", (4, 4), None, None, True),
+        ("decode", (9, 3), 6, None, False),
+        ("prefill", (8, 2), None, None, False),
+        ("prefill", (4, 4), None, 15.0, True),
+        ("chunked", (9, 3), None, None, True),
+        ("chunked", (8, 2), 6, None, False),
+        ("mixed-long", (8, 2), None, None, False),
+        ("mixed-long", (9, 3), 6, 15.0, True),
     ],
 )
-def test_xla_backend_matches_reference(case, heads, window, cap):
+def test_xla_backend_matches_reference(case, heads, window, cap, static):
+    """Both loop-bound modes: static (accelerators) and the batch's extent (XLA:CPU)."""
     q_lens, kv_lens = CASES[case]
     b = make_batch(np.random.default_rng(len(case)), q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
                    block_size=8, pad_tokens=5)
     kw = dict(sm_scale=0.125, sliding_window=window, soft_cap=cap)
+    sizes = dict(decode_rows=4, decode_blocks_per_chunk=1, prefill_rows=4, blocks_per_chunk=2, static_bounds=static)
     want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*b.args)
-    got = jax.jit(functools.partial(xla_ragged_paged_attention, decode_rows=4, decode_blocks_per_chunk=1, prefill_rows=4, blocks_per_chunk=2, **kw))(*b.args)
+    got = jax.jit(functools.partial(xla_ragged_paged_attention, **sizes, **kw))(*b.args)
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+
+
+def test_xla_backend_loops_have_static_trip_counts():
+    """Every loop of the compiled xla path has a trip count XLA knows from the shapes (a while
+    whose bound is data costs a device->host sync per iteration on GPU)."""
+    b = make_batch(np.random.default_rng(0), [1, 1, 5], [9, 17, 20], block_size=8)
+    kernel = get_backend("xla", platform="gpu")  # what a GPU without the Pallas kernel runs
+    fn = functools.partial(kernel, sm_scale=0.1, decode_rows=2, prefill_rows=4, blocks_per_chunk=2)
+    text = jax.jit(fn).lower(*b.args).compile().as_text()
+    loops = [line for line in text.splitlines() if re.search(r"= .*\bwhile\(", line)]
+    assert len(loops) >= 4  # decode blocks x chunks, (tile, sequence) pairs x chunks
+    assert all("known_trip_count" in line for line in loops), [line[:120] for line in loops]

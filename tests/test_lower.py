@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -30,6 +31,8 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32)
 # A decode-wide step, a one-sequence prefill and a step with logit adjustments (penalties/bias).
 KEYS = [BucketKey(8, 8, 0), BucketKey(32, 1, 0), BucketKey(16, 8, 512)]
 KERNEL = {"cuda": "mosaic_gpu", "tpu": "tpu_custom_call"}
+# Pallas calls per layer: attention on cuda (XLA writes KV); the KV write and attention on tpu.
+CALLS_PER_LAYER = {"cuda": 1, "tpu": 2}
 
 
 def _config(tmp_path, **overrides) -> str:
@@ -44,8 +47,7 @@ def _param_count(hf: dict) -> int:
     return n * per_layer + 2 * v * h + h
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("platform,tp", [("cuda", 1), ("cuda", 2), ("tpu", 1), ("tpu", 2), ("tpu", 8)])
 def test_whole_step_lowers_with_the_pallas_kernels(tmp_path, platform, tp):
     lowering = prepare(_config(tmp_path), platform, EngineConfig(**ENGINE, tensor_parallel_size=tp))
     assert lowering.runner.backend.attention == "pallas"
@@ -56,9 +58,13 @@ def test_whole_step_lowers_with_the_pallas_kernels(tmp_path, platform, tp):
         assert exported.nr_devices == tp
         # the KV cache is lowered at the planned size, sharded on kv heads under TP
         k_pages = exported.in_avals[len(jax.tree.leaves(lowering.runner.params))]
-        assert k_pages.shape == (lowering.plan.num_blocks, 16, 2, 64)
+        kv_heads = lowering.runner.model_cfg.num_kv_heads  # repeated to one per device at tp 8
+        if platform == "tpu":  # tpu-fused: K and V of every kv head, head_dim 64 -> 128 lanes
+            assert k_pages.shape == (lowering.plan.num_blocks, 2 * kv_heads, 16, 128)
+        else:
+            assert k_pages.shape == (lowering.plan.num_blocks, 16, kv_heads, 64)
         step = lowering.lower(key)
-        assert step.kernel_calls == LLAMA["num_hidden_layers"], step.describe()
+        assert step.kernel_calls == CALLS_PER_LAYER[platform] * LLAMA["num_hidden_layers"], step.describe()
         assert step.num_devices == tp
 
 
@@ -87,7 +93,12 @@ def test_memory_plan_from_shapes(tmp_path, tp):
     h = LLAMA["hidden_size"]
     norms = (2 * LLAMA["num_hidden_layers"] + 1) * h * 2
     assert plan.weight_bytes == (total - norms) // tp + norms
-    assert plan.block_bytes == rt.kv_bytes_per_block(mc, 16, "bfloat16", tp)
+    assert plan.block_bytes == rt.kv_bytes_per_block(mc, 16, "bfloat16", tp, "tpu-fused")
+    # the plan counts what is allocated: head_dim 64 padded to 128 lanes doubles the bytes
+    assert plan.block_bytes == 2 * rt.kv_bytes_per_block(mc, 16, "bfloat16", tp)
+    allocated = sum(math.prod(lowering.runner.kv_sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                    for a in jax.tree.leaves(lowering.runner.kv.layers))
+    assert allocated == plan.kv_bytes == plan.num_blocks * plan.block_bytes
     assert plan.device_limit == 1 << 30 and plan.tensor_parallel_size == tp
     assert plan.num_blocks == (int(0.9 * (1 << 30)) - plan.weight_bytes - plan.activation_bytes
                                - plan.margin_bytes) // plan.block_bytes
@@ -127,9 +138,10 @@ def test_cli_lowers_every_bucket(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     lines = [line for line in out.splitlines() if line.startswith("lowered T=")]
-    assert len(lines) == 6 and all("2 tpu_custom_call calls" in line for line in lines), out
+    # 6 buckets and 3 decode-only ones; per layer the KV write and the attention kernel
+    assert len(lines) == 9 and all("4 tpu_custom_call calls" in line for line in lines), out
     assert "memory per device x tp 2: 2.00 GiB x 0.9" in out
-    assert "lowered 6 buckets for tpu" in out
+    assert "lowered 9 buckets for tpu" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -164,7 +176,7 @@ def test_family_shapes_lower(tmp_path, preset, platform):
     lowering = prepare(_one_layer(tmp_path, preset), platform,
                        EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096))
     step = lowering.lower(BucketKey(16, 8, 0))
-    assert (step.kernel_calls, step.num_devices) == (1, 1), step.describe()
+    assert (step.kernel_calls, step.num_devices) == (CALLS_PER_LAYER[platform], 1), step.describe()
 
 
 @pytest.mark.parametrize("preset,tp", [("llama-3.1-8b", 8), ("qwen2.5-1.5b", 2), ("qwen3-32b", 8)])
@@ -194,8 +206,7 @@ def test_presets_are_the_models_they_name():
 
 def test_decode_buckets_get_the_split_kv_kernel_on_gpu(tmp_path):
     """A GPU engine compiles decode-only buckets (every row one token) with the split-KV decode
-    kernel, whose Mosaic call returns (outputs, lse); other buckets keep the prefill kernel. TPU
-    and CPU engines have no such buckets."""
+    kernel, whose Mosaic call returns (outputs, lse); other buckets keep the prefill kernel."""
     import re
 
     lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE))
@@ -209,8 +220,40 @@ def test_decode_buckets_get_the_split_kv_kernel_on_gpu(tmp_path):
 
     assert all(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(decode))
     assert not any(re.search(r"\) -> \(tensor<", c) for c in mosaic_calls(BucketKey(8, 8, 0)))
-    tpu = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE))
-    assert not any(k.decode for k in tpu.runner.all_buckets())
+
+
+def test_decode_buckets_get_the_decode_block_sizes_on_tpu(tmp_path):
+    """A TPU engine's decode-only buckets run the kernel with the table's decode row: one token
+    per grid step (G = 4 q rows padded to 16 bf16 sublanes), not 32-token tiles (128 rows)."""
+    lowering = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE))
+    keys = lowering.runner.all_buckets()
+    decode, mixed = BucketKey(4, 4, 0, True), BucketKey(4, 4, 0)
+    assert decode in keys and mixed in keys
+
+    def attention_rows(key):
+        text = lowering.export(key).mlir_module()
+        call = next(line for line in text.splitlines() if 'kernel_name = "ragged_paged_attention_tpu"' in line)
+        return int(re.search(r"-> tensor<2x(\d+)x128xbf16>", call).group(1))
+
+    assert (attention_rows(decode), attention_rows(mixed)) == (4 * 16, 128)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_tpu_long_context_keeps_smem_bounded(tmp_path, tp):
+    """max_model_len 131072: 8192 blocks per sequence (32 KiB of table each) stay in HBM; the
+    attention call's scalar-prefetched (1-D i32, SMEM) operands stay small."""
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=131072, tensor_parallel_size=tp)
+    lowering = prepare(_config(tmp_path, max_position_embeddings=131072, num_hidden_layers=1), "tpu", cfg,
+                       device_memory=64 << 30)
+    assert lowering.runner.max_blocks == 8192
+    for key in (BucketKey(8, 8, 0), BucketKey(16, 1, 0)):
+        text = lowering.export(key).mlir_module()
+        [call] = [line for line in text.splitlines() if 'kernel_name = "ragged_paged_attention_tpu"' in line]
+        operands = call.rsplit(" : (", 1)[1]
+        smem = [int(n) * 4 for n in re.findall(r"tensor<(\d+)xi32>", operands)]
+        assert sum(smem) <= 1024, smem
+        [width] = re.findall(rf"tensor<{key.s}x(\d+)xi32>", operands)  # the table, in HBM
+        assert int(width) >= 8192
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q4_k"])

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-# The XLA KV write is one scatter (in place: the pages are donated). pallas_kernels.write_kv has a
-# Mosaic TPU kernel too; it is not wired in yet.
-from pallas_kernels.kv_quant import gather as load_pages
+# The XLA KV write is one scatter (in place: the pages are donated); the tpu-fused layout has its
+# own Pallas write kernel (pallas_kernels.write_kv).
+from pallas_kernels.kv_quant import gather
 from pallas_kernels.reference import token_layout, write_kv  # noqa: F401  (re-exported)
 
 
@@ -32,6 +32,12 @@ class AttentionMetadata(NamedTuple):
     query_start_loc: jax.Array  # i32[S+1] cumulative new-token counts
     block_tables: jax.Array  # i32[S, max_blocks]
     num_seqs: jax.Array  # i32[1]
+
+
+def pages_at(pages, blk):
+    """The pages of block ids ``blk`` (any shape) as [*blk.shape, block_size, Hkv, D] float32
+    (dequantized for int8/fp8 pages): the one place this path reads the cache."""
+    return gather(pages, blk)
 
 
 def xla_ragged_paged_attention(
@@ -47,18 +53,26 @@ def xla_ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_rows: int = 16,
-    decode_blocks_per_chunk: int = 2,
+    decode_blocks_per_chunk: int = 8,
     prefill_rows: int = 128,
     blocks_per_chunk: int = 8,
+    static_bounds: bool = True,
 ):
-    """Ragged paged attention in plain XLA: flash-style loops with dynamic trip counts.
+    """Ragged paged attention in plain XLA: flash-style loops whose trip counts are static.
 
-    Decode rows (sequences with one new token) each read their own sequence's pages, a block of
-    rows at a time. Prefill rows (several new tokens) are taken in tiles; for each sequence in a
-    tile its pages are read once, chunk by chunk, and scored against all the tile's rows with one
-    matmul. Nothing is read past the longest context in play, so nothing recompiles as contexts
-    grow. The batch builder puts decode rows first, which keeps both loops short; any order is
-    still correct.
+    Every loop bound comes from the shapes (T, S, max_blocks), never from the batch's values, so
+    XLA sees fixed-count loops (no data-dependent ``while``, which on GPU costs a device->host
+    sync per iteration); masking makes the extra iterations no-ops. ``static_bounds=False``
+    (XLA:CPU, where a while loop is cheap and reading the whole block table is not) stops each
+    loop at the batch's own extent instead; the loops are the same. Two parts:
+
+    - decode: rows [0, min(S, T)) that are one-token sequences (the batch builder puts decode
+      rows first), a block of ``decode_rows`` at a time, each row gathering its own pages over
+      the whole block table;
+    - prefill: every other real row, in tiles of ``prefill_rows``. The (tile, sequence) pairs
+      with rows in common are at most num_tiles + P - 1, P the most sequences that can have
+      prefill rows (S, or T // 2 when T <= S); each pair reads its sequence's pages
+      once, chunk by chunk, against all of the tile's rows with one matmul.
     """
     t, hq, d = q.shape
     nb, bs, hkv, _ = k_pages.shape
@@ -66,16 +80,24 @@ def xla_ragged_paged_attention(
     s_max, max_blocks = block_tables.shape
     chunk = blocks_per_chunk * bs
     dchunk, dbpc = decode_blocks_per_chunk * bs, decode_blocks_per_chunk
-    rd, rp = min(decode_rows, t), min(prefill_rows, t)
+    nd = min(s_max, t)  # rows that may be decode rows of the decode part
+    rd, rp = min(decode_rows, nd), min(prefill_rows, t)
+    num_dblocks, num_tiles = -(-nd // rd), -(-t // rp)
+    # Sequences with prefill rows: >= 2 rows each when every row is a decode candidate (T <= S).
+    max_prefill_seqs = t // 2 if t <= s_max else s_max
+    num_pairs = num_tiles + max_prefill_seqs - 1 if max_prefill_seqs else 0
+    num_dchunks, num_chunks = -(-max_blocks // dbpc), -(-max_blocks // blocks_per_chunk)
 
     seq, pos, valid = token_layout(seq_lens, query_start_loc, num_seqs, t)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    is_decode = valid & (q_len == 1)
+    rows = jnp.arange(t, dtype=jnp.int32)
+    in_decode = valid & (q_len == 1) & (rows < nd)
+    in_prefill = valid & ~in_decode
     tables = jnp.pad(block_tables, ((0, 0), (0, (-max_blocks) % math.lcm(blocks_per_chunk, dbpc))))
     qf = q.reshape(t, hkv, g, d).astype(jnp.float32) * sm_scale
-    pad = max(rd, rp)
+    pad = num_tiles * rp - t
     padded = lambda x, v=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=v)  # noqa: E731
-    seq_p, pos_p, valid_p, qf_p = padded(seq), padded(pos, -1), padded(valid, False), padded(qf)
+    seq_p, pos_p, pre_p, qf_p = padded(seq), padded(pos, -1), padded(in_prefill, False), padded(qf)
 
     def cap(x):
         return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
@@ -99,70 +121,79 @@ def xla_ragged_paged_attention(
     def empty(r):
         return jnp.full((r, hkv, g), -jnp.inf), jnp.zeros((r, hkv, g)), jnp.zeros((r, hkv, g, d))
 
-    tp = t + pad
-    m_all, l_all, acc_all = empty(tp)
+    def bound(static: int, extent):
+        """A loop's trip count: the shapes' ``static`` one, or the data's ``extent`` (<= it)."""
+        return static if static_bounds else jnp.minimum(extent, static)
 
-    # Decode rows: per-row page gather.
-    num_decode_blocks = (jnp.max(jnp.where(is_decode, jnp.arange(t), -1)) + rd) // rd
+    # Decode part: per-row page gather; rows that are not decode rows see nothing.
+    dq = jnp.pad(qf[:nd], ((0, num_dblocks * rd - nd), (0, 0), (0, 0), (0, 0)))
+    dseq = jnp.pad(seq[:nd], (0, num_dblocks * rd - nd))
+    dpos = jnp.pad(jnp.where(in_decode, pos, -1)[:nd], (0, num_dblocks * rd - nd), constant_values=-1)
 
-    def decode_block(i, carry):
+    def decode_block(i, out):
         start = i * rd
-        rseq = jax.lax.dynamic_slice_in_dim(seq_p, start, rd)
-        rpos = jax.lax.dynamic_slice_in_dim(pos_p, start, rd)
-        rq = jax.lax.dynamic_slice_in_dim(qf_p, start, rd)
+        rseq = jax.lax.dynamic_slice_in_dim(dseq, start, rd)
+        rpos = jax.lax.dynamic_slice_in_dim(dpos, start, rd)
+        rq = jax.lax.dynamic_slice_in_dim(dq, start, rd)
         rtab = tables[rseq]
 
         def kv_chunk(c, inner):
             blk = jax.lax.dynamic_slice_in_dim(rtab, c * dbpc, dbpc, axis=1)
             kv_pos = c * dchunk + jnp.arange(dchunk, dtype=jnp.int32)
             ok = visible(kv_pos, rpos)
-            k = load_pages(k_pages, blk).reshape(rd, dchunk, hkv, d)
-            v = jnp.where(ok[:, :, None, None], load_pages(v_pages, blk).reshape(rd, dchunk, hkv, d), 0.0)
+            k = pages_at(k_pages, blk).reshape(rd, dchunk, hkv, d)
+            v = jnp.where(ok[:, :, None, None], pages_at(v_pages, blk).reshape(rd, dchunk, hkv, d), 0.0)
             return online(inner, jnp.einsum("rkgd,rckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,rckd->rkgd")
 
-        num_chunks = (jnp.max(rpos) + dchunk) // dchunk
-        m, l, acc = jax.lax.fori_loop(0, num_chunks, kv_chunk, empty(rd))
-        m_all, l_all, acc_all = carry
-        upd = jax.lax.dynamic_update_slice_in_dim
-        return upd(m_all, m, start, 0), upd(l_all, l, start, 0), upd(acc_all, acc, start, 0)
+        state = jax.lax.fori_loop(0, bound(num_dchunks, (jnp.max(rpos) + dchunk) // dchunk), kv_chunk, empty(rd))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, state))
 
-    carry = jax.lax.fori_loop(0, num_decode_blocks, decode_block, (m_all, l_all, acc_all))
+    decode_extent = (jnp.max(jnp.where(in_decode[:nd], rows[:nd], -1)) + rd) // rd
+    m_d, l_d, acc_d = jax.lax.fori_loop(0, bound(num_dblocks, decode_extent), decode_block,
+                                        empty(num_dblocks * rd))
 
-    # Prefill rows: tiles starting after the decode rows; pages read once per (tile, sequence).
-    first = jnp.min(jnp.where(valid & ~is_decode, jnp.arange(t), t))
-    last = jnp.max(jnp.where(valid & ~is_decode, jnp.arange(t), -1))
-    num_tiles = jnp.where(last >= first, (last - first + rp) // rp, 0)
+    # Prefill part: the (tile, sequence) pairs, in order; pair p belongs to tile pair_tile[p].
+    tile_rows = seq_p.reshape(num_tiles, rp)
+    tile_pre = pre_p.reshape(num_tiles, rp)
+    s_first = jnp.min(jnp.where(tile_pre, tile_rows, s_max), axis=1)
+    s_last = jnp.max(jnp.where(tile_pre, tile_rows, -1), axis=1)
+    count = jnp.maximum(s_last - s_first + 1, 0)
+    ends = jnp.cumsum(count)
+    pair = jnp.arange(num_pairs, dtype=jnp.int32)
+    pair_tile = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), num_tiles - 1).astype(jnp.int32)
+    pair_seq = s_first[pair_tile] + pair - (ends[pair_tile] - count[pair_tile])
+    pair_real = pair < ends[-1]
 
-    def prefill_tile(i, carry):
-        start = first + i * rp
+    def prefill_pair(p, out):
+        start = pair_tile[p] * rp
+        sid = jnp.where(pair_real[p], jnp.clip(pair_seq[p], 0, s_max - 1), 0)
         rseq = jax.lax.dynamic_slice_in_dim(seq_p, start, rp)
         rpos = jax.lax.dynamic_slice_in_dim(pos_p, start, rp)
-        rvalid = jax.lax.dynamic_slice_in_dim(valid_p, start, rp)
+        mine = jax.lax.dynamic_slice_in_dim(pre_p, start, rp) & (rseq == sid) & pair_real[p]
         rq = jax.lax.dynamic_slice_in_dim(qf_p, start, rp)
-        s_first = rseq[0]
-        s_last = jnp.max(jnp.where(rvalid, rseq, s_first))
+        top = jnp.max(jnp.where(mine, rpos, -1))
 
-        def one_seq(sid, inner):
-            mine = rvalid & (rseq == sid)
-            top = jnp.max(jnp.where(mine, rpos, -1))
+        def kv_chunk(c, inner):
+            blk = jax.lax.dynamic_slice_in_dim(tables[sid], c * blocks_per_chunk, blocks_per_chunk)
+            kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            ok = visible(kv_pos, rpos) & mine[:, None]
+            k = pages_at(k_pages, blk).reshape(chunk, hkv, d)
+            v = jnp.where((kv_pos <= top)[:, None, None], pages_at(v_pages, blk).reshape(chunk, hkv, d), 0.0)
+            return online(inner, jnp.einsum("rkgd,ckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,ckd->rkgd")
 
-            def kv_chunk(c, inner2):
-                blk = jax.lax.dynamic_slice_in_dim(tables[sid], c * blocks_per_chunk, blocks_per_chunk)
-                kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-                ok = visible(kv_pos, rpos) & mine[:, None]
-                k = load_pages(k_pages, blk).reshape(chunk, hkv, d)
-                v = jnp.where((kv_pos <= top)[:, None, None], load_pages(v_pages, blk).reshape(chunk, hkv, d), 0.0)
-                return online(inner2, jnp.einsum("rkgd,ckd->rkgc", rq, k), v, ok[:, None, None, :], "rkgc,ckd->rkgd")
+        state = tuple(jax.lax.dynamic_slice_in_dim(o, start, rp) for o in out)
+        state = jax.lax.fori_loop(0, bound(num_chunks, (top + chunk) // chunk), kv_chunk, state)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, start, 0) for o, x in zip(out, state))
 
-            return jax.lax.fori_loop(0, (top + chunk) // chunk, kv_chunk, inner)
-
-        m, l, acc = jax.lax.fori_loop(s_first, s_last + 1, one_seq, empty(rp))
-        m_all, l_all, acc_all = carry
-        upd = jax.lax.dynamic_update_slice_in_dim
-        return upd(m_all, m, start, 0), upd(l_all, l, start, 0), upd(acc_all, acc, start, 0)
-
-    _, l_all, acc_all = jax.lax.fori_loop(0, num_tiles, prefill_tile, carry)
-    l_all, acc_all = l_all[:t], acc_all[:t]
+    state = empty(num_tiles * rp)
+    if num_pairs:
+        _, l_p, acc_p = jax.lax.fori_loop(0, bound(num_pairs, ends[-1]), prefill_pair, state)
+    else:
+        _, l_p, acc_p = state
+    pad_d = ((0, t - nd), (0, 0), (0, 0))
+    dec = in_decode[:, None, None]
+    l_all = jnp.where(dec, jnp.pad(l_d[:nd], pad_d), l_p[:t])
+    acc_all = jnp.where(dec[..., None], jnp.pad(acc_d[:nd], pad_d + ((0, 0),)), acc_p[:t])
     out = acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(t, hq, d).astype(q.dtype)
@@ -180,8 +211,11 @@ def get_backend(name: str, platform: str | None = None, decode_only: bool = Fals
     when it is not this host's (`jaxserve lower` exports for it). ``decode_only``: a step of one
     decode token per sequence, token t of sequence t (pallas: the split-KV kernel on GPU, the
     decode block sizes on TPU; the other backends serve every step alike)."""
-    if name == "xla":
-        return xla_ragged_paged_attention
+    if name == "xla":  # static loop bounds except on XLA:CPU (see xla_ragged_paged_attention)
+        import functools
+
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        return functools.partial(xla_ragged_paged_attention, static_bounds=not on_cpu)
     if name == "pallas":
         import pallas_kernels
 
@@ -196,12 +230,22 @@ def get_backend(name: str, platform: str | None = None, decode_only: bool = Fals
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 
 
-def layer_attention(name: str, platform: str | None = None, decode_only: bool = False) -> AttentionFn:
-    """What one model layer calls: write this step's K/V into its pages, then attend over them."""
+def layer_attention(name: str, platform: str | None = None, decode_only: bool = False,
+                    kv_layout: str = "paged") -> AttentionFn:
+    """What one model layer calls: write this step's K/V into its pages, then attend over them.
+    With the ``tpu-fused`` layout ``k_pages`` is the layer's one array and ``v_pages`` None; the
+    Pallas write kernel fills it."""
     kernel = get_backend(name, platform, decode_only)
     write = write_kv
     if name == "cpu":
         from jaxserve.runtime.cpu_kernels import cpu_write_kv as write
+    if kv_layout == "tpu-fused":
+        import functools
+
+        import pallas_kernels
+
+        interpret = platform != "tpu" and jax.default_backend() == "cpu"
+        write = functools.partial(pallas_kernels.write_kv, backend="tpu", interpret=interpret)
 
     def attend(q, k, v, k_pages, v_pages, md: AttentionMetadata, **kw):
         k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)

@@ -22,7 +22,9 @@ from jaxserve.errors import UserError
 log = logging.getLogger("jaxserve")
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
-KV_LAYOUTS = ("paged", "cpu-tiled")  # [nb, bs, Hkv, D] | K blocks [Hkv, D, bs], V blocks [Hkv, bs, D]
+# [nb, bs, Hkv, D] | K blocks [Hkv, D, bs], V blocks [Hkv, bs, D] | one array [nb, 2 * Hkv, bs, D
+# padded to 128] per layer, K and V of head h at rows 2h and 2h + 1 (pallas_kernels/tpu.py)
+KV_LAYOUTS = ("paged", "cpu-tiled", "tpu-fused")
 
 
 class PackedWeight(NamedTuple):
@@ -85,8 +87,9 @@ class Backend:
 
     @property
     def has_decode_kernel(self) -> bool:
-        """A kernel of its own for steps whose every row is one decode token (split-KV on GPU)."""
-        return self.attention == "pallas" and self.platform == "gpu"
+        """A kernel of its own for steps whose every row is one decode token: split-KV on GPU, the
+        TPU kernel's decode block sizes (one sequence per grid step) on TPU."""
+        return self.attention == "pallas" and self.platform in ("gpu", "tpu")
 
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
         """The model's ops; each also takes weights in runtime/quant.py's formats.
@@ -100,7 +103,7 @@ class Backend:
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         from jaxserve.runtime.attention import layer_attention
 
-        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only))
+        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend)
@@ -205,7 +208,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
             if why:
                 log.warning("Pallas attention unavailable (%s); using the portable 'xla' backend.", why)
                 name, reason = "xla", f"pallas unavailable: {why}"
-        return Backend(platform, name, "paged", False, False, reason)
+        layout = "tpu-fused" if (name, platform) == ("pallas", "tpu") else "paged"
+        return Backend(platform, name, layout, False, False, reason)
     native_dtypes = dtype == "float32" and (kv_dtype in ("float32", "bfloat16") or kv_quant.is_quantized(kv_dtype))
     if requested in (None, "cpu"):
         from jaxserve.runtime import cpu_kernels
@@ -223,4 +227,10 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                             "use --dtype float32, or use --attention-backend xla.", param="attention_backend")
         log.warning("Native CPU kernels unavailable (%s); using the slower 'xla' backend.", why)
         return Backend("cpu", "xla", "paged", False, False, f"native kernels unavailable: {why}")
-    return Backend("cpu", requested, "paged", False, False, "requested")
+    # pallas on CPU is the TPU kernel in its interpreter, on its own layout
+    if requested == "pallas" and kv_quant.is_quantized(kv_dtype):
+        raise UserError(f"KV cache dtype {kv_dtype!r} has no TPU Pallas kernel yet (which 'pallas' runs "
+                        "interpreted on CPU): use --attention-backend cpu or xla, or a float --kv-cache-dtype.",
+                        param="kv_cache_dtype")
+    layout = "tpu-fused" if requested == "pallas" else "paged"
+    return Backend("cpu", requested, layout, False, False, "requested")

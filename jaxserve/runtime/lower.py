@@ -126,7 +126,8 @@ class LoweredStep:
 
     def describe(self) -> str:
         k = self.key
-        return (f"lowered T={k.t} S={k.s} W={k.w} for {self.platform} on {self.num_devices} device(s): "
+        kind = " decode" if k.decode else ""
+        return (f"lowered T={k.t} S={k.s} W={k.w}{kind} for {self.platform} on {self.num_devices} device(s): "
                 f"{self.kernel_calls} {KERNEL_CALL[self.platform]} calls, "
                 f"{self.module_bytes / 1e6:.1f} MB StableHLO, {self.seconds:.1f} s")
 
@@ -219,7 +220,7 @@ def prepare(
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(
         device_limit=device_memory or DEFAULT_DEVICE_MEMORY[platform], bytes_in_use=weights,
-        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp),
+        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
         block_size=config.block_size, max_model_len=max_model_len, utilization=config.gpu_memory_utilization,
         tensor_parallel_size=tp, reserved_blocks=1,
     )

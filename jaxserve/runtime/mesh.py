@@ -251,20 +251,23 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(f, params, is_leaf=quant.is_quantized)
 
 
-def kv_cache_sharding(mesh: Mesh, quantized: bool = False):
-    """One layer's K (or V) pages' sharding: kv heads over "model"; quantized pages' scales
+def kv_cache_sharding(mesh: Mesh, layout: str = "paged", quantized: bool = False):
+    """One layer's KV array's sharding: kv heads over "model"; quantized pages' scales
     ([nb, bs, Hkv]) go with their heads (a kv_quant.QuantPages of two shardings)."""
     from pallas_kernels.kv_quant import QuantPages
 
-    spec = page_spec(quantized) if tp_size(mesh) > 1 else (QuantPages(P(), P()) if quantized else P())
+    spec = page_spec(layout, quantized) if tp_size(mesh) > 1 else (QuantPages(P(), P()) if quantized else P())
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
 
 
-def page_spec(quantized: bool):
-    """The partition spec of one layer's K (or V) pages: P over [nb, bs, Hkv, D], or for
-    quantized pages a QuantPages of the data's and the scales' specs."""
+def page_spec(layout: str = "paged", quantized: bool = False):
+    """Where a layer's KV array splits over the model axis: its kv heads (dim 2 of paged
+    [nb, bs, Hkv, D], dim 1 of tpu-fused [nb, 2*Hkv, bs, Dp]); for quantized (paged) pages a
+    QuantPages of the data's and the scales' specs."""
     from pallas_kernels.kv_quant import QuantPages
 
+    if layout == "tpu-fused":
+        return P(None, MODEL, None, None)
     pages = P(None, None, MODEL, None)
     return QuantPages(pages, P(None, None, MODEL)) if quantized else pages
 
@@ -319,7 +322,7 @@ def bytes_per_device(tree) -> dict:
 
 
 # ---- attention under shard_map ----------------------------------------------------------------
-def shard_attention(attn_fn, mesh: Mesh):
+def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
     """Run a layer's attention (KV write + kernel) per model shard: each device writes and attends
     over its own q and kv heads.
 
@@ -334,7 +337,7 @@ def shard_attention(attn_fn, mesh: Mesh):
     def sharded(q, k, v, k_pages, v_pages, md, **kw):
         from pallas_kernels.kv_quant import QuantPages
 
-        pages = page_spec(isinstance(k_pages, QuantPages))
+        pages = page_spec(layout, isinstance(k_pages, QuantPages))
         f = jax.shard_map(
             functools.partial(attn_fn, **kw), mesh=mesh,
             in_specs=(heads, heads, heads, pages, pages, rep), out_specs=(heads, pages, pages), check_vma=False,

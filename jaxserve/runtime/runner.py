@@ -126,7 +126,8 @@ class ModelRunner:
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
         # one model per attention variant (same params): decode-only buckets get the decode kernel
         self.models = {d: LlamaForCausalLM(model_cfg, self.backend.ops(
-            lambda attend: meshlib.shard_attention(attend, self.mesh), decode_only=d), self.dtype)
+            lambda attend: meshlib.shard_attention(attend, self.mesh, self.backend.kv_layout), decode_only=d),
+            self.dtype)
             for d in (False, True)}
         self.model = self.models[False]
         self.params = self._place_params(params)
@@ -135,8 +136,10 @@ class ModelRunner:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
-        self.page_sharding = meshlib.kv_cache_sharding(self.mesh, kv_quant.is_quantized(self.kv_cache_dtype))
-        self.kv_sharding = [(self.page_sharding,) * 2] * model_cfg.num_layers
+        quantized = kv_quant.is_quantized(self.kv_cache_dtype)
+        self.page_sharding = meshlib.kv_cache_sharding(self.mesh, self.backend.kv_layout, quantized)
+        # quantized pages are (data, scale) pytrees: their two shardings per array; else one for all
+        self.kv_sharding = [(self.page_sharding,) * 2] * model_cfg.num_layers if quantized else self.page_sharding
         self.kv = self._allocate_kv(cfg.num_blocks)
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -156,10 +159,12 @@ class ModelRunner:
         return jax.device_put(x, self._replicated)
 
     def _allocate_kv(self, num_blocks: int) -> KVCaches:
-        mc = self.model_cfg
-        shape = (num_blocks, self.cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        mc, layout = self.model_cfg, self.backend.kv_layout
+        shape = (num_blocks, *kv_block_shape(layout, self.cfg.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype))
         zeros = jax.jit(lambda: kv_quant.empty(shape, self.kv_cache_dtype), out_shardings=self.page_sharding)
-        return KVCaches([(zeros(), zeros()) for _ in range(mc.num_layers)], self.backend.kv_layout)
+        if layout == "tpu-fused":  # one array per layer holds K and V
+            return KVCaches([(zeros(), None) for _ in range(mc.num_layers)], layout)
+        return KVCaches([(zeros(), zeros()) for _ in range(mc.num_layers)], layout)
 
     def resize_kv(self, num_blocks: int) -> None:
         """Re-allocate the KV cache with num_blocks blocks (after memory sizing); executables
@@ -307,13 +312,26 @@ class ModelRunner:
         return logits
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1) -> int:
-    """KV bytes of one block on one device (kv heads split over tp, at least one head each); a
+def kv_block_shape(layout: str, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> tuple:
+    """One block of one layer's KV array (K and V together for tpu-fused, else each of the two)."""
+    if layout == "tpu-fused":
+        from pallas_kernels import tpu
+
+        return tpu.fused_shape(1, block_size, num_kv_heads, head_dim, dtype)[1:]
+    return block_size, num_kv_heads, head_dim
+
+
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1,
+                       layout: str = "paged") -> int:
+    """KV bytes of one block on one device (kv heads split over tp, at least one head each), as
+    allocated: the tpu-fused layout's head-dim padding counts, so the budget is physical memory; a
     quantized cache counts its data and its float32 scale per (token, kv head)."""
     tp = tensor_parallel_size
     heads = max(model_cfg.num_kv_heads // tp, 1) if tp > 1 else model_cfg.num_kv_heads
-    per_head = model_cfg.head_dim * dtype_size(dtype) + (4 if kv_quant.is_quantized(dtype) else 0)
-    return 2 * model_cfg.num_layers * heads * per_head * block_size
+    arrays = 1 if layout == "tpu-fused" else 2
+    shape = kv_block_shape(layout, block_size, heads, model_cfg.head_dim, kv_storage_dtype(dtype))
+    scales = 4 * int(np.prod(shape[:-1])) if kv_quant.is_quantized(dtype) else 0
+    return arrays * model_cfg.num_layers * (int(np.prod(shape)) * dtype_size(dtype) + scales)
 
 
 def default_dtype() -> str:

@@ -65,3 +65,19 @@ def test_gpu_kernel_raises_the_gate_reason():
     with pytest.raises(ValueError, match="head_dim"):
         pallas_kernels.ragged_paged_attention(*b.args, sm_scale=0.1, backend="gpu",
                                               interpret=True)
+
+
+def test_pallas_on_tpu_gets_the_fused_layout():
+    """tpu + pallas (and pallas on CPU: the TPU kernel interpreted) -> tpu-fused; gpu -> paged."""
+    from jaxserve.runtime.backend import KV_LAYOUTS, KernelShape, resolve_backend
+
+    shape = KernelShape(head_dim=64, group=3, block_size=16)
+    tpu = resolve_backend(None, "bfloat16", "bfloat16", shape=shape, target="tpu")
+    gpu = resolve_backend(None, "bfloat16", "bfloat16", shape=shape, target="cuda", compute_capability="9.0")
+    cpu = resolve_backend("pallas", "float32", "float32")
+    assert (tpu.attention, tpu.kv_layout) == ("pallas", "tpu-fused")
+    assert (gpu.attention, gpu.kv_layout) == ("pallas", "paged")
+    assert cpu.kv_layout == "tpu-fused" and "tpu-fused" in KV_LAYOUTS
+    # 16-bit KV needs pages of 16 tokens (the sublane packing): else the portable path
+    small = resolve_backend(None, "bfloat16", "bfloat16", shape=KernelShape(64, 3, 8), target="tpu")
+    assert (small.attention, small.kv_layout) == ("xla", "paged")

@@ -71,7 +71,8 @@ def test_tpu_window_and_soft_cap(window, cap):
 
 
 def test_tpu_bfloat16():
-    b = make_batch(np.random.default_rng(8), *CASES["chunked"], dtype=jnp.bfloat16)
+    # 16 tokens per page: the TPU's sublane packing of a 16-bit dtype (tpu.fused_shape).
+    b = make_batch(np.random.default_rng(8), *CASES["chunked"], dtype=jnp.bfloat16, block_size=16)
     _check(tpu_kernel, b, rtol=2e-2, atol=2e-2, to_f32=True)
 
 
