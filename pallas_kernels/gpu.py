@@ -183,16 +183,16 @@ def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int,
     if not quant:
         return base
     return base + (
-        plgpu.SMEM((stages, chunk, num_kv_heads), jnp.float32),
-        plgpu.SMEM((stages, chunk, num_kv_heads), jnp.float32),
+        plgpu.SMEM((stages, chunk * num_kv_heads), jnp.float32),
+        plgpu.SMEM((stages, chunk * num_kv_heads), jnp.float32),
         plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
     )
 
 
-def head_scales(ref, head):
-    """f32[chunk] scales of kv head ``head`` out of a [chunk, Hkv] scale slot."""
-    return lax.dynamic_slice_in_dim(ref[...], head, 1, axis=1)[:, 0]
+def head_scales(ref, head, num_kv_heads: int):
+    """f32[chunk] scales of kv head ``head`` out of a scale slot (chunk x [Hkv], flat)."""
+    return lax.dynamic_slice_in_dim(ref[...].reshape(-1, num_kv_heads), head, 1, axis=1)[:, 0]
 
 
 def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype, head=None):
@@ -224,7 +224,8 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
         if quant:
             ks_smem, vs_smem, k_wide, v_wide = scoped[6:10]
             s = ops.mma_qk(q_smem, ops.widen(k_smem.at[slot], k_wide))
-            s = s * lax.broadcast_in_dim(head_scales(ks_smem.at[slot], head) * sm_scale, s.shape, [1])
+            hkv = ks_smem.shape[1] // k_smem.shape[1]
+            s = s * lax.broadcast_in_dim(head_scales(ks_smem.at[slot], head, hkv) * sm_scale, s.shape, [1])
         else:
             s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
         if soft_cap is not None:
@@ -239,7 +240,7 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
         plgpu.barrier_wait(v_bar.at[slot])
         v_ref = v_smem.at[slot]
         if quant:  # V scales on the probabilities, after their sum l_i
-            p = p * lax.broadcast_in_dim(head_scales(vs_smem.at[slot], head), p.shape, [1])
+            p = p * lax.broadcast_in_dim(head_scales(vs_smem.at[slot], head, hkv), p.shape, [1])
             v_ref = ops.widen(v_ref, v_wide)
         acc = acc + ops.mma_pv(p.astype(dtype), v_ref)
         return acc, m_new, l_i
@@ -257,18 +258,21 @@ def page_fetcher(scoped, k_g, v_g, head, block_size, scales_g=()):
             dst = pl.ds(j * block_size, block_size)
             plgpu.copy_gmem_to_smem(k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot])
-            if scales_g:
+            if scales_g:  # a page's scales are one contiguous row [bs * Hkv] (TMA strides: 16 bytes)
                 ks_smem, vs_smem = scoped[6:8]
-                plgpu.copy_gmem_to_smem(scales_g[0].at[block], ks_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(scales_g[1].at[block], vs_smem.at[slot, dst], v_bar.at[slot])
+                row = scales_g[0].shape[1]
+                sdst = pl.ds(j * row, row)
+                plgpu.copy_gmem_to_smem(scales_g[0].at[block], ks_smem.at[slot, sdst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(scales_g[1].at[block], vs_smem.at[slot, sdst], v_bar.at[slot])
 
     return fetch
 
 
 def page_arrays(k_pages, v_pages) -> tuple[tuple, tuple]:
-    """((k, v) data arrays, (k, v) scale arrays or ()) as the kernels take them."""
+    """((k, v) data arrays, (k, v) scale arrays as [nb, bs * Hkv] rows, or ()) as the kernels take them."""
     if isinstance(k_pages, QuantPages):
-        return (k_pages.data, v_pages.data), (k_pages.scale, v_pages.scale)
+        nb = k_pages.scale.shape[0]
+        return (k_pages.data, v_pages.data), (k_pages.scale.reshape(nb, -1), v_pages.scale.reshape(nb, -1))
     return (k_pages, v_pages), ()
 
 
