@@ -34,6 +34,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -221,21 +225,31 @@ inline v16 LoadU(const Bf16* src) {
   return x;
 }
 
-inline v16 LoadU(const int8_t* src) {
-  using i8x16 = int8_t __attribute__((vector_size(16)));
-  i8x16 b;
+// 16 bytes widened to 16 int32 lanes: one vpmovsxbd / vpmovzxbd where AVX-512 is there (GCC's
+// generic byte -> int vector conversion is far slower).
+using i32x16 = int32_t __attribute__((vector_size(64)));
+template <bool Signed>
+inline i32x16 WidenBytes(const void* src) {
+  i32x16 out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(src));
+  const __m512i w = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&out, &w, sizeof(out));
+#else
+  using b16 = std::conditional_t<Signed, int8_t, uint8_t> __attribute__((vector_size(16)));
+  b16 b;
   std::memcpy(&b, src, sizeof(b));
-  return __builtin_convertvector(b, v16);
+  out = __builtin_convertvector(b, i32x16);
+#endif
+  return out;
 }
+
+inline v16 LoadU(const int8_t* src) { return __builtin_convertvector(WidenBytes<true>(src), v16); }
 
 // 16 fp8 values: ToFloat's arithmetic, lane-wise.
 template <int M, int Bias>
 inline v16 LoadU(const Fp8<M, Bias>* src) {
-  using u8x16 = uint8_t __attribute__((vector_size(16)));
-  using i32x16 = int32_t __attribute__((vector_size(64)));
-  u8x16 b;
-  std::memcpy(&b, src, sizeof(b));
-  const i32x16 i = __builtin_convertvector(b, i32x16);
+  const i32x16 i = WidenBytes<false>(src);
   const i32x16 m = i & ((1 << M) - 1), e = (i >> M) & ((1 << (7 - M)) - 1);
   const i32x16 mant = e == 0 ? m : m + (1 << M);
   const i32x16 pow_bits = ((e == 0 ? i32x16{} + 1 : e) + (127 - Bias - M)) << 23;
