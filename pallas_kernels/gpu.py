@@ -22,7 +22,12 @@ head) stream through the same ring in their own dtype, half the bytes of bfloat1
 page's [block_size, Hkv] scales on the same barrier. A chunk is widened (exactly) into one
 compute-dtype SMEM tile for the MMA; the K scales multiply the chunk's score columns and the V
 scales its probabilities (after the softmax sum), so no element is ever multiplied by a scale.
-Only the interpreter has run this path so far (no GPU in the session that wrote it).
+Only the interpreter runs this path so far (backend.resolve_backend picks xla for quantized KV
+on a GPU): lowering it (`jaxserve lower --platform cuda --kv-cache-dtype int8`) still fails.
+Found so far: TMA needs 16-byte GMEM strides and copies of a multiple of 128 bytes, so the
+scales travel head-major ([nb, Hkv, bs], transposed per call here) and a 16-token page's 64 bytes
+of scales are too small a copy (32-token pages pass that check); then the widening / scale
+broadcast meets "Incompatible FragmentedArray layouts" (layout casts still to be placed).
 """
 
 from __future__ import annotations
@@ -183,16 +188,13 @@ def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int,
     if not quant:
         return base
     return base + (
-        plgpu.SMEM((stages, chunk, num_kv_heads), jnp.float32),
-        plgpu.SMEM((stages, chunk, num_kv_heads), jnp.float32),
+        plgpu.SMEM((stages, chunk), jnp.float32),
+        plgpu.SMEM((stages, chunk), jnp.float32),
         plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
     )
 
 
-def head_scales(ref, head):
-    """f32[chunk] scales of kv head ``head`` out of a [chunk, Hkv] scale slot."""
-    return lax.dynamic_slice_in_dim(ref[...], head, 1, axis=1)[:, 0]
 
 
 def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype, head=None):
@@ -224,7 +226,7 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
         if quant:
             ks_smem, vs_smem, k_wide, v_wide = scoped[6:10]
             s = ops.mma_qk(q_smem, ops.widen(k_smem.at[slot], k_wide))
-            s = s * lax.broadcast_in_dim(head_scales(ks_smem.at[slot], head) * sm_scale, s.shape, [1])
+            s = s * lax.broadcast_in_dim(ks_smem[slot] * sm_scale, s.shape, [1])
         else:
             s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
         if soft_cap is not None:
@@ -239,7 +241,7 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
         plgpu.barrier_wait(v_bar.at[slot])
         v_ref = v_smem.at[slot]
         if quant:  # V scales on the probabilities, after their sum l_i
-            p = p * lax.broadcast_in_dim(head_scales(vs_smem.at[slot], head), p.shape, [1])
+            p = p * lax.broadcast_in_dim(vs_smem[slot], p.shape, [1])
             v_ref = ops.widen(v_ref, v_wide)
         acc = acc + ops.mma_pv(p.astype(dtype), v_ref)
         return acc, m_new, l_i
@@ -257,18 +259,21 @@ def page_fetcher(scoped, k_g, v_g, head, block_size, scales_g=()):
             dst = pl.ds(j * block_size, block_size)
             plgpu.copy_gmem_to_smem(k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot])
-            if scales_g:
+            if scales_g:  # the head's scales of a page: one contiguous run of block_size floats
                 ks_smem, vs_smem = scoped[6:8]
-                plgpu.copy_gmem_to_smem(scales_g[0].at[block], ks_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(scales_g[1].at[block], vs_smem.at[slot, dst], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(scales_g[0].at[block, head], ks_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(scales_g[1].at[block, head], vs_smem.at[slot, dst], v_bar.at[slot])
 
     return fetch
 
 
 def page_arrays(k_pages, v_pages) -> tuple[tuple, tuple]:
-    """((k, v) data arrays, (k, v) scale arrays or ()) as the kernels take them."""
+    """((k, v) data arrays, (k, v) scales head-major [nb, Hkv, bs], or ()) as the kernels take them.
+
+    The transpose is a copy of every scale per call (~4/D of the data's bytes, twice): TMA needs
+    each (page, head) run of scales contiguous, which the [nb, bs, Hkv] scales are not."""
     if isinstance(k_pages, QuantPages):
-        return (k_pages.data, v_pages.data), (k_pages.scale, v_pages.scale)
+        return (k_pages.data, v_pages.data), tuple(jnp.swapaxes(p.scale, 1, 2) for p in (k_pages, v_pages))
     return (k_pages, v_pages), ()
 
 

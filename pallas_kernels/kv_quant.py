@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # --kv-cache-dtype name -> storage dtype of the data
 KV_QUANT_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn),
@@ -55,7 +56,9 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     dtype = jnp.dtype(dtype)
     x = x.astype(jnp.float32)
     top = qmax(dtype)
-    scale = jnp.max(jnp.abs(x), axis=-1) / top
+    # absmax times the float32 reciprocal (not a division by a constant, which XLA may rewrite into
+    # that product or not): the native CPU write computes exactly this, bit for bit.
+    scale = jnp.max(jnp.abs(x), axis=-1) * np.float32(1.0 / top)
     q = jnp.clip(x / jnp.where(scale > 0, scale, 1.0)[..., None], -top, top)
     q = jnp.round(q).astype(dtype) if dtype == jnp.int8 else q.astype(dtype)
     return q, scale

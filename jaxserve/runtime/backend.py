@@ -202,6 +202,9 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
             why = pallas_kernels.supported(
                 platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
                 compute_capability=compute_capability)
+            if not why and kv_quant.is_quantized(kv_dtype):
+                why = (f"the Mosaic GPU kernels read {kv_dtype} KV in Pallas' interpreter only so far (their "
+                       "lowering of the quantized path is unfinished)")
             if why and requested:
                 raise UserError(f"Attention backend 'pallas' cannot run this model here: {why}; "
                                 "use --attention-backend xla.", param="attention_backend")

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxserve.model.default_model import cache_dir
 from jaxserve.runtime.compat import ffi
-from pallas_kernels.kv_quant import QuantPages, quantize
+from pallas_kernels.kv_quant import QuantPages
 
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
@@ -192,16 +192,16 @@ def cpu_ragged_paged_attention(
 
 
 def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """`write_kv` (rounding to the pages' dtype, or quantized by kv_quant.quantize) into the
-    `cpu-tiled` layout, in place through aliased outputs."""
+    """`write_kv` (rounding to the pages' dtype, or quantizing as kv_quant.quantize does, in the
+    native call: no extra XLA ops per layer) into the `cpu-tiled` layout, in place through aliased
+    outputs."""
     if isinstance(k_pages, QuantPages):
-        (kq, ks), (vq, vs) = quantize(k, k_pages.dtype), quantize(v, v_pages.dtype)
         data = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
         scale = jax.ShapeDtypeStruct(k_pages.scale.shape, jnp.float32)
         kd, vd, kss, vss = ffi.ffi_call(
             "jaxserve_write_kv_quant", (data, data, scale, scale), input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
-            vmap_method="sequential")(k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, kq, vq, ks, vs,
-                                      slot_mapping.astype(jnp.int32))
+            vmap_method="sequential")(k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, k.astype(jnp.float32),
+                                      v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
         return QuantPages(kd, kss), QuantPages(vd, vss)
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     return ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},

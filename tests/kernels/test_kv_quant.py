@@ -184,8 +184,11 @@ def test_user_errors():
     with pytest.raises(UserError, match="fp8_e4m3.*TPU.*--attention-backend xla"):
         resolve_backend(None, "bfloat16", "fp8_e4m3", 1, shape, target="tpu")
     assert resolve_backend("xla", "bfloat16", "int8", 1, shape, target="tpu").attention == "xla"
+    # the GPU kernels' quantized path runs interpreted only: the portable path on a real GPU
     assert resolve_backend(None, "bfloat16", "int8", 1, shape, target="cuda",
-                           compute_capability="9.0").attention == "pallas"
+                           compute_capability="9.0").attention == "xla"
+    with pytest.raises(UserError, match="interpreter only"):
+        resolve_backend("pallas", "bfloat16", "int8", 1, shape, target="cuda", compute_capability="9.0")
     from jaxserve.config import KV_QUANT_DTYPES, EngineConfig
 
     assert KV_QUANT_DTYPES == NAMES

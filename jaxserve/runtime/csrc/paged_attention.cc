@@ -34,6 +34,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -221,21 +225,31 @@ inline v16 LoadU(const Bf16* src) {
   return x;
 }
 
-inline v16 LoadU(const int8_t* src) {
-  using i8x16 = int8_t __attribute__((vector_size(16)));
-  i8x16 b;
+// 16 bytes widened to 16 int32 lanes: one vpmovsxbd / vpmovzxbd where AVX-512 is there (GCC's
+// generic byte -> int vector conversion is far slower).
+using i32x16 = int32_t __attribute__((vector_size(64)));
+template <bool Signed>
+inline i32x16 WidenBytes(const void* src) {
+  i32x16 out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(src));
+  const __m512i w = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&out, &w, sizeof(out));
+#else
+  using b16 = std::conditional_t<Signed, int8_t, uint8_t> __attribute__((vector_size(16)));
+  b16 b;
   std::memcpy(&b, src, sizeof(b));
-  return __builtin_convertvector(b, v16);
+  out = __builtin_convertvector(b, i32x16);
+#endif
+  return out;
 }
+
+inline v16 LoadU(const int8_t* src) { return __builtin_convertvector(WidenBytes<true>(src), v16); }
 
 // 16 fp8 values: ToFloat's arithmetic, lane-wise.
 template <int M, int Bias>
 inline v16 LoadU(const Fp8<M, Bias>* src) {
-  using u8x16 = uint8_t __attribute__((vector_size(16)));
-  using i32x16 = int32_t __attribute__((vector_size(64)));
-  u8x16 b;
-  std::memcpy(&b, src, sizeof(b));
-  const i32x16 i = __builtin_convertvector(b, i32x16);
+  const i32x16 i = WidenBytes<false>(src);
   const i32x16 m = i & ((1 << M) - 1), e = (i >> M) & ((1 << (7 - M)) - 1);
   const i32x16 mant = e == 0 ? m : m + (1 << M);
   const i32x16 pow_bits = ((e == 0 ? i32x16{} + 1 : e) + (127 - Bias - M)) << 23;
@@ -688,12 +702,64 @@ ffi::Error WriteKv(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-// Quantized pages: this step's K/V already quantized (kv_quant.quantize: bytes + a scale per
-// token and head) go to their slots, the bytes as they are and the scales as rows of one value.
+// kv_quant.quantize's arithmetic, bit for bit: exact IEEE division and round-half-even (no
+// fast-math here: a reciprocal would round differently from XLA's divide).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+template <typename T>
+struct QuantOf;
+template <>
+struct QuantOf<int8_t> {
+  static constexpr float kMax = 127.0f;
+  static uint8_t Code(float y) { return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y))); }
+};
+// fp8 with M mantissa bits and exponent bias Bias, round to nearest even; |y| <= the format's max.
+template <int M, int Bias>
+struct QuantOf<Fp8<M, Bias>> {
+  static constexpr float kMax = M == 3 ? 448.0f : 57344.0f;
+  static uint8_t Code(float y) {
+    const float a = std::fabs(y);
+    const int min_e = 1 - Bias;
+    int e;
+    std::frexp(a, &e);
+    e -= 1;  // a in [2^e, 2^(e+1))
+    uint32_t code = 0;
+    if (a == 0.0f) {
+      code = 0;
+    } else if (e < min_e) {  // subnormal: a multiple of 2^(min_e - M); 2^M rounds up into the first normal
+      code = static_cast<uint32_t>(std::nearbyint(std::ldexp(a, M - min_e)));
+    } else {
+      float mq = std::nearbyint(std::ldexp(a, M - e) - float(1 << M));
+      if (mq == float(1 << M)) e += 1, mq = 0.0f;
+      code = (uint32_t(e + Bias) << M) | static_cast<uint32_t>(mq);
+    }
+    return static_cast<uint8_t>(code | (std::signbit(y) ? 0x80u : 0u));
+  }
+};
+
+// x[n, d] float rows -> bytes[n, d] and scales[n]: symmetric absmax per row.
+template <typename T>
+void QuantizeRows(const float* x, int64_t n, int64_t d, uint8_t* q, float* scale) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = x + r * d;
+    float top = 0.0f;
+    for (int64_t e = 0; e < d; ++e) top = std::max(top, std::fabs(row[e]));
+    const float s = top * static_cast<float>(1.0 / QuantOf<T>::kMax);  // as kv_quant.quantize
+    const float div = s > 0.0f ? s : 1.0f;
+    scale[r] = s;
+    for (int64_t e = 0; e < d; ++e) {
+      const float y = std::min(std::max(row[e] / div, -QuantOf<T>::kMax), QuantOf<T>::kMax);
+      q[r * d + e] = QuantOf<T>::Code(y);
+    }
+  }
+}
+#pragma GCC pop_options
+
+// Quantized pages: this step's float K/V rows are quantized here (a scale per token and head) and
+// go to their slots, the bytes as they are and the scales as rows of one value.
 ffi::Error WriteKvQuant(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                        ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::Buffer<ffi::F32> ks, ffi::Buffer<ffi::F32> vs,
-                        ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
+                        ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
                         ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::Buffer<ffi::F32>> ks_out,
                         ffi::Result<ffi::Buffer<ffi::F32>> vs_out) {
   const auto pd = k_pages.dimensions();
@@ -701,20 +767,25 @@ ffi::Error WriteKvQuant(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBu
   if (pd.size() != 4 || kd.size() != 3 || kd[1] != pd[2] || kd[2] != pd[3])
     return ffi::Error::InvalidArgument("kv write: expected pages[nb,bs,Hkv,D] and k/v[T,Hkv,D]");
   const auto type = k_pages.element_type();
-  if (type != v_pages.element_type() || type != k.element_type() || type != v.element_type() ||
-      ffi::ByteWidth(type) != 1)
-    return ffi::Error::InvalidArgument("kv write: quantized pages and new rows must share a one-byte type");
+  if (type != v_pages.element_type() ||
+      (type != ffi::DataType::S8 && type != ffi::DataType::F8E4M3FN && type != ffi::DataType::F8E5M2))
+    return ffi::Error::InvalidArgument("kv write: quantized pages must be int8 or fp8, both alike");
   const int64_t bs = pd[1], hkv = pd[2], d = pd[3], num_slots = pd[0] * bs;
-  if (k_scales.element_count() != num_slots * hkv || ks.element_count() != kd[0] * hkv)
-    return ffi::Error::InvalidArgument("kv write: scales must be [nb, bs, Hkv] and [T, Hkv]");
+  if (k_scales.element_count() != num_slots * hkv)
+    return ffi::Error::InvalidArgument("kv write: scales must be [nb, bs, Hkv]");
   const int32_t* slots = slot_mapping.typed_data();
   for (int64_t t = 0; t < kd[0]; ++t)
     if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
-  const auto* kb = static_cast<const uint8_t*>(k.untyped_data());
-  const auto* vb = static_cast<const uint8_t*>(v.untyped_data());
-  WriteRows(pool, kb, vb, slots, kd[0], bs, hkv, d, static_cast<uint8_t*>(k_out->untyped_data()),
+  const int64_t rows = kd[0] * hkv;
+  std::vector<uint8_t> kb(rows * d), vb(rows * d);
+  std::vector<float> ks(rows), vs(rows);
+  const auto quantize = type == ffi::DataType::S8 ? QuantizeRows<int8_t>
+                        : type == ffi::DataType::F8E4M3FN ? QuantizeRows<E4m3> : QuantizeRows<E5m2>;
+  quantize(k.typed_data(), rows, d, kb.data(), ks.data());
+  quantize(v.typed_data(), rows, d, vb.data(), vs.data());
+  WriteRows(pool, kb.data(), vb.data(), slots, kd[0], bs, hkv, d, static_cast<uint8_t*>(k_out->untyped_data()),
             static_cast<uint8_t*>(v_out->untyped_data()));
-  WriteRows(pool, ks.typed_data(), vs.typed_data(), slots, kd[0], bs, hkv, int64_t{1}, ks_out->typed_data(),
+  WriteRows(pool, ks.data(), vs.data(), slots, kd[0], bs, hkv, int64_t{1}, ks_out->typed_data(),
             vs_out->typed_data());
   return ffi::Error::Success();
 }
@@ -771,10 +842,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvQuant, WriteKvQuant,
                                   .Arg<ffi::AnyBuffer>()  // v_pages data
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k scales [nb, bs, Hkv]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v scales
-                                  .Arg<ffi::AnyBuffer>()  // k[T, Hkv, D] quantized
-                                  .Arg<ffi::AnyBuffer>()  // v[T, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales [T, Hkv]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k[T, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
                                   .Ret<ffi::AnyBuffer>()  // k_pages data (aliased)
                                   .Ret<ffi::AnyBuffer>()  // v_pages data (aliased)
