@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime import cpu_kernels, kquants, quant
+from tests.kernels.test_quant import check_gated, check_rows_do_not_depend_on_the_batch
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
@@ -112,26 +113,13 @@ def test_native_equals_the_float32_kernel_on_its_values(type_name, m):
 @needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)
 def test_native_rows_do_not_depend_on_the_batch(type_name):
-    qw, _ = make(type_name, 256, 128)
-    x = RNG.standard_normal((50, 256)).astype(np.float32)
-    f = jax.jit(quant.linear)
-    full = np.asarray(f(x, qw))
-    for lo, hi in ((0, 1), (3, 10), (17, 50)):
-        np.testing.assert_array_equal(np.asarray(f(x[lo:hi], qw)), full[lo:hi])
+    check_rows_do_not_depend_on_the_batch(make(type_name, 256, 128)[0], 256)
 
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)
 def test_native_gated(type_name):
-    (wg, g_ref), (wu, u_ref) = make(type_name, 256, 128), make(type_name, 256, 128)
-    x = RNG.standard_normal((9, 256)).astype(np.float32)
-    y = np.asarray(jax.jit(quant.linear_gated)(x, wg, wu, jnp.asarray([7], jnp.int32)))
-    g, u = x[:7].astype(np.float64) @ g_ref, x[:7].astype(np.float64) @ u_ref
-    want = g / (1 + np.exp(-g)) * u
-    np.testing.assert_allclose(y[:7], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    fallback = np.asarray(jax.jit(lambda x, a, b: quant.linear_gated(x, a, b, native=False))(x, wg, wu))
-    np.testing.assert_allclose(fallback[:7], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    assert np.all(y[7:] == 0)
+    check_gated(make(type_name, 256, 128), make(type_name, 256, 128), 256)
 
 
 def test_quantize_params_k_quants_fall_back_where_k_is_not_in_super_blocks():

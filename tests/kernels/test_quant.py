@@ -110,8 +110,12 @@ def test_native_matmul_matches_float64(fmt, m, rows):
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_native_rows_do_not_depend_on_the_batch(fmt):
-    qw, _ = make(fmt, 96, 128)
-    x = RNG.standard_normal((50, 96)).astype(np.float32)
+    check_rows_do_not_depend_on_the_batch(make(fmt, 96, 128)[0], 96)
+
+
+def check_rows_do_not_depend_on_the_batch(qw, k: int) -> None:
+    """Each row's result is the same whatever rows share its call (also used for the K-quants)."""
+    x = RNG.standard_normal((50, k)).astype(np.float32)
     f = jax.jit(quant.linear)
     full = np.asarray(f(x, qw))
     for lo, hi in ((0, 1), (3, 10), (17, 50)):
@@ -121,8 +125,13 @@ def test_native_rows_do_not_depend_on_the_batch(fmt):
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_native_gated(fmt):
-    (wg, g_ref), (wu, u_ref) = make(fmt, 128, 256), make(fmt, 128, 256)
-    x = RNG.standard_normal((9, 128)).astype(np.float32)
+    check_gated(make(fmt, 128, 256), make(fmt, 128, 256), 128)
+
+
+def check_gated(gate, up, k: int) -> None:
+    """silu(x @ Wg) * (x @ Wu) of the first 7 of 9 rows, native and XLA, against float64."""
+    (wg, g_ref), (wu, u_ref) = gate, up
+    x = RNG.standard_normal((9, k)).astype(np.float32)
     y = np.asarray(jax.jit(quant.linear_gated)(x, wg, wu, jnp.asarray([7], jnp.int32)))
     g, u = x[:7].astype(np.float64) @ g_ref, x[:7].astype(np.float64) @ u_ref
     want = g / (1 + np.exp(-g)) * u
