@@ -97,14 +97,3 @@ def test_real_probe_on_this_host_returns_flags():
     found = compat.probe_accelerators()
     assert set(found) == {"nvidia", "tpu"} and all(isinstance(v, bool) for v in found.values())
 
-
-def test_cache_reads_are_serialized_once():
-    from jax._src import compilation_cache as cc
-
-    from jaxserve.runtime import compat
-
-    compat.serialize_compilation_cache_reads()
-    first = cc.get_executable_and_time
-    compat.serialize_compilation_cache_reads()  # idempotent: not wrapped twice
-    assert cc.get_executable_and_time is first and first._jaxserve_serialized
-    assert not compat._CACHE_READ_LOCK.locked()

@@ -11,7 +11,6 @@ import functools
 import glob
 import importlib
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,28 +30,6 @@ def _first(obj: Any, *names: str) -> Any:
         if hasattr(obj, name):
             return getattr(obj, name)
     raise AttributeError(f"jax {jax.__version__}: {obj!r} has none of {names}")
-
-
-_CACHE_READ_LOCK = threading.Lock()
-
-
-def serialize_compilation_cache_reads() -> None:
-    """One persistent-cache read at a time. XLA:CPU crashed (a segfault inside
-    `compilation_cache.get_executable_and_time`) while two precompile threads deserialized cached
-    executables at once; compiles themselves still run in parallel."""
-    from jax._src import compilation_cache as cc
-
-    read = getattr(cc, "get_executable_and_time", None)
-    if read is None or getattr(read, "_jaxserve_serialized", False):
-        return
-
-    @functools.wraps(read)
-    def serialized(*args, **kwargs):
-        with _CACHE_READ_LOCK:
-            return read(*args, **kwargs)
-
-    serialized._jaxserve_serialized = True
-    cc.get_executable_and_time = serialized
 
 
 def backends_started() -> bool:

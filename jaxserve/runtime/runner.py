@@ -256,9 +256,6 @@ class ModelRunner:
         one XLA compile per core (compiling releases the GIL), largest first."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
-        from jaxserve.runtime import compat
-
-        compat.serialize_compilation_cache_reads()
         t0 = time.perf_counter()
         keys = self.all_buckets() if keys is None else keys
         todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
