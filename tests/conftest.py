@@ -10,6 +10,13 @@ import pytest
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
 
+# No persistent XLA cache reads in the test process itself: a clean-clone run segfaulted inside
+# jax's cache read (compilation_cache.get_executable_and_time) in the server tests, reading an
+# executable the same run had written. Subprocesses (CLI servers, the multi-device child) keep it.
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
