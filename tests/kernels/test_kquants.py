@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime import cpu_kernels, kquants, quant
-from tests.kernels.test_quant import check_gated, check_rows_do_not_depend_on_the_batch
+from tests.kernels.test_quant import check_gated, check_matches_float64, check_rows_do_not_depend_on_the_batch
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
@@ -83,17 +83,7 @@ def test_bytes_per_weight():
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m,rows", [(1, None), (7, None), (16, 13), (64, 64), (100, 53)])
 def test_native_matmul_matches_float64(type_name, m, rows):
-    k, n = 512, 192
-    qw, ref = make(type_name, k, n)
-    x = RNG.standard_normal((m, k)).astype(np.float32)
-    y = np.asarray(jax.jit(quant.linear)(x, qw, None if rows is None else jnp.asarray([rows], jnp.int32)))
-    real = m if rows is None else rows
-    want = x[:real].astype(np.float64) @ ref
-    np.testing.assert_allclose(y[:real], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    assert np.all(y[real:] == 0)
-    fallback = np.asarray(jax.jit(lambda x, w: quant.linear(x, w, native=False))(x, qw))
-    np.testing.assert_allclose(fallback[:real], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-
+    check_matches_float64(make(type_name, 512, 192), m, rows)
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)

@@ -94,9 +94,14 @@ def test_bytes_per_weight():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,rows", [(1, None), (7, None), (16, 13), (64, 64), (100, 53)])
 def test_native_matmul_matches_float64(fmt, m, rows):
-    k, n = 160, 192
-    qw, ref = make(fmt, k, n)
-    x = RNG.standard_normal((m, k)).astype(np.float32)
+    check_matches_float64(make(fmt, 160, 192), m, rows)
+
+
+def check_matches_float64(weight, m: int, rows: int | None) -> None:
+    """Native and XLA-fallback products of m rows (`rows` real) against float64 (also used for
+    the K-quants); padding rows are zero."""
+    qw, ref = weight
+    x = RNG.standard_normal((m, ref.shape[0])).astype(np.float32)
     y = np.asarray(jax.jit(quant.linear)(x, qw, None if rows is None else jnp.asarray([rows], jnp.int32)))
     real = m if rows is None else rows
     want = x[:real].astype(np.float64) @ ref
@@ -105,7 +110,6 @@ def test_native_matmul_matches_float64(fmt, m, rows):
     # the XLA fallback (dequantize inside the computation) agrees
     fallback = np.asarray(jax.jit(lambda x, w: quant.linear(x, w, native=False))(x, qw))
     np.testing.assert_allclose(fallback[:real], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
