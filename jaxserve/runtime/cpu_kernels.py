@@ -45,7 +45,8 @@ TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write
            "jaxserve_quant_matmul": "JaxserveQuantMatmul",
            "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated",
            "jaxserve_dot_matmul": "JaxserveDotMatmul", "jaxserve_dot_matmul_gated": "JaxserveDotMatmulGated"}
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
+# $JAXSERVE_CXXFLAGS is appended (e.g. "-fsanitize=address -g" to check the kernels' memory accesses).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", *os.environ.get("JAXSERVE_CXXFLAGS", "").split()]
 
 _lock = threading.Lock()
 _state: dict = {}  # "error": str | None once a build was tried

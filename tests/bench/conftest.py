@@ -14,7 +14,7 @@ ENGINE_ARGS = ["--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batch
                "--kv-cache-memory", "8MiB"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # torn down after tests/bench, not kept for the whole suite
 def bench_server(tiny_model):
     """`jaxserve serve`'s app over the tiny llama, on a free 127.0.0.1 port in a daemon thread."""
     import uvicorn
