@@ -163,9 +163,15 @@ class LLMEngine:
         return int(blocks)
 
     def precompile(self, progress=None) -> float:
+        from jaxserve.runtime import memory
+
         took = self.runner.precompile(progress)
         if self.drafter is not None:
             took += self.drafter.precompile()
+        maps = memory.memory_maps()
+        warning = maps and memory.map_count_warning(*maps, self.runner.num_compiles)
+        if warning:
+            log.warning(warning)
         return took
 
     # ---- requests -------------------------------------------------------------------------------

@@ -195,3 +195,17 @@ def test_engine_sizes_kv_after_the_weights_and_the_compiled_step(tiny_model, mon
     monkeypatch.setattr(memory, "device_memory", lambda device: (limit, limit))  # weights fill it
     with pytest.raises(UserError, match="tensor-parallel-size"):
         LLMEngine(EngineConfig(**kw))
+
+
+def test_map_count_warning_names_the_limit_and_the_fix():
+    assert memory.map_count_warning(30_000, 65_530, 45) is None
+    msg = memory.map_count_warning(40_000, 65_530, 100)
+    assert "40000 of the 65530" in msg and "vm.max_map_count" in msg and "100 compiled steps" in msg
+
+
+def test_memory_maps_reads_this_process():
+    maps = memory.memory_maps()
+    if maps is None:
+        pytest.skip("no /proc here")
+    held, limit = maps
+    assert 0 < held < limit

@@ -221,3 +221,31 @@ def estimate_step_bytes(
         + 2 * head_dim * 4  # RoPE cos/sin
     )
     return num_tokens * per_token + num_seqs * vocab_size * 4 * SAMPLER_ROW_COPIES
+
+
+# ---- host memory maps ----------------------------------------------------------------------------
+# Each compiled XLA:CPU step loads its kernels as ~130 separate JIT modules, ~390 memory maps (code,
+# read-only data, data), and Linux refuses a process more than vm.max_map_count maps (65530 by
+# default). Past it the next compile or cache load crashes inside XLA, with no error to read.
+MAP_COUNT_WARN_FRACTION = 0.5
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(maps this process holds, vm.max_map_count), or None where /proc does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def map_count_warning(held: int, limit: int, executables: int) -> str | None:
+    """A warning once the process holds over half its map limit, naming the fix; else None."""
+    if held <= MAP_COUNT_WARN_FRACTION * limit:
+        return None
+    return (f"This process holds {held} of the {limit} memory maps Linux allows it (vm.max_map_count), "
+            f"{executables} compiled steps included; one more compile past the limit crashes XLA. "
+            "Raise it (sudo sysctl -w vm.max_map_count=262144) or compile fewer buckets "
+            "(a lower --max-num-seqs or --max-num-batched-tokens).")
