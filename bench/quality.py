@@ -72,8 +72,10 @@ def text_logprobs(runner, ids: list[int]) -> np.ndarray:
                            np.minimum(np.arange(t + 1), n).astype(np.int32), table, np.asarray([n], np.int32))
     fwd = _FORWARDS.get(runner)
     if fwd is None:  # one jit per runner: each length bucket compiles once, not once per call
-        fwd = _FORWARDS[runner] = jax.jit(lambda params, layers, ids, pos, md: runner.model.apply(
-            {"params": params}, ids, pos, layers, md, pos, runner.inv_freq)[0])  # no donation: the engine's
+        # It must not hold the runner (the weak key), or the entry and its executables live forever.
+        model, inv_freq = runner.model, runner.inv_freq
+        fwd = _FORWARDS[runner] = jax.jit(lambda params, layers, ids, pos, md: model.apply(
+            {"params": params}, ids, pos, layers, md, pos, inv_freq)[0])  # no donation: the engine's
     logits = fwd(runner.params, runner.kv_caches, pad(ids), pad(pos), md)  # pages stay as they were
     x = np.asarray(logits[:n], np.float64)
     x -= x.max(axis=1, keepdims=True)

@@ -11,20 +11,7 @@ import pytest
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
 
-# No persistent XLA cache reads in the test process itself: a clean-clone run segfaulted inside
-# jax's cache read (compilation_cache.get_executable_and_time) in the server tests, reading an
-# executable the same run had written. Subprocesses (CLI servers, the multi-device child) keep it.
 import jax  # noqa: E402
-
-jax.config.update("jax_enable_compilation_cache", False)
-
-
-def _memory_maps() -> int:
-    try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
-    except OSError:  # not Linux
-        return 0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,14 +22,23 @@ def _release_executables(request):
     may hold vm.max_map_count (65530) maps; past that, XLA's next compile segfaults. Engines a
     module let go of sit in reference cycles until a full collection happens to run, so over the
     whole suite the maps reached the limit (a clean-clone CI run crashed in a server fixture's
-    precompile with 65201 maps). A full collection per module returns them."""
+    precompile with 65201 maps). A full collection per module returns them; a module that
+    still leaves the process near the limit fails here."""
+    from jaxserve.runtime import memory
+
     yield
     gc.collect()
     jax.clear_caches()
-    log = os.environ.get("JAXSERVE_TEST_MAPS_LOG")
+    maps = memory.memory_maps()
+    if maps is None:
+        return
+    log = os.environ.get("JAXSERVE_TEST_MAPS_LOG")  # "maps module" per line, to find what holds them
     if log:
         with open(log, "a") as f:
-            f.write(f"{_memory_maps()} {request.node.nodeid}\n")
+            f.write(f"{maps[0]} {request.node.nodeid}\n")
+    # Fail here, naming the module, rather than as a segfault somewhere later.
+    assert maps[0] < 0.75 * maps[1], (f"after {request.node.nodeid} this process holds {maps[0]} of "
+                                      f"{maps[1]} memory maps: something keeps compiled steps alive")
 
 
 @pytest.fixture(scope="session")
