@@ -45,6 +45,9 @@ JAXSERVE_FLAGS = {
     "jaxserve-w8a8": "--quantization w8a8",
 }
 ENGINES = (*JAXSERVE_FLAGS, "vllm")
+# Quantized activations change the arithmetic, so their greedy text may part from the others' (it
+# is reported, not compared). The gguf format reads the same float32 values as the default path.
+LOSSY = {"jaxserve-w8a8"}
 PRECISION = {
     "jaxserve": "float32 weights (Q4_1 dequantized) and compute, bfloat16 KV",
     "jaxserve-gguf": "Q4_1 weights kept (--quantization gguf), float32 compute, bfloat16 KV",
@@ -207,14 +210,15 @@ def main(argv=None) -> int:
             records += run_engine(engine, rnd, args, items)
             rows, agree = write_report(argv, args, engines, ds_info, records)  # after each: a partial file
     print_table(rows)
-    print(f"greedy probe {PROBE!r} agrees across engines: {agree}")
+    lossy = sorted(LOSSY & set(engines))
+    print(f"greedy probe {PROBE!r} agrees across engines{' but ' + ', '.join(lossy) if lossy else ''}: {agree}")
     return 0 if agree and not any(r["failed"] for r in rows) else 1
 
 
 def write_report(argv, args, engines, ds_info, records) -> tuple[list[dict], bool]:
     rows = aggregate(records)
     probes = {r["engine"]: r["probe"] for r in records}
-    agree = len(set(probes.values())) == 1
+    agree = len({text for e, text in probes.items() if e not in LOSSY}) <= 1
     common.report("vllm_compare", argv, model={"jaxserve": "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
                                                "vllm": str(args.export_dir)},
                   config={**vars(args), "dataset_info": ds_info, "precision": {e: PRECISION[e] for e in engines}},
