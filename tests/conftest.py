@@ -11,9 +11,6 @@ import pytest
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
 
-import jax  # noqa: E402
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables(request):
     """Free what a test module dropped before the next one starts.
@@ -24,6 +21,8 @@ def _release_executables(request):
     whole suite the maps reached the limit (a clean-clone CI run crashed in a server fixture's
     precompile with 65201 maps). A full collection per module returns them; a module that
     still leaves the process near the limit fails here."""
+    import jax
+
     from jaxserve.runtime import memory
 
     yield
