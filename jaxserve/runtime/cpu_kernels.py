@@ -11,9 +11,10 @@ and the backend (backend.py) chooses XLA's own ops (the `xla` attention backend,
 instead; the functions here are the calls themselves and check nothing at trace time.
 
 Which instructions a kernel uses is decided at run time too, not only by the build: `dot_isa`
-takes the CPU's flags (`cpu_features`) and what the library was compiled with, and passes the
-choice to the call, so a machine without AVX512_BF16 / AVX512_VNNI (or `$JAXSERVE_CPU_ISA=portable`)
-runs the portable path of the same kernel.
+takes the CPU's flags (`cpu_features`), what the library was compiled with and what Linux grants
+(AMX's tile state), and passes the choice to the call: AMX tiles where present, else
+AVX512_BF16 / AVX512_VNNI, else the portable path of the same kernel (`$JAXSERVE_CPU_ISA=avx512`
+or `portable` caps it).
 """
 
 from __future__ import annotations
@@ -74,32 +75,65 @@ def cpu_features() -> frozenset[str]:
 
 
 # The dot-product kernels (csrc/dot_matmul.cc) per weight format: the CPU flag their fast path
-# needs, and the bit of JaxserveDotIsa() saying the library was built with it.
+# needs, and the bit of JaxserveDotIsa() saying the library was built with it; and the AMX tiles'.
 DOT_PATHS = {"bfloat16": ("avx512_bf16", 1), "w8a8": ("avx512_vnni", 2)}
-ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable": run the portable vector code even where the CPU has more
+AMX_PATHS = {"bfloat16": "amx_bf16", "w8a8": "amx_int8"}
+AMX_BIT = 4
+ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable" / "avx512": cap the instructions below what the CPU has
+ISA_CHOICES = ("auto", "avx512", "portable")
+
+
+def _isa_cap() -> str:
+    cap = os.environ.get(ISA_ENV, "auto")
+    if cap not in ISA_CHOICES:
+        raise ValueError(f"${ISA_ENV}={cap!r}: expected one of {', '.join(ISA_CHOICES)} (unset means auto)")
+    return cap
+
+
+def amx_permitted() -> str | None:
+    """None when this process may use AMX tiles (asked of Linux once: arch_prctl
+    ARCH_REQ_XCOMP_PERM), else why not. The native library must be available()."""
+    with _lock:
+        if "amx" not in _state:
+            if not cpu_features() & {"amx_bf16", "amx_int8"}:
+                _state["amx"] = "the CPU has no AMX"
+            elif not _state["lib"].JaxserveDotIsa() & AMX_BIT:
+                _state["amx"] = "the library was built without AMX (compiler or -march)"
+            else:
+                err = _state["lib"].JaxserveAmxPermit()
+                _state["amx"] = None if err == 0 else f"Linux refused the AMX tile state ({os.strerror(err)})"
+        return _state["amx"]
 
 
 def dot_isa(fmt: str) -> int:
     """The `isa` attribute of csrc/dot_matmul.cc for weight format `fmt` ("bfloat16" or "w8a8"),
-    chosen here, at trace time, from what the CPU has and the library was built with: 1 the
-    dot-product instruction (vdpbf16ps / vpdpbusd), 0 the portable code (same sums, same order;
-    `$JAXSERVE_CPU_ISA=portable` forces it). The native library must be available()."""
+    chosen here, at trace time, from what the CPU has and the library was built with: 2 AMX tiles
+    (amx_bf16 / amx_int8, where Linux grants them), 1 the AVX-512 dot-product instruction
+    (vdpbf16ps / vpdpbusd), 0 the portable code (isa 1's sums in isa 1's order).
+    `$JAXSERVE_CPU_ISA` caps the choice: `avx512` (no AMX) or `portable`. The native library must
+    be available()."""
     flag, bit = DOT_PATHS[fmt]
-    if os.environ.get(ISA_ENV, "auto") == "portable":
+    cap = _isa_cap()
+    if cap == "portable" or not (flag in cpu_features() and _state["lib"].JaxserveDotIsa() & bit):
         return 0
-    return int(flag in cpu_features() and bool(_state["lib"].JaxserveDotIsa() & bit))
+    if cap == "auto" and AMX_PATHS[fmt] in cpu_features() and amx_permitted() is None:
+        return 2
+    return 1
 
 
 def kernel_paths() -> dict[str, str]:
     """What each native matmul runs here, for logs and benchmarks: {"float32": ..., "bfloat16":
-    ..., "w8a8": ..., "amx": ...}. AMX tiles are detected, not used (no kernel for them yet)."""
+    ..., "w8a8": ..., "amx": ...}."""
     if available() is not None:
         return {}
     paths = {"float32": "packed FMA panels (-march=native)"}
     for fmt, (flag, _) in DOT_PATHS.items():
-        paths[fmt] = flag if dot_isa(fmt) else "portable"
+        paths[fmt] = {2: AMX_PATHS[fmt], 1: flag, 0: "portable"}[dot_isa(fmt)]
     amx = sorted(f for f in cpu_features() if f.startswith("amx"))
-    paths["amx"] = f"{' '.join(amx)} present, not used" if amx else "absent"
+    used = [fmt for fmt in DOT_PATHS if dot_isa(fmt) == 2]
+    why = amx_permitted() if amx else None
+    paths["amx"] = ("absent" if not amx else f"{' '.join(amx)}: used by {', '.join(used)}" if used
+                    else f"{' '.join(amx)} present, not used ({why or f'${ISA_ENV}={_isa_cap()}'})")
     return paths
 
 

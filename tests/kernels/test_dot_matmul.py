@@ -1,7 +1,8 @@
 """The dot-product formats (runtime/quant.py's Bf16Weight and W8A8Weight, csrc/dot_matmul.cc): the
 native kernel against float64 on bfloat16-rounded inputs (bfloat16) and against the exact integer
-arithmetic (W8A8), its rows independent of the batch, the portable path against the instructions
-the CPU has, the XLA reference path, the layouts, and the run-time choice of instructions."""
+arithmetic (W8A8), its rows independent of the batch, the portable path against the AVX-512
+instructions, AMX tiles against both (where the CPU has them), the XLA reference path, the layouts,
+and the run-time choice of instructions."""
 
 from __future__ import annotations
 
@@ -87,17 +88,24 @@ def test_native_matches_reference(fmt, m, k, n):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("isa", ["auto", "portable"])
+@pytest.mark.parametrize("isa", ["auto", "avx512", "portable"])
 def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
     """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset,
     plain and gated, on either path."""
     monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
     x, _, qw = problem(0, 100, 576, 192, fmt)
-    lin, gat = jax.jit(quant.linear), jax.jit(quant.linear_gated)  # traced under this isa
+    lin = jax.jit(lambda x, w: quant.linear(x, w))  # new functions: traced under this isa
+    gat = jax.jit(lambda x, w, u: quant.linear_gated(x, w, u))
     full, full_g = np.asarray(lin(x, qw)), np.asarray(gat(x, qw, qw))
-    for lo, hi in [(0, 1), (3, 10), (50, 100), (97, 98)]:
+    for lo, hi in [(0, 1), (3, 10), (50, 100), (97, 98), (20, 36), (1, 8), (60, 67)]:
         np.testing.assert_array_equal(np.asarray(lin(x[lo:hi], qw)), full[lo:hi])
         np.testing.assert_array_equal(np.asarray(gat(x[lo:hi], qw, qw)), full_g[lo:hi])
+
+
+def run_under(monkeypatch, cap: str, fn, *args):
+    """fn(*args) jitted afresh (so traced, and its isa chosen) under $JAXSERVE_CPU_ISA=cap."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, cap)
+    return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
 
 
 @needs_kernel
@@ -107,12 +115,11 @@ def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
     bfloat16 sums the pairs in vdpbf16ps' documented order (bit-identical on the AMD Zen 5 this
     was written on; kept to float32 rounding here, where a CPU may differ on subnormals)."""
     x, w, qw = problem(3, 37, 576, 256, fmt)
-    fast = np.asarray(jax.jit(quant.linear)(x, qw))
-    fast_g = np.asarray(jax.jit(quant.linear_gated)(x, qw, qw, 30))
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+    fast = run_under(monkeypatch, "avx512", quant.linear, x, qw)
+    fast_g = run_under(monkeypatch, "avx512", lambda x, w: quant.linear_gated(x, w, w, 30), x, qw)
+    port = run_under(monkeypatch, "portable", quant.linear, x, qw)
+    port_g = run_under(monkeypatch, "portable", lambda x, w: quant.linear_gated(x, w, w, 30), x, qw)
     assert cpu_kernels.dot_isa(fmt) == 0
-    port = np.asarray(jax.jit(quant.linear)(x, qw))
-    port_g = np.asarray(jax.jit(quant.linear_gated)(x, qw, qw, 30))
     if fmt == "w8a8":
         np.testing.assert_array_equal(port, fast)
         np.testing.assert_array_equal(port_g, fast_g)
@@ -121,6 +128,53 @@ def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
         np.testing.assert_allclose(port_g, fast_g, rtol=1e-6, atol=1e-6)
     want = reference(x, w, fmt)
     np.testing.assert_allclose(port, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <= cpu_kernels.cpu_features()
+                               or cpu_kernels.amx_permitted() is not None,
+                               reason="no AMX tiles here (CPU, build or Linux: cpu_kernels.amx_permitted)")
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (96, 128)])
+def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
+    """isa 2 at every row count a tile meets (1..40 rows: partial tiles, W8A8's few-row blocks on
+    isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's block sums are exact,
+    so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps and to the
+    float64 reference. K = 96 is not a multiple of 32: that shape runs isa 1, the same bits."""
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    assert cpu_kernels.dot_isa(fmt) == 2
+    x, w, qw = problem(k + n, 113, k, n, fmt)
+    fns = {(cap, g): compile_under(monkeypatch, cap, g, x, qw) for cap in ("auto", "avx512") for g in (False, True)}
+    for m in [*range(1, 41), 64, 113]:  # the call's real rows: a traced operand, one compile per path
+        rows = jnp.asarray([m], jnp.int32)
+        got = {key: np.asarray(fn(x, qw, rows))[:m] for key, fn in fns.items()}
+        for g in (False, True):
+            amx, avx = got["auto", g], got["avx512", g]
+            if fmt == "w8a8" or k % 32:
+                np.testing.assert_array_equal(amx, avx, err_msg=f"m={m}")
+            else:
+                np.testing.assert_allclose(amx, avx, rtol=1e-5, atol=1e-5 * np.abs(avx).max(), err_msg=f"m={m}")
+    want = reference(x, w, fmt)
+    np.testing.assert_allclose(got["auto", False], want[:113], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def compile_under(monkeypatch, cap: str, gated_call: bool, x, w):
+    """linear (or linear_gated, the weight twice) with traced real rows, compiled now for (x, w),
+    under $JAXSERVE_CPU_ISA=cap (the isa is chosen at trace time)."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, cap)
+    if gated_call:
+        fn = jax.jit(lambda x, w, rows: quant.linear_gated(x, w, w, rows))
+    else:
+        fn = jax.jit(lambda x, w, rows: quant.linear(x, w, rows))
+    return fn.lower(x, w, jnp.zeros((1,), jnp.int32)).compile()
+
+
+def test_isa_cap_is_checked(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "amx512")
+    with pytest.raises(ValueError, match="JAXSERVE_CPU_ISA='amx512': expected one of auto, avx512, portable"):
+        cpu_kernels.dot_isa("bfloat16")
 
 
 @needs_kernel
@@ -139,14 +193,19 @@ def test_gated_matches_silu_times_up(fmt, m, rows):
 
 @needs_kernel
 def test_instructions_follow_the_cpu_flags(monkeypatch):
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
     flags = cpu_kernels.cpu_features()
     paths = cpu_kernels.kernel_paths()
     for fmt, (flag, _) in cpu_kernels.DOT_PATHS.items():
-        assert cpu_kernels.dot_isa(fmt) in (0, 1)
+        isa, amx = cpu_kernels.dot_isa(fmt), cpu_kernels.AMX_PATHS[fmt]
         if flag not in flags:  # a CPU without the instruction runs the portable path
-            assert cpu_kernels.dot_isa(fmt) == 0 and paths[fmt] == "portable"
-        assert paths[fmt] == (flag if cpu_kernels.dot_isa(fmt) else "portable")
+            assert isa == 0 and paths[fmt] == "portable"
+        # AMX wherever the CPU has it and Linux grants it
+        assert (isa == 2) == (isa > 0 and amx in flags and cpu_kernels.amx_permitted() is None)
+        assert paths[fmt] == {2: amx, 1: flag, 0: "portable"}[isa]
     assert paths["amx"].startswith("amx") == any(f.startswith("amx") for f in flags)
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
+    assert all(cpu_kernels.dot_isa(fmt) < 2 for fmt in cpu_kernels.DOT_PATHS)
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
     assert cpu_kernels.kernel_paths()["w8a8"] == cpu_kernels.kernel_paths()["bfloat16"] == "portable"
 

@@ -17,16 +17,23 @@
 //           k order, and y = that * scale[n].
 // Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
-// that computes the same sums in the same order. A row's result never depends on the other rows.
+// that computes the same sums in the same order, 2 AMX tiles (tdpbf16ps / tdpbsud on 16-row tiles
+// of activations against 16-column tiles of the same panels; K a multiple of 32, else isa 1 runs).
+// AMX's W8A8 block sums are the same exact integers, so its results are isa 1's bits; its bf16
+// pairs are summed in the tile unit's own order (float32 rounding, not vdpbf16ps' bits).
+// A row's result never depends on the other rows: every row of a call runs the same path.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "parallel.h"
 #include "vec.h"
@@ -47,7 +54,7 @@ enum Fmt { kBf16 = 0, kW8A8 = 1 };
 // live in memory (L1), updated once per block.
 template <int F>
 constexpr int kMaxMR = 6;
-enum Isa { kPortable = 0, kDot = 1 };
+enum Isa { kPortable = 0, kDot = 1, kAmx = 2 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kHaveBf16 = true;
@@ -59,6 +66,15 @@ constexpr bool kHaveVnni = true;
 #else
 constexpr bool kHaveVnni = false;
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define JAXSERVE_AMX 1
+constexpr bool kHaveAmx = true;
+#else
+constexpr bool kHaveAmx = false;
+#endif
+constexpr int kAmxRows = 16;  // rows of an AMX tile: the activations' row step on isa 2
+constexpr int kAmxChunk = 64;  // rows per work item on isa 2
+constexpr int kAmxMinRowsW8A8 = 8;  // W8A8 row blocks below this run isa 1 (bench quant_matmul)
 
 template <typename V, typename T>
 inline V Load(const T* p) {
@@ -213,6 +229,98 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
     }
 }
 
+
+#ifdef JAXSERVE_AMX
+// The tile shapes of one call (ldtilecfg's 64-byte operand, palette 1): tmm0-3 the 4 x 16
+// float32 / int32 columns of a panel for `mr` rows, tmm4 the rows' activations (16 bf16 pairs or
+// one W8A8 block: 8 quads), tmm5-7 the weights' tiles (16 k steps of 16 columns, 256 bytes apart).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <Fmt F>
+void ConfigureTiles(int mr) {
+  TileConfig cfg;
+  const int steps = F == kBf16 ? 16 : kQuads;  // k words per tile: 32 bf16 k, or one 32-k block
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = mr, cfg.colsb[t] = 64;
+  cfg.rows[4] = mr, cfg.colsb[4] = steps * 4;
+  for (int t = 5; t < 8; ++t) cfg.rows[t] = steps, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// y[0:mr, 0:64] for one panel, mr <= 16, on AMX tiles (ConfigureTiles<F>(mr) loaded). bf16:
+// float32 sums over k in steps of 32. W8A8: per block of 32 k the exact int32 sum of xq (q + 128)
+// (tdpbsud: signed activations, unsigned weights), less 128 sum xq, then as Kernel<kW8A8>.
+template <Fmt F>
+void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
+  const char* x = reinterpret_cast<const char*>(a.words.data() + r0 * a.ldx);
+  const char* w = reinterpret_cast<const char*>(wt.w + panel * a.ldx * kPanel);
+  const int64_t ldx = a.ldx * 4, ldw = kPanel * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  if constexpr (F == kBf16) {
+    for (int64_t s = 0; s < a.ldx; s += 16) {
+      const char* ws = w + s * ldw;
+      _tile_loadd(4, x + s * 4, ldx);
+      _tile_loadd(5, ws, ldw);
+      _tile_loadd(6, ws + 64, ldw);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(7, ws + 128, ldw);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, ws + 192, ldw);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, y, ldy * 4);
+    _tile_stored(1, y + 16, ldy * 4);
+    _tile_stored(2, y + 32, ldy * 4);
+    _tile_stored(3, y + 48, ldy * 4);
+    return;
+  }
+  alignas(64) int32_t c[kAmxRows][kPanel];
+  alignas(64) float f[kAmxRows][kPanel] = {};
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const char* wb = w + b * kQuads * ldw;
+    _tile_loadd(4, x + b * kBlock, ldx);
+    _tile_loadd(5, wb, ldw);
+    _tile_loadd(6, wb + 64, ldw);
+    _tile_dpbsud(0, 4, 5);
+    _tile_loadd(7, wb + 128, ldw);
+    _tile_dpbsud(1, 4, 6);
+    _tile_loadd(5, wb + 192, ldw);
+    _tile_dpbsud(2, 4, 7);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(0, c[0], sizeof(c[0]));
+    _tile_stored(1, c[0] + 16, sizeof(c[0]));
+    _tile_stored(2, c[0] + 32, sizeof(c[0]));
+    _tile_stored(3, c[0] + 48, sizeof(c[0]));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int r = 0; r < mr; ++r) {
+      const float sx = a.sx[(r0 + r) * a.blocks + b];
+      const i32x16 corr = i32x16{} - 128 * a.xsum[(r0 + r) * a.blocks + b];
+      for (int v = 0; v < kNV; ++v) {
+        const i32x16 sum = Load<i32x16>(c[r] + v * kW) + corr;
+        v16 fv = Load<v16>(f[r] + v * kW) + __builtin_convertvector(sum, v16) * sx;
+        Opaque(fv);  // as Kernel<kW8A8>: block by block, in k order
+        std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
+      }
+    }
+  }
+  for (int r = 0; r < mr; ++r)
+    for (int v = 0; v < kNV; ++v) {
+      const v16 out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
+      std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
+    }
+}
+#endif
+
 // Kernel<MR> for any 0 < MR <= kMaxMR<F>.
 template <Fmt F, Isa I, int MR = 1>
 void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
@@ -221,25 +329,45 @@ void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel
     Rows<F, I, MR + 1>(mr, a, r0, wt, panel, y, ldy);
   }
 }
-static_assert(kMaxMR<kBf16> <= kMR && kMaxMR<kW8A8> <= kMR, "the gated buffers hold kMR rows");
+static_assert(kMaxMR<kBf16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows, "the gated buffers hold 16 rows");
 
 template <Fmt F, Isa I>
 void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int64_t panels, const Weight& w,
          const Weight* up, float* ys) {
-  const int64_t n = panels * kPanel, chunks = (m + kRowChunk - 1) / kRowChunk;
+  // Rows per work item: AMX reads a panel's weights once per 16 rows, from L2 after the first.
+  constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk, step = I == kAmx ? kAmxRows : kMaxMR<F>;
+  static_assert(kAmxChunk % kAmxRows == 0, "AMX row tiles do not straddle chunks");
+  const int64_t n = panels * kPanel, chunks = (m + chunk - 1) / chunk;
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
   jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
-    const int64_t panel = i % panels, c0 = (i / panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, m - c0);
-    for (int64_t r = c0; r < c0 + rows; r += kMaxMR<F>) {
-      const int64_t mr = std::min<int64_t>(kMaxMR<F>, c0 + rows - r);
+    const int64_t panel = i % panels, c0 = (i / panels) * chunk, rows = std::min<int64_t>(chunk, m - c0);
+    int configured = 0;  // the rows the tiles are configured for (AMX)
+    const auto rows_of = [&](int64_t mr, int64_t r, const Weight& wt, float* y, int64_t ldy) {
+#ifdef JAXSERVE_AMX
+      // W8A8's block sums are exact: a few rows run isa 1's kernel (faster there, the same bits).
+      if constexpr (I == kAmx && F == kW8A8)
+        if (mr < kAmxMinRowsW8A8) {
+          for (int64_t j = 0; j < mr; j += kMaxMR<F>)
+            Rows<F, kDot>(std::min<int64_t>(kMaxMR<F>, mr - j), a, r + j, wt, panel, y + j * ldy, ldy);
+          return;
+        }
+      if constexpr (I == kAmx) {
+        if (configured != mr) ConfigureTiles<F>(configured = int(mr));
+        return AmxKernel<F>(a, r, int(mr), wt, panel, y, ldy);
+      }
+#endif
+      if constexpr (I != kAmx) Rows<F, I>(mr, a, r, wt, panel, y, ldy);
+    };
+    for (int64_t r = c0; r < c0 + rows; r += step) {
+      const int64_t mr = std::min<int64_t>(step, c0 + rows - r);
       float* y = ys + r * n + panel * kPanel;
       if (!up) {
-        Rows<F, I>(mr, a, r, w, panel, y, n);
+        rows_of(mr, r, w, y, n);
         continue;
       }
-      alignas(64) float g[kMR * kPanel], u[kMR * kPanel];
-      Rows<F, I>(mr, a, r, w, panel, g, kPanel);
-      Rows<F, I>(mr, a, r, *up, panel, u, kPanel);
+      alignas(64) float g[kAmxRows * kPanel], u[kAmxRows * kPanel];
+      rows_of(mr, r, w, g, kPanel);
+      rows_of(mr, r, *up, u, kPanel);
       for (int64_t j = 0; j < mr; ++j)
         for (int v = 0; v < kPanel; v += kW) {
           const v16 gv = Load<v16>(g + j * kPanel + v), uv = Load<v16>(u + j * kPanel + v);
@@ -247,6 +375,9 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
           std::memcpy(y + j * n + v, &out, sizeof(out));
         }
     }
+#ifdef JAXSERVE_AMX
+    if (configured) _tile_release();  // the thread's tile state back to init (cheap context switches)
+#endif
   });
 }
 
@@ -269,19 +400,24 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
   const auto xd = x.dimensions();
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   const Fmt f = Fmt(fmt);
-  if (isa == kDot && !(f == kBf16 ? kHaveBf16 : kHaveVnni))
-    return ffi::Error::InvalidArgument("dot matmul: isa=1 asked of a library built without the instructions");
+  if ((isa == kDot && !(f == kBf16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
+    return ffi::Error::InvalidArgument("dot matmul: an isa asked of a library built without its instructions");
+  if (isa == kAmx && xd[1] % 32 != 0) isa = kDot;  // a tile takes 32 k at a time (per shape, not batch)
   thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
   Prepare(pool, f, x.typed_data(), m, xd[1], acts);
+#ifdef JAXSERVE_AMX
+  if (f == kBf16 && isa == kAmx) Run<kBf16, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
+#endif
   if (f == kBf16 && isa == kDot) Run<kBf16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kBf16 && isa != kDot) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBf16 && isa == kPortable) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW8A8 && isa != kDot) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW8A8 && isa == kPortable) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   return ffi::Error::Success();
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, int32_t isa, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && (fmt == kBf16 || fmt == kW8A8) && (isa == kPortable || isa == kDot) &&
+  return x.dimensions().size() == 2 && (fmt == kBf16 || fmt == kW8A8) && (isa == kPortable || isa == kDot || isa == kAmx) &&
          rows.element_count() == 1;
 }
 
@@ -306,8 +442,18 @@ ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
 
 }  // namespace
 
-// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8 (AVX512_VNNI).
-extern "C" int JaxserveDotIsa() { return (kHaveBf16 ? 1 : 0) | (kHaveVnni ? 2 : 0); }
+// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8 (AVX512_VNNI);
+// bit 2: `isa = 2` (AMX tiles, both formats).
+extern "C" int JaxserveDotIsa() { return (kHaveBf16 ? 1 : 0) | (kHaveVnni ? 2 : 0) | (kHaveAmx ? 4 : 0); }
+
+// Asks Linux for this process's use of the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once,
+// for every thread): 0 granted, else the errno (a kernel before 5.16, or a signal stack too small
+// for the tile state), and -1 where the library has no AMX path. isa 2 needs it granted.
+extern "C" int JaxserveAmxPermit() {
+  if (!kHaveAmx) return -1;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 ? 0 : errno;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, DotMatmul,
                               ffi::Ffi::Bind()
