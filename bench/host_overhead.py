@@ -11,6 +11,12 @@ time; with it, only for what exceeds the device's step: `exposed ms` = wall per 
 device's own step time, measured by replaying the same decode batch back to back with no host
 work in between. `host cpu ms` is the engine thread's CPU time per step (time.thread_time), which
 other processes on the machine do not inflate the way they inflate wall times.
+
+`hidden` is measured without timing noise: the share of steps the engine dispatched while the step
+before was still running on the device (`jax.Array.is_ready()` false right after the new step was
+queued), so that none of their host time reached the device. `exposed bound ms` = for the other
+steps, their host time and the step before's, per step: an upper bound on what the device waited
+for (the device can have gone idle no earlier than during the previous step's host work).
 """
 
 from __future__ import annotations
@@ -38,9 +44,15 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
         eng.step()
     t = eng.timing
     h0, w0, s0, t0, c0 = t["host_s"], t["device_wait_s"], t["steps"], time.perf_counter(), time.thread_time()
+    b0, i0, host_idle = t["dispatch_busy"], t["dispatch_idle"], 0.0
     rows = len(eng.scheduler.running)
+    last = 0.0  # the previous step's host seconds
     for _ in range(steps):
+        h, idle = t["host_s"], t["dispatch_idle"]
         eng.step()
+        if t["dispatch_idle"] != idle:
+            host_idle += t["host_s"] - h + last
+        last = t["host_s"] - h
     wall = time.perf_counter() - t0
     cpu = time.thread_time() - c0
     k = t["steps"] - s0
@@ -52,7 +64,9 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
         eng.step()
     return {"running": n, "steps": k, "host_ms": 1e3 * (t["host_s"] - h0) / k, "host_cpu_ms": 1e3 * cpu / k,
             "device_wait_ms": 1e3 * (t["device_wait_s"] - w0) / k, "wall_ms": 1e3 * wall / k,
-            "device_step_ms": 1e3 * device, "exposed_ms": max(0.0, 1e3 * (wall / k - device))}
+            "device_step_ms": 1e3 * device, "exposed_ms": max(0.0, 1e3 * (wall / k - device)),
+            "dispatched_busy": t["dispatch_busy"] - b0, "dispatched_idle": t["dispatch_idle"] - i0,
+            "hidden_share": (t["dispatch_busy"] - b0) / k, "exposed_bound_ms": 1e3 * host_idle / k}
 
 
 def prefill_steps(n: int, prompt_len: int) -> int:
@@ -102,10 +116,12 @@ def main(argv=None) -> int:
             r = run(llm, n, args.prompt_len, args.steps) | {"async_scheduling": overlap}
             results.append(r)
             rows.append((n, "on" if overlap else "off", r["host_ms"], r["host_cpu_ms"], r["device_wait_ms"],
-                         r["wall_ms"], r["device_step_ms"], r["exposed_ms"]))
+                         r["wall_ms"], r["device_step_ms"], r["exposed_ms"],
+                         f"{r['dispatched_busy']}/{r['steps']}", r["exposed_bound_ms"]))
         del llm
     print(common.table(rows, ("running", "overlap", "host ms/step", "host cpu ms/step", "device wait ms/step",
-                                   "wall ms/step", "device step ms", "exposed ms/step"),
+                                   "wall ms/step", "device step ms", "exposed ms/step", "hidden steps",
+                                   "exposed bound ms/step"),
                        "Engine host time per decode step"))
     common.report("host_overhead", argv, model={"model": args.model}, config=vars(args),
                   results={"levels": results}, out=args.out)

@@ -108,7 +108,9 @@ class LLMEngine:
         self._inflight: _Inflight | None = None  # the dispatched step not yet read
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
         # Host time in step() other than waiting for the device, and that wait (bench/host_overhead.py).
-        self.timing = dict(host_s=0.0, device_wait_s=0.0, steps=0)
+        # dispatch_busy / dispatch_idle: steps dispatched while the step before still ran on the
+        # device (their host time was hidden) / onto an idle device (bench host_overhead)
+        self.timing = dict(host_s=0.0, device_wait_s=0.0, steps=0, dispatch_busy=0, dispatch_idle=0)
         cap_tokens = (self.num_blocks - 1) * config.block_size
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2f",
@@ -378,6 +380,9 @@ class LLMEngine:
                 self.speculator.fill_masks(seq.matcher, r.token_ids[-sr.num_draft:], batch.bitmask[r.first_row:])
         want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra for r in rows)
         result = self.runner.execute(batch, key)
+        # Was the device still on the step before when this one was queued behind it?
+        ahead = self._inflight
+        self.timing["dispatch_busy" if ahead is not None and not ahead.result.tokens.is_ready() else "dispatch_idle"] += 1
         if self.drafter is not None:
             self.drafter.mirror(batch, key)
         sched.scheduled = scheduled  # row order

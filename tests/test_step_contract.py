@@ -94,6 +94,22 @@ def test_overlap_changes_no_token(tiny_llm, sync_llm):
     assert_all_blocks_free(tiny_llm)
 
 
+def test_dispatch_counters_see_the_overlap(tiny_llm, sync_llm):
+    """Every dispatch is counted once, as queued behind a step still running (hidden host time) or
+    onto an idle device; without overlap no step is ever queued behind another. (Whether an
+    overlapped step finds the device busy depends on speeds, so only the sums are asserted there.)"""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for llm in (tiny_llm, sync_llm):
+        t = llm.engine.timing
+        before = (t["dispatch_busy"], t["dispatch_idle"], llm.engine.counters["steps"])
+        llm.generate([[5, 6, 7], [9, 10, 11, 12]], params, use_tqdm=False)
+        busy, idle, steps = (t["dispatch_busy"] - before[0], t["dispatch_idle"] - before[1],
+                             llm.engine.counters["steps"] - before[2])
+        assert steps >= 12 and busy + idle == steps
+        if not llm.engine.config.async_scheduling:
+            assert busy == 0
+
+
 def test_a_request_that_stopped_emits_nothing_more(tiny_llm):
     """A stop at step n while step n+1 (which includes the request) is in flight: nothing from
     n+1 reaches the output, and the stop token is the last one."""

@@ -139,7 +139,7 @@ needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (96, 128)])
 def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
-    """isa 2 at every row count a tile meets (1..40 rows: partial tiles, W8A8's few-row blocks on
+    """isa 2 at every row count a tile meets (1..40 rows: partial tiles, W8A8's partial tiles on
     isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's block sums are exact,
     so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps and to the
     float64 reference. K = 96 is not a multiple of 32: that shape runs isa 1, the same bits."""

@@ -74,7 +74,7 @@ constexpr bool kHaveAmx = false;
 #endif
 constexpr int kAmxRows = 16;  // rows of an AMX tile: the activations' row step on isa 2
 constexpr int kAmxChunk = 64;  // rows per work item on isa 2
-constexpr int kAmxMinRowsW8A8 = 8;  // W8A8 row blocks below this run isa 1 (bench quant_matmul)
+constexpr int kAmxMinRowsW8A8 = 16;  // W8A8: a partial tile runs isa 1 (no faster on AMX: bench quant_matmul)
 
 template <typename V, typename T>
 inline V Load(const T* p) {
