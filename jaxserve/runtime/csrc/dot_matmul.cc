@@ -250,6 +250,46 @@ void ConfigureTiles(int mr) {
   _tile_loadconfig(&cfg);
 }
 
+// The accumulators tmm0-3 (a panel's 4 x 16 columns) to zero, and to memory (row stride in bytes).
+inline void ZeroTiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+template <typename T>
+inline void StoreTiles(T* dst, int64_t stride) {
+  _tile_stored(0, dst, stride);
+  _tile_stored(1, dst + 16, stride);
+  _tile_stored(2, dst + 32, stride);
+  _tile_stored(3, dst + 48, stride);
+}
+
+// One k step into tmm0-3: the rows' activations (tmm4, from x) times the panel's four 16-column
+// weight tiles (tmm5-7 in turn, from w: 64 bytes apart, rows ldw apart). The tile macros take
+// register numbers as tokens (no template constants), hence the instruction as a macro argument.
+#define JAXSERVE_TILE_STEP(DOT)    \
+  _tile_loadd(4, x, ldx);          \
+  _tile_loadd(5, w, ldw);          \
+  _tile_loadd(6, w + 64, ldw);     \
+  DOT(0, 4, 5);                    \
+  _tile_loadd(7, w + 128, ldw);    \
+  DOT(1, 4, 6);                    \
+  _tile_loadd(5, w + 192, ldw);    \
+  DOT(2, 4, 7);                    \
+  DOT(3, 4, 5)
+
+template <Fmt F>
+inline void TileStep(const char* x, int64_t ldx, const char* w, int64_t ldw) {
+  if constexpr (F == kBf16) {
+    JAXSERVE_TILE_STEP(_tile_dpbf16ps);
+  } else {
+    JAXSERVE_TILE_STEP(_tile_dpbsud);
+  }
+}
+#undef JAXSERVE_TILE_STEP
+
 // y[0:mr, 0:64] for one panel, mr <= 16, on AMX tiles (ConfigureTiles<F>(mr) loaded). bf16:
 // float32 sums over k in steps of 32. W8A8: per block of 32 k the exact int32 sum of xq (q + 128)
 // (tdpbsud: signed activations, unsigned weights), less 128 sum xq, then as Kernel<kW8A8>.
@@ -258,50 +298,18 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, int64_t pane
   const char* x = reinterpret_cast<const char*>(a.words.data() + r0 * a.ldx);
   const char* w = reinterpret_cast<const char*>(wt.w + panel * a.ldx * kPanel);
   const int64_t ldx = a.ldx * 4, ldw = kPanel * 4;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  ZeroTiles();
   if constexpr (F == kBf16) {
-    for (int64_t s = 0; s < a.ldx; s += 16) {
-      const char* ws = w + s * ldw;
-      _tile_loadd(4, x + s * 4, ldx);
-      _tile_loadd(5, ws, ldw);
-      _tile_loadd(6, ws + 64, ldw);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(7, ws + 128, ldw);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, ws + 192, ldw);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, y, ldy * 4);
-    _tile_stored(1, y + 16, ldy * 4);
-    _tile_stored(2, y + 32, ldy * 4);
-    _tile_stored(3, y + 48, ldy * 4);
+    for (int64_t s = 0; s < a.ldx; s += 16) TileStep<F>(x + s * 4, ldx, w + s * ldw, ldw);
+    StoreTiles(y, ldy * 4);
     return;
   }
   alignas(64) int32_t c[kAmxRows][kPanel];
   alignas(64) float f[kAmxRows][kPanel] = {};
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const char* wb = w + b * kQuads * ldw;
-    _tile_loadd(4, x + b * kBlock, ldx);
-    _tile_loadd(5, wb, ldw);
-    _tile_loadd(6, wb + 64, ldw);
-    _tile_dpbsud(0, 4, 5);
-    _tile_loadd(7, wb + 128, ldw);
-    _tile_dpbsud(1, 4, 6);
-    _tile_loadd(5, wb + 192, ldw);
-    _tile_dpbsud(2, 4, 7);
-    _tile_dpbsud(3, 4, 5);
-    _tile_stored(0, c[0], sizeof(c[0]));
-    _tile_stored(1, c[0] + 16, sizeof(c[0]));
-    _tile_stored(2, c[0] + 32, sizeof(c[0]));
-    _tile_stored(3, c[0] + 48, sizeof(c[0]));
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    TileStep<F>(x + b * kBlock, ldx, w + b * kQuads * ldw, ldw);
+    StoreTiles(c[0], sizeof(c[0]));
+    ZeroTiles();
     for (int r = 0; r < mr; ++r) {
       const float sx = a.sx[(r0 + r) * a.blocks + b];
       const i32x16 corr = i32x16{} - 128 * a.xsum[(r0 + r) * a.blocks + b];
