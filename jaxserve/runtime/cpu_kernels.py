@@ -20,6 +20,7 @@ or `portable` caps it).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -67,6 +68,7 @@ def _cpu_fingerprint() -> str:
     return _cpuinfo_flags_line() or platform.processor() or platform.machine()
 
 
+@functools.cache  # read once: dot_isa asks at every traced linear layer
 def cpu_features() -> frozenset[str]:
     """This CPU's feature flags as Linux names them (/proc/cpuinfo: "avx512_bf16", "avx512_vnni",
     "amx_bf16", ...); empty where that file is not there (then only portable kernels run)."""
@@ -95,7 +97,7 @@ def amx_permitted() -> str | None:
     ARCH_REQ_XCOMP_PERM), else why not. The native library must be available()."""
     with _lock:
         if "amx" not in _state:
-            if not cpu_features() & {"amx_bf16", "amx_int8"}:
+            if not cpu_features() & set(AMX_PATHS.values()):
                 _state["amx"] = "the CPU has no AMX"
             elif not _state["lib"].JaxserveDotIsa() & AMX_BIT:
                 _state["amx"] = "the library was built without AMX (compiler or -march)"
@@ -127,13 +129,17 @@ def kernel_paths() -> dict[str, str]:
     if available() is not None:
         return {}
     paths = {"float32": "packed FMA panels (-march=native)"}
+    isas = {fmt: dot_isa(fmt) for fmt in DOT_PATHS}
     for fmt, (flag, _) in DOT_PATHS.items():
-        paths[fmt] = {2: AMX_PATHS[fmt], 1: flag, 0: "portable"}[dot_isa(fmt)]
-    amx = sorted(f for f in cpu_features() if f.startswith("amx"))
-    used = [fmt for fmt in DOT_PATHS if dot_isa(fmt) == 2]
-    why = amx_permitted() if amx else None
-    paths["amx"] = ("absent" if not amx else f"{' '.join(amx)}: used by {', '.join(used)}" if used
-                    else f"{' '.join(amx)} present, not used ({why or f'${ISA_ENV}={_isa_cap()}'})")
+        paths[fmt] = {2: AMX_PATHS[fmt], 1: flag, 0: "portable"}[isas[fmt]]
+    amx = " ".join(sorted(f for f in cpu_features() if f.startswith("amx")))
+    used = [fmt for fmt, isa in isas.items() if isa == 2]
+    if not amx:
+        paths["amx"] = "absent"
+    elif used:
+        paths["amx"] = f"{amx}: used by {', '.join(used)}"
+    else:
+        paths["amx"] = f"{amx} present, not used ({amx_permitted() or f'${ISA_ENV}={_isa_cap()}'})"
     return paths
 
 
