@@ -74,7 +74,8 @@ def _run(tiny_llama, port: int, url: str, log) -> None:
     try:
         assert "Ready" in _tail(log) and url in _tail(log) and "KV cache" in _tail(log)
 
-        results, first_chunk = [], threading.Event()
+        results = []
+        first_chunks = [threading.Event() for _ in range(2)]  # SIGTERM once both are in flight
 
         def stream(i):
             body = {
@@ -89,13 +90,13 @@ def _run(tiny_llama, port: int, url: str, log) -> None:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         chunks.append(line[6:])
-                        first_chunk.set()
-            results.append((time.monotonic(), chunks))
+                        first_chunks[i].set()
+            results.append((r.status_code, chunks))
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
-        assert first_chunk.wait(60)
+        assert all(e.wait(60) for e in first_chunks)
         refused = False
         proc.send_signal(signal.SIGTERM)
         try:
@@ -112,8 +113,8 @@ def _run(tiny_llama, port: int, url: str, log) -> None:
             t.join(120)
         assert proc.wait(60) == 0, _tail(log)
         assert len(results) == 2
-        for _, chunks in results:  # in-flight requests ran to the end
-            assert chunks[-1] == "[DONE]"
+        for status, chunks in results:  # in-flight requests ran to the end
+            assert status == 200 and chunks and chunks[-1] == "[DONE]", (status, chunks[-3:])
             finishes = [
                 c["choices"][0]["finish_reason"]
                 for c in map(json.loads, chunks[:-1])
