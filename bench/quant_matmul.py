@@ -1,5 +1,5 @@
 """Time the linear layers' native matmul per weight format: float32 panels against int8, fp8, Q8_0
-and Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers), bfloat16 and W8A8
+and Q4_1 (csrc/quant_matmul.cc, which decodes each weight in registers), bfloat16, W8A8 and W4A8
 (csrc/dot_matmul.cc, on the dot-product instructions cpu_kernels.kernel_paths() names).
 
 `jaxserve bench quant_matmul --out bench/out/quant_matmul.json`
@@ -15,7 +15,7 @@ import argparse
 from bench import common
 from bench.matmul import LM_HEAD, SHAPES
 
-FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1", "q4_k", "q6_k", "bfloat16", "w8a8")
+FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1", "q4_k", "q6_k", "bfloat16", "w8a8", "w4a8")
 
 
 def main(argv=None) -> int:

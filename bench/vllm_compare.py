@@ -43,16 +43,19 @@ JAXSERVE_FLAGS = {
     "jaxserve-gguf": "--quantization gguf",
     "jaxserve-bf16": "--quantization bfloat16",
     "jaxserve-w8a8": "--quantization w8a8",
+    "jaxserve-w4a8": "--quantization w4a8",
 }
 ENGINES = (*JAXSERVE_FLAGS, "vllm")
 # Quantized activations change the arithmetic, so their greedy text may part from the others' (it
 # is reported, not compared). The gguf format reads the same float32 values as the default path.
-LOSSY = {"jaxserve-w8a8"}
+LOSSY = {"jaxserve-w8a8", "jaxserve-w4a8"}
 PRECISION = {
     "jaxserve": "float32 weights (Q4_1 dequantized) and compute, bfloat16 KV",
     "jaxserve-gguf": "Q4_1 weights kept (--quantization gguf), float32 compute, bfloat16 KV",
     "jaxserve-bf16": "bfloat16 weights and matmul inputs (--quantization bfloat16), float32 accumulation, bfloat16 KV",
     "jaxserve-w8a8": "int8 weights per channel, int8 activations per 32-block (--quantization w8a8), bfloat16 KV",
+    "jaxserve-w4a8": "the file's Q4_1 blocks (Q8_0 embedding and head, float32 compute), int8 activations per "
+                     "32-block (--quantization w4a8), bfloat16 KV",
     "vllm": "bfloat16 weights, compute and KV (--dtype bfloat16)",
 }
 PROBE = "The capital of France is"

@@ -18,7 +18,7 @@ from jaxserve.errors import UserError
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")  # pallas_kernels/kv_quant.py: per-(token, head) scales
-QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "q4_k", "q6_k")  # runtime/quant.py
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k")  # runtime/quant.py
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).
@@ -82,8 +82,9 @@ class EngineConfig:
     quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
                                      "q4_1, q4_k, q6_k (GGUF's blocks) made at load from any checkpoint; gguf: "
                                      "a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; bfloat16 (weights and "
-                                     "activations rounded to bfloat16, float32 sums) and w8a8 (int8 weights "
-                                     "per channel, int8 activations per block of 32) on the CPU's "
+                                     "activations rounded to bfloat16, float32 sums), w8a8 (int8 weights "
+                                     "per channel, int8 activations per block of 32) and w4a8 (q4_1's blocks, a "
+                                     "GGUF's Q4_0/Q4_1 as stored, times int8 activations) on the CPU's "
                                      "dot-product instructions", choices=QUANTIZATIONS)
     speculative_config: str | None = _knob(
         None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '

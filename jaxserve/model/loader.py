@@ -46,7 +46,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
-    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/quant.py)."""
+    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/quant.py);
+    "w4a8" keeps them too, and quant.quantize_params lays the 4-bit ones out for int8 activations."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
@@ -57,7 +58,7 @@ def load_model(model: str | None, dtype=np.float32, quantization: str | None = N
     if is_gguf:
         from jaxserve.model.gguf_loader import load_gguf
 
-        hf_config, weights = load_gguf(path, keep_quantized=quantization == "gguf")
+        hf_config, weights = load_gguf(path, keep_quantized=quantization in ("gguf", "w4a8"))
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
         from jaxserve.model.orbax_io import open_orbax

@@ -81,7 +81,8 @@ class Backend:
             from jaxserve.runtime.cpu_kernels import kernel_paths
 
             paths = kernel_paths()
-            linear = f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')})"
+            linear = (f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')}, "
+                      f"w4a8: {paths.get('w4a8')})")
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
 

@@ -2,8 +2,9 @@
 Q4_1 blocks and Q4_K / Q6_K super-blocks (their codecs: runtime/kquants.py), made at load time
 from float weights, or kept as a GGUF file stores them; and the two formats computed with the
 CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights (activations rounded to
-bfloat16, float32 sums) and W8A8 (int8 weights and per-row int8 activations in blocks of 32, int32
-sums per block).
+bfloat16, float32 sums), W8A8 (int8 weights and per-row int8 activations in blocks of 32, int32
+sums per block) and W4A8 (Q4_1's 4-bit blocks times the same int8 activations: llama.cpp's
+Q4_1 x Q8_1).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
@@ -33,7 +34,7 @@ from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
 
 PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
 BLOCK = 32  # weights per GGUF block, along K
-DOT_SCHEMES = ("bfloat16", "w8a8")  # csrc/dot_matmul.cc's formats
+DOT_SCHEMES = ("bfloat16", "w8a8", "w4a8")  # csrc/dot_matmul.cc's formats
 # what `quantize_params` makes
 SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf") + tuple(s for s in DOT_SCHEMES if s not in QUANTIZATIONS)
 
@@ -85,15 +86,28 @@ class W8A8Weight(NamedTuple):
     scale: jax.Array  # f32[N]: max_k |W[k, n]| / 127
 
 
-QuantWeight = Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | Q4KWeight | Q6KWeight
+class W4A8Weight(NamedTuple):
+    """Q4Weight's values (GGUF Q4_1; Q4_0 with m = -8 d) in k quads as W8A8Weight's, two quads a
+    byte: q[p, g, 4 j + t] = Q[8 g + t, 64 p + j] | Q[8 g + 4 + t, 64 p + j] << 4, Q in 0..15,
+    W = Q d + m per block of 32 along k. x is quantized as for W8A8; each block adds
+    sx (d sum(xq Q) + m sum(xq))."""
+
+    q: jax.Array  # u8[N / 64, K / 8, 256]
+    d: jax.Array  # f16[N / 64, K / 32, 64]
+    m: jax.Array  # f16[N / 64, K / 32, 64]
+
+
+QuantWeight = (Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | W4A8Weight | Q4KWeight
+               | Q6KWeight)
 _FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3, Q4KWeight: 4, Q6KWeight: 5}  # the `fmt` attribute of csrc/quant_matmul.cc
-_DOT_FMT = {Bf16Weight: 0, W8A8Weight: 1}  # ... of csrc/dot_matmul.cc
-_DOT_NAME = {Bf16Weight: "bfloat16", W8A8Weight: "w8a8"}  # cpu_kernels.dot_isa's names
+_DOT_FMT = {Bf16Weight: 0, W8A8Weight: 1, W4A8Weight: 2}  # ... of csrc/dot_matmul.cc
+_DOT_NAME = {Bf16Weight: "bfloat16", W8A8Weight: "w8a8", W4A8Weight: "w4a8"}  # cpu_kernels.dot_isa's names
 _PER_WORD = {Bf16Weight: 2, W8A8Weight: 4}  # k values interleaved per 32-bit lane
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight, Q4KWeight, Q6KWeight))
+    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight, W4A8Weight, Q4KWeight,
+                          Q6KWeight))
 
 
 def block_of(scheme: str) -> int:
@@ -154,6 +168,8 @@ def dequantize(w: QuantWeight) -> jax.Array:
         return from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp)
     if isinstance(w, W8A8Weight):
         return from_panels(_w8a8_q(w.q).astype(jnp.float32), jnp) * w.scale
+    if isinstance(w, W4A8Weight):
+        return from_panels(_w4a8_q(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
     if isinstance(w, (Q4KWeight, Q6KWeight)):
         return from_panels(kquants.decode(w, jnp), jnp)
     return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
@@ -198,6 +214,19 @@ def quantize_w8a8(w) -> W8A8Weight:
 def _w8a8_q(q, xp=jnp):
     """W8A8Weight.q -> Q int32 [P, K, 64] (numpy or jnp)."""
     return from_words(q, 4, xp).astype(xp.int32) - 128
+
+
+def to_w4a8(w: Q4Weight) -> W4A8Weight:
+    """A Q4Weight's values and blocks, bit for bit, in W4A8Weight's layout."""
+    words = to_words(_nibbles(np.asarray(w.q)), 4)  # [P, K / 4, 256] values 0..15
+    return W4A8Weight(np.ascontiguousarray(words[:, 0::2] | words[:, 1::2] << 4), np.asarray(w.d), np.asarray(w.m))
+
+
+def _w4a8_q(q, xp=jnp):
+    """W4A8Weight.q -> Q [P, K, 64] in 0..15 (numpy or jnp)."""
+    p, g, c = q.shape
+    quads = xp.stack([q & 15, q >> 4], axis=2).reshape(p, 2 * g, c)  # [P, K / 4, 256]
+    return from_words(quads, 4, xp)
 
 
 def quantize_blocks(x, xp=jnp):
@@ -250,6 +279,8 @@ def quantize(w, scheme: str) -> QuantWeight:
         return quantize_bf16(w)
     if scheme == "w8a8":
         return quantize_w8a8(w)
+    if scheme == "w4a8":
+        return to_w4a8(quantize(w, "q4_1"))
     if scheme.upper() in kquants.FORMATS:
         return kquants.from_gguf(kquants.quantize_gguf(np.asarray(w, np.float32).T, scheme.upper()), scheme.upper())
     import gguf
@@ -264,8 +295,8 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
     """A UserError naming `name` and the choices unless it is one of them."""
     if name not in choices:
         raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
-                        "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; the others are made at load time; bfloat16 "
-                        "and w8a8 run on the CPU's dot-product instructions).",
+                        "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; the others are made at load time; bfloat16, "
+                        "w8a8 and w4a8 run on the CPU's dot-product instructions).",
                         param="quantization")
 
 
@@ -278,12 +309,15 @@ def quantize_params(params: dict, scheme: str) -> dict:
     layout stay as they are. A K-quant scheme falls back, for a kernel whose K is not a multiple
     of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
     quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
-    kept. The float leaves are dropped: nothing here holds on to them."""
+    kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout, the same values). The float leaves
+    are dropped: nothing here holds on to them."""
     check_quantization(scheme, SCHEMES)
     fallback = K_FALLBACK.get(scheme, scheme)
 
     def convert(path, leaf):
         names = [getattr(k, "key", None) for k in path]
+        if isinstance(leaf, Q4Weight) and scheme == "w4a8":
+            return to_w4a8(leaf)
         if is_quantized(leaf):
             return leaf
         on_device = isinstance(leaf, jax.Array)
@@ -399,12 +433,15 @@ def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
 def _dot_reference(x, w):
     """What csrc/dot_matmul.cc computes, in XLA's ops (the xla backend, accelerators): bfloat16 x
     times the bfloat16 weights summed in float32; W8A8: int8 rows times int8 weights summed in
-    blocks of 32 (xq * sx, in float32 here) times the int8 weights, then scale[n]."""
+    blocks of 32 (xq * sx, in float32 here) times the int8 weights, then scale[n]; W4A8: xq * sx
+    times the blocks' Q d + m."""
     if isinstance(w, Bf16Weight):
         return jnp.dot(x.astype(jnp.bfloat16), from_panels(from_words(w.q, 2, jnp), jnp),
                        preferred_element_type=jnp.float32)
     xq, sx = quantize_blocks(x.astype(jnp.float32))
     xd = xq * jnp.repeat(sx, BLOCK, axis=1)
+    if isinstance(w, W4A8Weight):  # sx (d sum(xq Q) + m sum(xq)) per block
+        return jnp.dot(xd, dequantize(w))
     return jnp.dot(xd, from_panels(_w8a8_q(w.q), jnp).astype(jnp.float32)) * w.scale
 
 
@@ -418,7 +455,9 @@ def _dot(x, ws, num_rows, native):
     from jaxserve.runtime import cpu_kernels
 
     w = ws[0]
-    ops = [(v.q, jnp.zeros((0,), jnp.float32)) if isinstance(v, Bf16Weight) else (v.q, v.scale) for v in ws]
+    none16 = jnp.zeros((0,), jnp.float16)
+    ops = [(v.q, jnp.zeros((0,), jnp.float32), none16) if isinstance(v, Bf16Weight) else
+           (v.q, v.d, v.m) if isinstance(v, W4A8Weight) else (v.q, v.scale, none16) for v in ws]
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
     return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
@@ -438,6 +477,11 @@ def embed(w, ids):
         return _e4m3(w.q[p, :, c]) * w.scale[ids][:, None]
     if isinstance(w, (Q4KWeight, Q6KWeight)):
         return kquants.decode(kquants.gather_rows(w, p, c), jnp)[:, :, 0]
+    if isinstance(w, W4A8Weight):  # [T, K / 8, 4] bytes -> [T, K]: low nibbles then high ones
+        b = w.q.reshape(*w.q.shape[:2], PANEL, 4)[p, :, c, :]
+        q = jnp.stack([b & 15, b >> 4], axis=2).reshape(ids.shape[0], -1).astype(jnp.float32)
+        return q * jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1) + jnp.repeat(
+            w.m[p, :, c].astype(jnp.float32), BLOCK, axis=1)
     if type(w) in _PER_WORD:  # [T, K / per, per] -> [T, K]
         per = _PER_WORD[type(w)]
         q = w.q.reshape(*w.q.shape[:2], PANEL, per)[p, :, c, :].reshape(ids.shape[0], -1).astype(jnp.float32)

@@ -1,6 +1,6 @@
-"""The dot-product formats (runtime/quant.py's Bf16Weight and W8A8Weight, csrc/dot_matmul.cc): the
-native kernel against float64 on bfloat16-rounded inputs (bfloat16) and against the exact integer
-arithmetic (W8A8), its rows independent of the batch, the portable path against the AVX-512
+"""The dot-product formats (runtime/quant.py's Bf16Weight, W8A8Weight and W4A8Weight,
+csrc/dot_matmul.cc): the native kernel against float64 on bfloat16-rounded inputs (bfloat16) and
+against the exact integer arithmetic (W8A8, W4A8), its rows independent of the batch, the portable path against the AVX-512
 instructions, AMX tiles against both (where the CPU has them), the XLA reference path, the layouts,
 and the run-time choice of instructions."""
 
@@ -18,7 +18,8 @@ from jaxserve.runtime import cpu_kernels, quant
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
-FORMATS = ["bfloat16", "w8a8"]
+FORMATS = ["bfloat16", "w8a8", "w4a8"]
+EXACT = ("w8a8", "w4a8")  # integer block sums: the same bits on every path
 linear = jax.jit(quant.linear)
 gated = jax.jit(quant.linear_gated)
 
@@ -38,18 +39,39 @@ def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     (scale max |x_block| / 127), each block's exact integer sum times its scale, then scale[n]."""
     qw = quant.quantize_int8(w)
     q = quant.from_panels(qw.q).astype(np.int64)
+    k = x.shape[1]
+    xq, sx = activation_blocks(x)
+    sums = np.einsum("mbk,bkn->mbn", xq, q.reshape(k // 32, 32, -1)).astype(np.float64)
+    return (sums * sx).sum(axis=1) * qw.scale
+
+
+def activation_blocks(x: np.ndarray):
+    """int8 activations per block of 32 along k by hand: (xq int64 [M, K / 32, 32], sx float64
+    [M, K / 32, 1]), scale max |x_block| / 127, rint(x * 127 / max)."""
     m, k = x.shape
     xb = x.reshape(m, k // 32, 32)
     amax = np.abs(xb).max(axis=2, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    xq = np.clip(np.rint(xb * inv), -127, 127).astype(np.int64)
-    sums = np.einsum("mbk,bkn->mbn", xq, q.reshape(k // 32, 32, -1)).astype(np.float64)
-    return (sums * (amax / np.float32(127)).astype(np.float64)).sum(axis=1) * qw.scale
+    return np.clip(np.rint(xb * inv), -127, 127).astype(np.int64), (amax / np.float32(127)).astype(np.float64)
+
+
+def w4a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """W4A8 by hand: Q4_1's values Q, d and m (gguf's quantizer), the activations' blocks, and per
+    block sx (d sum(xq Q) + m sum(xq)) in float64."""
+    q4 = quant.quantize(w, "q4_1")
+    k = x.shape[1]
+    q = quant.from_panels(quant._nibbles(np.asarray(q4.q))).astype(np.int64).reshape(k // 32, 32, -1)
+    d, mins = (quant.from_panels(np.asarray(a)).astype(np.float64) for a in (q4.d, q4.m))  # [K / 32, N]
+    xq, sx = activation_blocks(x)
+    sums = np.einsum("mbk,bkn->mbn", xq, q).astype(np.float64)
+    return (sx * (d * sums + mins * xq.sum(axis=2, keepdims=True))).sum(axis=1)
 
 
 def reference(x: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "w8a8":
         return w8a8_reference(x, w).astype(np.float64)
+    if fmt == "w4a8":
+        return w4a8_reference(x, w)
     bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
     return bf(x) @ bf(w)
 
@@ -65,8 +87,14 @@ def test_layouts_round_trip():
     assert a.q.dtype == np.uint8 and a.q.shape == (2, 24, 256)
     np.testing.assert_array_equal(quant.from_words(a.q, 4).astype(np.int32) - 128, i8.q)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(a)), np.asarray(quant.dequantize(i8)))
+    q4 = quant.quantize(w, "q4_1")
+    f = quant.to_w4a8(q4)  # Q4_1's values and blocks, two k quads a byte
+    assert f.q.dtype == np.uint8 and f.q.shape == (2, 12, 256) and f.d.shape == f.m.shape == (2, 3, 64)
+    vals = quant.from_panels(quant._nibbles(q4.q))  # [K, N] in 0..15
+    assert f.q[1, 5, 4 * 7 + 2] == vals[8 * 5 + 2, 64 + 7] | vals[8 * 5 + 4 + 2, 64 + 7] << 4  # [p, g, 4j + t]
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(f)), np.asarray(quant.dequantize(q4)))
     ids = jnp.asarray([0, 5, 63, 64, 127, 5], jnp.int32)
-    for qw in (b, a):
+    for qw in (b, a, f):
         np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(quant.dequantize(qw)).T[ids])
 
 
@@ -78,7 +106,7 @@ def test_native_matches_reference(fmt, m, k, n):
     x, w, qw = problem(m * 1000 + k, m, k, n, fmt)
     got = np.asarray(linear(x, qw))
     want = reference(x, w, fmt)
-    # bfloat16: float32 sums of exact products; W8A8: exact block sums, float32 after
+    # bfloat16: float32 sums of exact products; W8A8, W4A8: exact block sums, float32 after
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     if m > 2:
         assert not got[2].any()
@@ -111,7 +139,7 @@ def run_under(monkeypatch, cap: str, fn, *args):
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
-    """The fallback for CPUs without AVX512_BF16 / AVX512_VNNI: W8A8's integer sums are the same bits;
+    """The fallback for CPUs without AVX512_BF16 / AVX512_VNNI: W8A8's and W4A8's integer sums are the same bits;
     bfloat16 sums the pairs in vdpbf16ps' documented order (bit-identical on the AMD Zen 5 this
     was written on; kept to float32 rounding here, where a CPU may differ on subnormals)."""
     x, w, qw = problem(3, 37, 576, 256, fmt)
@@ -120,7 +148,7 @@ def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
     port = run_under(monkeypatch, "portable", quant.linear, x, qw)
     port_g = run_under(monkeypatch, "portable", lambda x, w: quant.linear_gated(x, w, w, 30), x, qw)
     assert cpu_kernels.dot_isa(fmt) == 0
-    if fmt == "w8a8":
+    if fmt in EXACT:
         np.testing.assert_array_equal(port, fast)
         np.testing.assert_array_equal(port_g, fast_g)
     else:
@@ -140,9 +168,9 @@ needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <
 @pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (96, 128)])
 def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
     """isa 2 at every row count a tile meets (1..40 rows: partial tiles, W8A8's partial tiles on
-    isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's block sums are exact,
-    so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps and to the
-    float64 reference. K = 96 is not a multiple of 32: that shape runs isa 1, the same bits."""
+    isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's and W4A8's block sums
+    are exact, so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps
+    and to the float64 reference. K = 96: an odd number of 32-k tile steps."""
     monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
     assert cpu_kernels.dot_isa(fmt) == 2
     x, w, qw = problem(k + n, 113, k, n, fmt)
@@ -152,7 +180,7 @@ def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
         got = {key: np.asarray(fn(x, qw, rows))[:m] for key, fn in fns.items()}
         for g in (False, True):
             amx, avx = got["auto", g], got["avx512", g]
-            if fmt == "w8a8" or k % 32:
+            if fmt in EXACT or k % 32:
                 np.testing.assert_array_equal(amx, avx, err_msg=f"m={m}")
             else:
                 np.testing.assert_allclose(amx, avx, rtol=1e-5, atol=1e-5 * np.abs(avx).max(), err_msg=f"m={m}")
@@ -215,7 +243,8 @@ def test_quantize_params_makes_the_dot_formats():
     params = {"embed_tokens": {"embedding": rng.standard_normal((128, 64)).astype(np.float32)},
               "layers_0": {"mlp": {"up_proj": {"kernel": rng.standard_normal((64, 128)).astype(np.float32)}}}}
     before = quant.weight_bytes(params)
-    for fmt, cls, share in (("bfloat16", quant.Bf16Weight, 0.5), ("w8a8", quant.W8A8Weight, 0.3)):
+    for fmt, cls, share in (("bfloat16", quant.Bf16Weight, 0.5), ("w8a8", quant.W8A8Weight, 0.3),
+                            ("w4a8", quant.W4A8Weight, 0.17)):
         out = quant.quantize_params(params, fmt)
         assert isinstance(out["layers_0"]["mlp"]["up_proj"]["kernel"], cls)
         assert isinstance(out["embed_tokens"]["embedding"], cls)
@@ -223,11 +252,14 @@ def test_quantize_params_makes_the_dot_formats():
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch,scheme", [("llama", "bfloat16"), ("llama", "w8a8"), ("qwen2", "w8a8")])
+@pytest.mark.parametrize("arch,scheme", [("llama", "bfloat16"), ("llama", "w8a8"), ("qwen2", "w8a8"),
+                                         ("qwen2", "w4a8")])
 def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
     """A tiny random-init model (qwen2: tied embeddings) with `quantization=scheme`: every linear
-    kernel in the format, half / a quarter of float32's bytes, perplexity on the shipped text within
-    1% (bfloat16) / 2% (w8a8) of float32's and teacher-forced greedy agreement >= 95% / 90%."""
+    kernel in the format, half / a quarter / a sixth of float32's bytes, perplexity on the shipped
+    text within 1% (bfloat16) / 2% (w8a8) of float32's and teacher-forced greedy agreement >= 95% /
+    90%; w4a8 against q4_1 (the same 4-bit weights, float activations): what quantizing the
+    activations costs, within 2% and >= 90%."""
     from bench.quality import PROMPTS, greedy_agreement, quality_text, text_logprobs
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import QUANTIZATIONS
@@ -239,7 +271,8 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
           "num_blocks": 96, "use_tqdm": False}
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = {}
-    for name in (None, scheme):
+    base = "q4_1" if scheme == "w4a8" else None
+    for name in {None, base, scheme}:
         llm = LLM(path, quantization=name, **kw)
         ids = llm.get_tokenizer().encode(quality_text())[:kw["max_model_len"]]
         logp = text_logprobs(llm.engine.runner, ids)
@@ -247,14 +280,15 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
         runs[name] = {"llm": llm, "ppl": float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())),
                       "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
                       "bytes": quant.weight_bytes(llm.engine.runner.params)}
-    ref, got = runs[None], runs[scheme]
+    ref, got = runs[base], runs[scheme]
     cls, share, ppl_tol, agree = {"bfloat16": (quant.Bf16Weight, 0.55, 0.01, 0.95),
-                                  "w8a8": (quant.W8A8Weight, 0.30, 0.02, 0.90)}[scheme]
+                                  "w8a8": (quant.W8A8Weight, 0.30, 0.02, 0.90),
+                                  "w4a8": (quant.W4A8Weight, 0.17, 0.02, 0.90)}[scheme]
     params = got["llm"].engine.runner.params
     kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]
                if getattr(p[-1], "key", None) in ("kernel", "embedding")]
     assert kernels and all(isinstance(w, cls) for w in kernels)
-    assert got["bytes"] <= share * ref["bytes"]
+    assert got["bytes"] <= share * runs[None]["bytes"]
     assert abs(got["ppl"] / ref["ppl"] - 1) <= ppl_tol
     assert greedy_agreement(got["llm"].engine.runner, got["prompts"], ref["tokens"]) >= agree
 

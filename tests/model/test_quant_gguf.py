@@ -135,3 +135,43 @@ def test_k_quant_gguf_runs_as_its_float_model(tmp_path):
         np.testing.assert_array_equal(logits, ref_logits)
     else:
         np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1"])
+def test_tiny_gguf_as_w4a8(tmp_path, matrix_type):
+    """quantization="w4a8" keeps a GGUF's 4-bit blocks (the same values, laid out for int8
+    activations: W4A8Weight) and runs them with activations quantized per block of 32: the float
+    model's logits to within that rounding, its greedy tokens, and the 4-bit budget."""
+    import jax
+
+    from tests.parallel.test_tensor_parallel import BS, greedy_run
+
+    from jaxserve.model.loader import load_model
+    from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+
+    p = tmp_path / "m.gguf"
+    write_tiny_gguf(p, matrix_type)
+
+    def runner(quantization):
+        lm = load_model(str(p), quantization=quantization)
+        return ModelRunner(lm.config, lm.params, RunnerConfig(
+            block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+            quantization=quantization))
+
+    w4, ref = runner("w4a8"), runner(None)
+    kept = {type(w) for w in jax.tree.leaves(w4.params, is_leaf=quant.is_quantized) if quant.is_quantized(w)}
+    assert kept == {quant.W4A8Weight}
+    assert quant.weight_bytes(w4.params) <= 0.17 * float_bytes(w4.params)
+    _, floats = load_gguf(p)
+    got = dict(jax.tree_util.tree_flatten_with_path(w4.params, is_leaf=quant.is_quantized)[0])
+    q_proj = next(w for path, w in got.items() if "q_proj" in jax.tree_util.keystr(path))
+    assert q_proj.q.shape[1] == HIDDEN // 8  # two k quads a byte
+    layer0 = [w for path, w in got.items() if "layers_0" in jax.tree_util.keystr(path) and "down_proj" in
+              jax.tree_util.keystr(path)][0]
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(layer0)).T, floats["model.layers.0.mlp.down_proj.weight"])
+    prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
+    logits, tokens = greedy_run(w4, prompts, 3)
+    ref_logits, ref_tokens = greedy_run(ref, prompts, 3)
+    scale = np.abs(ref_logits).max()
+    assert np.abs(logits[0] - ref_logits[0]).max() <= 0.03 * scale  # the prefill, same inputs
+    assert not np.array_equal(logits[0], ref_logits[0])  # the activations were quantized

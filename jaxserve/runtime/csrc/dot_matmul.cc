@@ -15,6 +15,11 @@
 //           (AVX512_VNNI's vpdpbusd takes the unsigned operand: q + 128, and starts from
 //           -128 * sum xq), so its order is irrelevant; the blocks' float(sum) * sx are added in
 //           k order, and y = that * scale[n].
+//   2 w4a8: w u8[N / 64, K / 8, 256] GGUF Q4_1's 4-bit values (Q4_0's too: m = -8 d), a k quad a
+//           32-bit lane as w8a8's, two quads a byte: [p, g, 4 j + t] = q[8 g + t, 64 p + j] |
+//           q[8 g + 4 + t, 64 p + j] << 4 (q in 0..15); d and m f16[N / 64, K / 32, 64]: W = q d + m
+//           per block of 32 k. x is quantized as w8a8's, and each block adds
+//           sx (d sum(xq q) + m sum(xq)) to the float32 sum, in k order (llama.cpp's Q4_1 x Q8_1).
 // Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
 // that computes the same sums in the same order, 2 AMX tiles (tdpbf16ps / tdpbsud on 16-row tiles
@@ -43,17 +48,18 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve::Half;
 using jaxserve::kW;
 using jaxserve::v16;
 using i32x16 = int32_t __attribute__((vector_size(64)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
 constexpr int kBlock = 32, kQuads = kBlock / 4;  // w8a8's activation blocks: k values, 4-k words
 
-enum Fmt { kBf16 = 0, kW8A8 = 1 };
-// Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers); w8a8's float32 block sums
-// live in memory (L1), updated once per block.
+enum Fmt { kBf16 = 0, kW8A8 = 1, kW4A8 = 2 };
+// Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers; w4a8's nibbles take 8
+// more); the int8 formats' float32 block sums live in memory (L1), updated once per block.
 template <int F>
-constexpr int kMaxMR = 6;
+constexpr int kMaxMR = F == kW4A8 ? 4 : 6;
 enum Isa { kPortable = 0, kDot = 1, kAmx = 2 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -105,11 +111,19 @@ struct Tile {
   using Acc = std::conditional_t<F == kBf16, v16, i32x16>;
   Acc c[MR][kNV] = {};
 
+  // k steps s0..s1 (w4a8: steps of two quads, one row of nibbles, the low ones first).
   void Run(const uint32_t* x, const uint32_t* w, int64_t s0, int64_t s1, int64_t ldx) {
     for (int64_t s = s0; s < s1; ++s) {
       i32x16 b[kNV];
       for (int v = 0; v < kNV; ++v) b[v] = Load<i32x16>(w + s * kPanel + v * kW);
-      for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + s], b);
+      if constexpr (F == kW4A8) {
+        i32x16 hi[kNV];
+        for (int v = 0; v < kNV; ++v) hi[v] = (b[v] >> 4) & 0x0f0f0f0f, b[v] &= 0x0f0f0f0f;
+        for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + 2 * s], b);
+        for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + 2 * s + 1], hi);
+      } else {
+        for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + s], b);
+      }
     }
   }
 
@@ -126,7 +140,7 @@ struct Tile {
         c[r][v] += lo * Bits<v16>(b[v] << 16);
         Opaque(c[r][v]);
       }
-    } else if constexpr (I == kDot && kHaveVnni) {  // unsigned weights (q + 128) times signed x
+    } else if constexpr (I == kDot && kHaveVnni) {  // unsigned weights (q + 128, or q4) times signed x
       const __m512i av = _mm512_set1_epi32(static_cast<int>(a));
       for (int v = 0; v < kNV; ++v)
         c[r][v] = Bits<i32x16>(_mm512_dpbusd_epi32(Bits<__m512i>(c[r][v]), Bits<__m512i>(b[v]), av));
@@ -185,11 +199,43 @@ void Prepare(ffi::ThreadPool& pool, Fmt f, const float* x, int64_t m, int64_t k_
   });
 }
 
-// A weight as the kernel reads it (w8a8: with its scales).
+// A weight as the kernel reads it (w8a8: with its scales; w4a8: its blocks' d and m).
 struct Weight {
   const uint32_t* w;
   const float* scale;
+  const _Float16* d = nullptr;
+  const _Float16* m = nullptr;
 };
+
+// w4a8: a block's d and m for a panel's 64 columns (f16 -> float32, once per block, not per row).
+struct W4Scales {
+  v16 d[kNV], m[kNV];
+  W4Scales() = default;
+  W4Scales(const Weight& wt, int64_t panel, int64_t blocks, int64_t b) {
+    for (int v = 0; v < kNV; ++v)
+      d[v] = Half(wt.d + (panel * blocks + b) * kPanel + v * kW), m[v] = Half(wt.m + (panel * blocks + b) * kPanel + v * kW);
+  }
+};
+
+// w4a8: one block's sum into a row's float32 sum, f + sx (d sum(xq q) + m sum(xq)), for 16 columns.
+inline v16 W4Block(v16 f, i32x16 sum, float sx, int32_t xsum, v16 d, v16 m) {
+  v16 t = d * __builtin_convertvector(sum, v16) + m * float(xsum);
+  Opaque(t);
+  v16 out = f + t * sx;
+  Opaque(out);  // block by block, in k order, on every path
+  return out;
+}
+
+// w4a8: the words of a panel's nibble rows (K / 8 of them) as w8a8's quad rows (K / 4) of bytes
+// 0..15, what an AMX tile loads (it reads bytes, not nibbles); into `out`, K * 16 words.
+void SplitNibbles(const uint32_t* w, int64_t rows, uint32_t* out) {
+  for (int64_t g = 0; g < rows; ++g)
+    for (int v = 0; v < kNV; ++v) {
+      const i32x16 b = Load<i32x16>(w + g * kPanel + v * kW), lo = b & 0x0f0f0f0f, hi = (b >> 4) & 0x0f0f0f0f;
+      std::memcpy(out + 2 * g * kPanel + v * kW, &lo, sizeof(lo));
+      std::memcpy(out + (2 * g + 1) * kPanel + v * kW, &hi, sizeof(hi));
+    }
+}
 
 // y[0:MR, 0:64] for one panel. bf16: the tile's float32 sums. w8a8: per block of 32 k, the exact
 // int32 sum of (q + 128) xq from -128 sum xq, times the block's sx, added to a float32 sum in
@@ -197,11 +243,26 @@ struct Weight {
 template <Fmt F, Isa I, int MR>
 void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
   const uint32_t* x = a.words.data() + r0 * a.ldx;
-  const uint32_t* w = wt.w + panel * a.ldx * kPanel;
+  const uint32_t* w = wt.w + panel * (F == kW4A8 ? a.ldx / 2 : a.ldx) * kPanel;
   Tile<F, I, MR> t;
   alignas(64) float f[MR][kPanel] = {};
   if constexpr (F == kBf16) {
     t.Run(x, w, 0, a.ldx, a.ldx);
+  } else if constexpr (F == kW4A8) {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < kNV; ++v) t.c[r][v] = i32x16{};
+      t.Run(x, w, b * kQuads / 2, (b + 1) * kQuads / 2, a.ldx);
+      const W4Scales dm(wt, panel, a.blocks, b);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (r0 + r) * a.blocks + b;
+        for (int v = 0; v < kNV; ++v) {
+          const v16 fv = W4Block(Load<v16>(f[r] + v * kW), t.c[r][v], a.sx[at], a.xsum[at], dm.d[v], dm.m[v]);
+          std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
+        }
+      }
+      asm("" ::: "memory");
+    }
   } else {
     for (int64_t b = 0; b < a.blocks; ++b) {
       for (int r = 0; r < MR; ++r)
@@ -223,6 +284,8 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
       v16 out;
       if constexpr (F == kBf16)
         out = t.c[r][v];
+      else if constexpr (F == kW4A8)
+        out = Load<v16>(f[r] + v * kW);
       else
         out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
@@ -290,13 +353,15 @@ inline void TileStep(const char* x, int64_t ldx, const char* w, int64_t ldw) {
 }
 #undef JAXSERVE_TILE_STEP
 
-// y[0:mr, 0:64] for one panel, mr <= 16, on AMX tiles (ConfigureTiles<F>(mr) loaded). bf16:
-// float32 sums over k in steps of 32. W8A8: per block of 32 k the exact int32 sum of xq (q + 128)
-// (tdpbsud: signed activations, unsigned weights), less 128 sum xq, then as Kernel<kW8A8>.
+// y[0:mr, 0:64] for one panel, mr <= 16, on AMX tiles (ConfigureTiles<F>(mr) loaded), reading the
+// panel's words at wp (w4a8: SplitNibbles' bytes). bf16: float32 sums over k in steps of 32. W8A8:
+// per block of 32 k the exact int32 sum of xq (q + 128) (tdpbsud: signed activations, unsigned
+// weights), less 128 sum xq, then as Kernel<kW8A8>; w4a8: the sum of xq q, then as Kernel<kW4A8>.
 template <Fmt F>
-void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
+void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32_t* wp, int64_t panel, float* y,
+               int64_t ldy) {
   const char* x = reinterpret_cast<const char*>(a.words.data() + r0 * a.ldx);
-  const char* w = reinterpret_cast<const char*>(wt.w + panel * a.ldx * kPanel);
+  const char* w = reinterpret_cast<const char*>(wp);
   const int64_t ldx = a.ldx * 4, ldw = kPanel * 4;
   ZeroTiles();
   if constexpr (F == kBf16) {
@@ -310,8 +375,17 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, int64_t pane
     TileStep<F>(x + b * kBlock, ldx, w + b * kQuads * ldw, ldw);
     StoreTiles(c[0], sizeof(c[0]));
     ZeroTiles();
+    const W4Scales dm = F == kW4A8 ? W4Scales(wt, panel, a.blocks, b) : W4Scales{};
     for (int r = 0; r < mr; ++r) {
       const float sx = a.sx[(r0 + r) * a.blocks + b];
+      if constexpr (F == kW4A8) {
+        for (int v = 0; v < kNV; ++v) {
+          const v16 fv = W4Block(Load<v16>(f[r] + v * kW), Load<i32x16>(c[r] + v * kW), sx,
+                                 a.xsum[(r0 + r) * a.blocks + b], dm.d[v], dm.m[v]);
+          std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
+        }
+        continue;
+      }
       const i32x16 corr = i32x16{} - 128 * a.xsum[(r0 + r) * a.blocks + b];
       for (int v = 0; v < kNV; ++v) {
         const i32x16 sum = Load<i32x16>(c[r] + v * kW) + corr;
@@ -323,7 +397,8 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, int64_t pane
   }
   for (int r = 0; r < mr; ++r)
     for (int v = 0; v < kNV; ++v) {
-      const v16 out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
+      v16 out = Load<v16>(f[r] + v * kW);
+      if constexpr (F != kW4A8) out *= Load<v16>(wt.scale + panel * kPanel + v * kW);
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
     }
 }
@@ -337,7 +412,8 @@ void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel
     Rows<F, I, MR + 1>(mr, a, r0, wt, panel, y, ldy);
   }
 }
-static_assert(kMaxMR<kBf16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows, "the gated buffers hold 16 rows");
+static_assert(kMaxMR<kBf16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMaxMR<kW4A8> <= kAmxRows,
+              "the gated buffers hold 16 rows");
 
 template <Fmt F, Isa I>
 void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int64_t panels, const Weight& w,
@@ -350,10 +426,21 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
   jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
     const int64_t panel = i % panels, c0 = (i / panels) * chunk, rows = std::min<int64_t>(chunk, m - c0);
     int configured = 0;  // the rows the tiles are configured for (AMX)
+    // w4a8 on AMX: the panel's nibbles split into bytes once per work item (gate, then up)
+    thread_local std::vector<uint32_t> split[2];
+    const uint32_t* panel_words[2] = {w.w + panel * a.ldx * kPanel, up ? up->w + panel * a.ldx * kPanel : nullptr};
+    if constexpr (I == kAmx && F == kW4A8)
+      if (rows >= kAmxMinRowsW8A8)
+        for (int i = 0; i < (up ? 2 : 1); ++i) {
+          split[i].resize(a.ldx * kPanel);
+          SplitNibbles((i ? up : &w)->w + panel * (a.ldx / 2) * kPanel, a.ldx / 2, split[i].data());
+          panel_words[i] = split[i].data();
+        }
     const auto rows_of = [&](int64_t mr, int64_t r, const Weight& wt, float* y, int64_t ldy) {
 #ifdef JAXSERVE_AMX
-      // W8A8's block sums are exact: a few rows run isa 1's kernel (faster there, the same bits).
-      if constexpr (I == kAmx && F == kW8A8)
+      // The int8 formats' block sums are exact: a few rows run isa 1's kernel (faster there, the
+      // same bits).
+      if constexpr (I == kAmx && F != kBf16)
         if (mr < kAmxMinRowsW8A8) {
           for (int64_t j = 0; j < mr; j += kMaxMR<F>)
             Rows<F, kDot>(std::min<int64_t>(kMaxMR<F>, mr - j), a, r + j, wt, panel, y + j * ldy, ldy);
@@ -361,7 +448,7 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
         }
       if constexpr (I == kAmx) {
         if (configured != mr) ConfigureTiles<F>(configured = int(mr));
-        return AmxKernel<F>(a, r, int(mr), wt, panel, y, ldy);
+        return AmxKernel<F>(a, r, int(mr), wt, panel_words[&wt == up], panel, y, ldy);
       }
 #endif
       if constexpr (I != kAmx) Rows<F, I>(mr, a, r, wt, panel, y, ldy);
@@ -389,18 +476,28 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
   });
 }
 
-// The weight's panel count if (w, scale) is a well-formed weight of format f for x[., K], else -1.
-int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale) {
+// The weight's panel count if (w, scale, mins) is a well-formed weight of format f for x[., K],
+// else -1.
+int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
   const auto wd = w.dimensions();
-  const int64_t per = f == kBf16 ? 2 : 4;
-  if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * per) return -1;
+  const int64_t per = f == kBf16 ? 2 : f == kW8A8 ? 4 : 8;  // k values per 32-bit lane
+  if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * (f == kBf16 ? 2 : 4)) return -1;
   if (f == kBf16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
-  return w.element_type() == ffi::U8 && k_len % kBlock == 0 && scale.element_type() == ffi::F32 &&
-                 scale.element_count() == wd[0] * kPanel ? wd[0] : -1;
+  if (w.element_type() != ffi::U8 || k_len % kBlock != 0) return -1;
+  if (f == kW8A8)
+    return scale.element_type() == ffi::F32 && scale.element_count() == wd[0] * kPanel ? wd[0] : -1;
+  const auto blocks = [&](ffi::AnyBuffer b) {
+    const auto bd = b.dimensions();
+    return b.element_type() == ffi::F16 && bd.size() == 3 && bd[0] == wd[0] && bd[1] == k_len / kBlock &&
+           bd[2] == kPanel;
+  };
+  return blocks(scale) && blocks(mins) ? wd[0] : -1;
 }
 
-Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale) {
-  return {static_cast<const uint32_t*>(w.untyped_data()), static_cast<const float*>(scale.untyped_data())};
+Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
+  const void* s = scale.untyped_data();
+  return {static_cast<const uint32_t*>(w.untyped_data()), static_cast<const float*>(s),
+          static_cast<const _Float16*>(s), static_cast<const _Float16*>(mins.untyped_data())};
 }
 
 ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w, const Weight* up, int64_t panels,
@@ -416,42 +513,46 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
 #ifdef JAXSERVE_AMX
   if (f == kBf16 && isa == kAmx) Run<kBf16, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW4A8 && isa == kAmx) Run<kW4A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
 #endif
   if (f == kBf16 && isa == kDot) Run<kBf16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kBf16 && isa == kPortable) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kPortable) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW4A8 && isa == kDot) Run<kW4A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kW4A8 && isa == kPortable) Run<kW4A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   return ffi::Error::Success();
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, int32_t isa, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && (fmt == kBf16 || fmt == kW8A8) && (isa == kPortable || isa == kDot || isa == kAmx) &&
+  return x.dimensions().size() == 2 && (fmt == kBf16 || fmt == kW8A8 || fmt == kW4A8) && (isa == kPortable || isa == kDot || isa == kAmx) &&
          rows.element_count() == 1;
 }
 
 ffi::Error DotMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer s,
-                     ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
-  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], w, s) : -1;
+                     ffi::AnyBuffer mn, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt,
+                     int32_t isa) {
+  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], w, s, mn) : -1;
   if (panels < 0)
     return ffi::Error::InvalidArgument("dot matmul: expected x[M, K], a weight of format fmt (quant.py), rows[1]");
-  const Weight wt = Of(w, s);
+  const Weight wt = Of(w, s, mn);
   return Call(pool, x, wt, nullptr, panels, rows, y->typed_data(), fmt, isa);
 }
 
 ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
-                          ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::Buffer<ffi::S32> rows,
-                          ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
-  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], wg, sg) : -1;
-  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], wu, su) != panels)
+                          ffi::AnyBuffer mg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer mu,
+                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
+  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], wg, sg, mg) : -1;
+  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], wu, su, mu) != panels)
     return ffi::Error::InvalidArgument("gated dot matmul: expected x[M, K], two weights of format fmt alike, rows[1]");
-  const Weight g = Of(wg, sg), u = Of(wu, su);
+  const Weight g = Of(wg, sg, mg), u = Of(wu, su, mu);
   return Call(pool, x, g, &u, panels, rows, y->typed_data(), fmt, isa);
 }
 
 }  // namespace
 
-// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8 (AVX512_VNNI);
-// bit 2: `isa = 2` (AMX tiles, both formats).
+// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8 and w4a8
+// (AVX512_VNNI); bit 2: `isa = 2` (AMX tiles, every format).
 extern "C" int JaxserveDotIsa() { return (kHaveBf16 ? 1 : 0) | (kHaveVnni ? 2 : 0) | (kHaveAmx ? 4 : 0); }
 
 // Asks Linux for this process's use of the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once,
@@ -468,7 +569,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, DotMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
                                   .Arg<ffi::AnyBuffer>()         // w
-                                  .Arg<ffi::AnyBuffer>()         // scale (w8a8; else empty)
+                                  .Arg<ffi::AnyBuffer>()         // scale (w8a8), d (w4a8); else empty
+                                  .Arg<ffi::AnyBuffer>()         // m (w4a8; else empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
                                   .Attr<int32_t>("fmt")
@@ -479,9 +581,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, DotMatmulGated,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
                                   .Arg<ffi::AnyBuffer>()         // gate: w
-                                  .Arg<ffi::AnyBuffer>()         // gate: scale
+                                  .Arg<ffi::AnyBuffer>()         // gate: scale / d
+                                  .Arg<ffi::AnyBuffer>()         // gate: m
                                   .Arg<ffi::AnyBuffer>()         // up: w
-                                  .Arg<ffi::AnyBuffer>()         // up: scale
+                                  .Arg<ffi::AnyBuffer>()         // up: scale / d
+                                  .Arg<ffi::AnyBuffer>()         // up: m
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
                                   .Attr<int32_t>("fmt")

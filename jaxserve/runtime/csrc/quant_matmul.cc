@@ -41,10 +41,10 @@ namespace {
 
 using jaxserve::kW;
 using jaxserve::v16;
+using jaxserve::Half;
 using i8x16 = int8_t __attribute__((vector_size(16)));
 using u8x16 = uint8_t __attribute__((vector_size(16)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
-using h16 = _Float16 __attribute__((vector_size(32)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
 
 enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kFp8 = 3, kQ4K = 4, kQ6K = 5, kDecoded = 6 };  // kDecoded: a panel already decoded
@@ -81,19 +81,6 @@ inline v16 Float(V q) {
   }
 #endif
   return __builtin_convertvector(__builtin_convertvector(q, i32x16), v16);
-}
-
-inline v16 Half(const _Float16* p) {
-#ifdef __F16C__  // gcc scalarizes the generic _Float16 conversion where the CPU lacks AVX512-FP16
-  v16 out;
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&out, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
-  return out;
-#else
-  return __builtin_convertvector(Load<h16>(p), v16);
-#endif
 }
 
 // 16 float8_e4m3fn values (bits) -> floats, exactly: sign, 4 exponent bits (bias 7), 3 mantissa

@@ -4,6 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 namespace jaxserve {
 
 using v16 = float __attribute__((vector_size(64)));  // naturally 64-byte aligned
@@ -32,6 +36,23 @@ inline void Opaque(v16& w) {
   std::memcpy(reinterpret_cast<char*>(&w) + sizeof(lo), &hi, sizeof(hi));
 #else
   asm("" : "+m"(w));
+#endif
+}
+
+// 16 float16 values -> float32.
+inline v16 Half(const _Float16* p) {
+#ifdef __F16C__  // gcc scalarizes the generic _Float16 conversion where the CPU lacks AVX512-FP16
+  v16 out;
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&out) + sizeof(lo), &hi, sizeof(hi));
+  return out;
+#else
+  using h16 = _Float16 __attribute__((vector_size(32)));
+  h16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, v16);
 #endif
 }
 
