@@ -18,16 +18,19 @@ Inputs must be bfloat16 or float16 (WGMMA operands); ``unsupported`` says which 
 GQA ratio G <= 64 works: a tile holds ``64 // G`` tokens and pads its rows to 64.
 
 Quantized pages (``kv_quant.QuantPages``: int8 / fp8 data, a float32 scale per token and kv
-head) stream through the same ring in their own dtype, half the bytes of bfloat16, with each
-page's [block_size, Hkv] scales on the same barrier. A chunk is widened (exactly) into one
+head) stream through the same ring in their own dtype, half the bytes of bfloat16. A chunk is
+widened (exactly; fp8 through float16, the only fp8 cast Mosaic GPU emits for sm_90) into one
 compute-dtype SMEM tile for the MMA; the K scales multiply the chunk's score columns and the V
 scales its probabilities (after the softmax sum), so no element is ever multiplied by a scale.
-Only the interpreter runs this path so far (backend.resolve_backend picks xla for quantized KV
-on a GPU): lowering it (`jaxserve lower --platform cuda --kv-cache-dtype int8`) still fails.
-Found so far: TMA needs 16-byte GMEM strides and copies of a multiple of 128 bytes, so the
-scales travel head-major ([nb, Hkv, bs], transposed per call here) and a 16-token page's 64 bytes
-of scales are too small a copy (32-token pages pass that check); then the widening / scale
-broadcast meets "Incompatible FragmentedArray layouts" (layout casts still to be placed).
+The scales travel as ``page_arrays`` lays them out per call, [nb, Hkv, 2 (K, V), bs padded to
+16] f32: one TMA per (page, head) of a multiple of 128 bytes (Pallas' warpgroup copies need that;
+a 16-token page's 64 bytes of K scales alone are too small), landing on the K barrier, into a
+[pages, 2, scale_width] slot per stage. Each chunk's K or V scales are one load of the [pages, bs] view of
+that slot in the scores' column layout (``Layout.WGMMA.reduce(0)``), reshaped to [chunk] (pages
+end to end) and broadcast over the rows. 1-byte page rows must fill an SMEM swizzle (32 bytes at
+least), so head_dim 80 has no quantized path (``unsupported``). Lowering for sm_90a is tested
+(tests/kernels/test_lowering.py, jax.export from a CPU host, no ptxas); the numerics are tested
+in the interpreter only, not yet on a GPU.
 """
 
 from __future__ import annotations
@@ -67,32 +70,39 @@ def default_pages_per_chunk(head_dim: int, block_size: int) -> int:
 
 
 def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0, kv_dtype=None,
-               num_kv_heads: int = 0) -> int:
+               block_size: int = 0) -> int:
     """q/out tile + K and V x ``stages`` ring slots + barriers + ``extra`` (a kernel's own);
     quantized pages (``kv_dtype`` int8/fp8): ring slots of that dtype, their scale slots
-    ([chunk, num_kv_heads] f32 each) and the two widened compute-dtype tiles."""
+    (``scratch``'s [pages, 2, scale_width] f32 each) and the two widened compute-dtype tiles."""
     itemsize = jnp.dtype(dtype).itemsize
     ring = 2 * stages * chunk * head_dim * jnp.dtype(kv_dtype or dtype).itemsize
     if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
-        ring += 2 * stages * chunk * num_kv_heads * 4 + 2 * chunk * head_dim * itemsize
+        block_size = block_size or chunk
+        scale_slot = (chunk // block_size) * 2 * scale_width(block_size) * 4
+        ring += stages * scale_slot + 2 * chunk * head_dim * itemsize
     return ROWS * head_dim * itemsize + ring + 1024 + extra
 
 
-def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0, kv_dtype=None, num_kv_heads: int = 0) -> int:
+def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0, kv_dtype=None, block_size: int = 0) -> int:
     """The deepest TMA ring (2..MAX_STAGES chunks in flight) that fits in shared memory."""
     fits = [n for n in range(2, MAX_STAGES + 1)
-            if smem_bytes(head_dim, chunk, dtype, n, extra, kv_dtype, num_kv_heads) <= SMEM_BYTES]
+            if smem_bytes(head_dim, chunk, dtype, n, extra, kv_dtype, block_size) <= SMEM_BYTES]
     return max(fits, default=2)
 
 
 def unsupported(dtype, head_dim: int, group: int, block_size: int,
-                pages_per_chunk: int | None = None) -> str | None:
-    """Why this kernel cannot run a shape (None when it can); decided before anything traces."""
+                pages_per_chunk: int | None = None, kv_dtype=None) -> str | None:
+    """Why this kernel cannot run a shape (None when it can); decided before anything traces.
+    ``kv_dtype``: the pages' dtype when they are quantized (int8 / fp8), else None."""
     if jnp.dtype(dtype) not in DTYPES:
         return (f"the Mosaic GPU kernel needs bfloat16 or float16 q/KV (WGMMA operands), got "
                 f"{jnp.dtype(dtype).name}: use --dtype bfloat16")
     if head_dim not in HEAD_DIMS:
         return f"the Mosaic GPU kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
+    if kv_dtype is not None and (head_dim * jnp.dtype(kv_dtype).itemsize) % 32:
+        # a page row of 1-byte elements must fill a 32/64/128-byte SMEM swizzle
+        return (f"the Mosaic GPU kernel supports head_dim {tuple(d for d in HEAD_DIMS if d % 32 == 0)} with "
+                f"{jnp.dtype(kv_dtype).name} KV, not {head_dim}")
     if not 1 <= group <= ROWS:
         return f"the Mosaic GPU kernel supports GQA ratios 1..{ROWS}, not {group}"
     if block_size % 8 or block_size > 256:
@@ -102,9 +112,10 @@ def unsupported(dtype, head_dim: int, group: int, block_size: int,
     chunk = ppc * block_size
     if chunk % 64:
         return f"pages_per_chunk*block_size={chunk} must be a multiple of 64"
-    if smem_bytes(head_dim, chunk, dtype) > SMEM_BYTES:
+    need = smem_bytes(head_dim, chunk, dtype, kv_dtype=kv_dtype, block_size=block_size)
+    if need > SMEM_BYTES:
         return (f"a chunk of {chunk} KV tokens at head_dim {head_dim} needs "
-                f"{smem_bytes(head_dim, chunk, dtype)} bytes of shared memory (> {SMEM_BYTES})")
+                f"{need} bytes of shared memory (> {SMEM_BYTES})")
     return None
 
 
@@ -147,9 +158,24 @@ class Ops:
 
     def widen(self, src, dst):
         """A quantized SMEM chunk -> its compute-dtype copy ``dst`` (exact), for the MMA."""
-        dst[...] = src[...].astype(dst.dtype)
+        x = src[...]
+        if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating) and dst.dtype != x.dtype:
+            x = x.astype(jnp.float16)  # exact; sm_90 converts fp8 to f16 only (f16 -> bf16 is exact too)
+        dst[...] = x.astype(dst.dtype)
         plgpu.commit_smem()  # the MMA reads dst through the async proxy
         return dst
+
+    def scales(self, slot_ref, kv: int, block_size: int):
+        """A chunk's K (``kv`` 0) or V (1) scales from its slot [pages, 2, width]: f32[chunk] in
+        the column layout of the scores (a [pages, block_size] load, pages laid end to end)."""
+        pages = slot_ref.shape[0]
+        # one page: a 1-D load (Mosaic folds no unit dim of a non-contiguous [1, bs] view)
+        ref = slot_ref.at[0 if pages == 1 else slice(None), kv, pl.ds(0, block_size)]
+        if self.interpret:
+            x = ref[...]
+        else:
+            x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return x.reshape(pages * block_size)
 
     def init_carry(self, head_dim):
         acc = self.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -167,34 +193,37 @@ def smem_transforms(head_dim: int, dtype):
     )
 
 
-def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int, kv_dtype=None,
-            num_kv_heads: int = 0):
+def scale_width(block_size: int) -> int:
+    """Floats per (page, kv head, K|V) row of the scales the kernels take: ``block_size`` padded
+    to 16, so that a page's K and V scales (2 rows) are one TMA copy of a multiple of 128 bytes."""
+    return common.round_up(block_size, 16)
+
+
+def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int, kv_dtype=None):
     """q/out tile, a ring of ``stages`` K and V chunks, their barriers (one arrival per page);
-    for quantized pages (``kv_dtype``) the ring holds that dtype, and four more: K and V scale
-    slots [stages, chunk, Hkv] (one more arrival per page each) and the widened K and V tiles."""
+    for quantized pages (``kv_dtype``) the ring holds that dtype, and three more: a scale slot
+    per stage [pages_per_chunk, 2 (K, V), scale_width] landing on the K barrier (one more arrival
+    per page) and the widened K and V tiles."""
     transforms = smem_transforms(head_dim, dtype)
     kv_dtype = jnp.dtype(kv_dtype or dtype)
     quant = kv_dtype != jnp.dtype(dtype)
     ring = smem_transforms(head_dim, kv_dtype)
-    arrivals = pages_per_chunk * (2 if quant else 1)
     base = (
         plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, chunk, head_dim), kv_dtype, transforms=ring),
         plgpu.SMEM((stages, chunk, head_dim), kv_dtype, transforms=ring),
         plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_chunk * (2 if quant else 1), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=stages),
     )
     if not quant:
         return base
+    width = scale_width(chunk // pages_per_chunk)
     return base + (
-        plgpu.SMEM((stages, chunk), jnp.float32),
-        plgpu.SMEM((stages, chunk), jnp.float32),
+        plgpu.SMEM((stages, pages_per_chunk, 2, width), jnp.float32),
         plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((chunk, head_dim), dtype, transforms=transforms),
     )
-
-
 
 
 def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, soft_cap, dtype, head=None):
@@ -206,6 +235,8 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
     q_smem, k_smem, v_smem, _, k_bar, v_bar = scoped[:6]
     quant = k_smem.dtype != jnp.dtype(dtype)
     stages = k_smem.shape[0]
+    if quant:
+        block_size = k_smem.shape[1] // scoped[6].shape[1]
     log2e = math.log2(math.e)
 
     for i in range(stages - 1):
@@ -224,9 +255,9 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
 
         plgpu.barrier_wait(k_bar.at[slot])
         if quant:
-            ks_smem, vs_smem, k_wide, v_wide = scoped[6:10]
+            s_smem, k_wide, v_wide = scoped[6:9]
             s = ops.mma_qk(q_smem, ops.widen(k_smem.at[slot], k_wide))
-            s = s * lax.broadcast_in_dim(ks_smem[slot] * sm_scale, s.shape, [1])
+            s = s * lax.broadcast_in_dim(ops.scales(s_smem.at[slot], 0, block_size) * sm_scale, s.shape, [1])
         else:
             s = ops.mma_qk(q_smem, k_smem.at[slot]) * sm_scale
         if soft_cap is not None:
@@ -241,7 +272,7 @@ def stream_chunks(ops, scoped, *, fetch, mask_of, c_lo, c_hi, carry, sm_scale, s
         plgpu.barrier_wait(v_bar.at[slot])
         v_ref = v_smem.at[slot]
         if quant:  # V scales on the probabilities, after their sum l_i
-            p = p * lax.broadcast_in_dim(vs_smem[slot], p.shape, [1])
+            p = p * lax.broadcast_in_dim(ops.scales(s_smem.at[slot], 1, block_size), p.shape, [1])
             v_ref = ops.widen(v_ref, v_wide)
         acc = acc + ops.mma_pv(p.astype(dtype), v_ref)
         return acc, m_new, l_i
@@ -259,21 +290,24 @@ def page_fetcher(scoped, k_g, v_g, head, block_size, scales_g=()):
             dst = pl.ds(j * block_size, block_size)
             plgpu.copy_gmem_to_smem(k_g.at[block, :, head, :], k_smem.at[slot, dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_g.at[block, :, head, :], v_smem.at[slot, dst], v_bar.at[slot])
-            if scales_g:  # the head's scales of a page: one contiguous run of block_size floats
-                ks_smem, vs_smem = scoped[6:8]
-                plgpu.copy_gmem_to_smem(scales_g[0].at[block, head], ks_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(scales_g[1].at[block, head], vs_smem.at[slot, dst], v_bar.at[slot])
+            if scales_g:  # the head's K and V scales of a page: [2, scale_width] floats, one copy
+                plgpu.copy_gmem_to_smem(scales_g[0].at[block, head], scoped[6].at[slot, j], k_bar.at[slot])
 
     return fetch
 
 
 def page_arrays(k_pages, v_pages) -> tuple[tuple, tuple]:
-    """((k, v) data arrays, (k, v) scales head-major [nb, Hkv, bs], or ()) as the kernels take them.
+    """((k, v) data arrays, (scales,) or ()) as the kernels take them: for quantized pages the
+    K and V scales of each (page, kv head) side by side, [nb, Hkv, 2, scale_width(bs)] f32.
 
-    The transpose is a copy of every scale per call (~4/D of the data's bytes, twice): TMA needs
-    each (page, head) run of scales contiguous, which the [nb, bs, Hkv] scales are not."""
+    This is a copy of every scale per call (~4/D of the data's bytes, twice): TMA needs each
+    (page, head) run of scales contiguous, which the [nb, bs, Hkv] scales are not, and a copy
+    of a multiple of 128 bytes (K and V together, padded to 16 tokens)."""
     if isinstance(k_pages, QuantPages):
-        return (k_pages.data, v_pages.data), tuple(jnp.swapaxes(p.scale, 1, 2) for p in (k_pages, v_pages))
+        block_size = k_pages.shape[1]
+        pad = scale_width(block_size) - block_size
+        scales = jnp.stack([k_pages.scale, v_pages.scale], axis=1).transpose(0, 3, 1, 2)
+        return (k_pages.data, v_pages.data), (jnp.pad(scales, ((0, 0), (0, 0), (0, 0), (0, pad))),)
     return (k_pages, v_pages), ()
 
 
@@ -288,13 +322,14 @@ def validate(q, k_pages, v_pages, pages_per_chunk):
     group = num_q_heads // max(num_kv_heads, 1)
     if pages_per_chunk is None:
         pages_per_chunk = default_pages_per_chunk(head_dim, block_size)
-    reason = unsupported(q.dtype, head_dim, group, block_size, pages_per_chunk)
+    quant = isinstance(k_pages, QuantPages)
+    if quant and (k_pages.dtype not in KV_QUANT_DTYPES.values() or v_pages.dtype != k_pages.dtype):
+        raise ValueError(f"quantized pages must be int8 or fp8, both alike, not {k_pages.dtype}/{v_pages.dtype}")
+    reason = unsupported(q.dtype, head_dim, group, block_size, pages_per_chunk,
+                         kv_dtype=k_pages.dtype if quant else None)
     if reason:
         raise ValueError(reason)
-    if isinstance(k_pages, QuantPages):
-        if k_pages.dtype not in KV_QUANT_DTYPES.values() or v_pages.dtype != k_pages.dtype:
-            raise ValueError(f"quantized pages must be int8 or fp8, both alike, not {k_pages.dtype}/{v_pages.dtype}")
-    elif k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+    if not quant and (k_pages.dtype != q.dtype or v_pages.dtype != q.dtype):
         raise ValueError("q, k_pages and v_pages must share a dtype")
     return group, pages_per_chunk
 
@@ -397,8 +432,8 @@ def ragged_paged_attention(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
             *scratch(head_dim, chunk, pages_per_chunk, dtype,
-                     num_stages(head_dim, chunk, dtype, kv_dtype=k_data.dtype, num_kv_heads=num_kv_heads),
-                     k_data.dtype, num_kv_heads),
+                     num_stages(head_dim, chunk, dtype, kv_dtype=k_data.dtype, block_size=block_size),
+                     k_data.dtype),
         ),
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),

@@ -141,11 +141,11 @@ def decode_attention(
                           transforms=gpu.smem_transforms(LSE_COLS, jnp.float32))
     rows = num_tokens * num_splits * out_rows
     stages = gpu.num_stages(head_dim, chunk, dtype, extra=gpu.ROWS * LSE_COLS * 4, kv_dtype=k_data.dtype,
-                            num_kv_heads=num_kv_heads)
+                            block_size=block_size)
     kernel = plgpu.kernel(
         lambda *refs: pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
-            *gpu.scratch(head_dim, chunk, pages_per_chunk, dtype, stages, k_data.dtype, num_kv_heads), lse_smem,
+            *gpu.scratch(head_dim, chunk, pages_per_chunk, dtype, stages, k_data.dtype), lse_smem,
         ),
         out_type=(
             jax.ShapeDtypeStruct((num_kv_heads, rows, head_dim), dtype),

@@ -204,8 +204,10 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                 platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
                 compute_capability=compute_capability)
             if not why and kv_quant.is_quantized(kv_dtype):
-                why = (f"the Mosaic GPU kernels read {kv_dtype} KV in Pallas' interpreter only so far (their "
-                       "lowering of the quantized path is unfinished)")
+                from pallas_kernels import gpu
+
+                why = gpu.unsupported(dtype, shape.head_dim, shape.group, shape.block_size,
+                                      kv_dtype=kv_quant.KV_QUANT_DTYPES[kv_dtype])
             if why and requested:
                 raise UserError(f"Attention backend 'pallas' cannot run this model here: {why}; "
                                 "use --attention-backend xla.", param="attention_backend")

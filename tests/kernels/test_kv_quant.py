@@ -145,16 +145,18 @@ def test_xla_and_cpu_paths_match_the_oracle(name, case, heads, block_size, windo
         assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("name,case,heads,window", [("int8", "mixed", (8, 2), None), ("fp8_e4m3", "decode", (6, 2), 6)])
-def test_gpu_kernels_match_the_oracle_interpreted(name, case, heads, window):
+# block size 8: each page's scale rows padded to 16 in the kernels' scale array
+@pytest.mark.parametrize("name,case,heads,window,block_size", [
+    ("int8", "mixed", (8, 2), None, 16), ("fp8_e4m3", "decode", (6, 2), 6, 16), ("fp8_e5m2", "decode", (9, 3), None, 8)])
+def test_gpu_kernels_match_the_oracle_interpreted(name, case, heads, window, block_size):
     """The Mosaic GPU prefill kernel and the split-KV decode kernel (interpreters) over quantized
     pages: bfloat16 q and MMA operands, so bfloat16 tolerances."""
     b = make_batch(np.random.default_rng(4), *CASES[case], num_q_heads=heads[0], num_kv_heads=heads[1],
-                   block_size=16, pad_tokens=0 if case == "decode" else 3, dtype=jnp.bfloat16)
+                   block_size=block_size, pad_tokens=0 if case == "decode" else 3, dtype=jnp.bfloat16)
     qargs = quantized(b, name)
     kw = dict(sm_scale=64**-0.5, sliding_window=window)
     want = float_oracle(b, qargs, **kw)
-    got = gpu.ragged_paged_attention(*qargs, **kw, pages_per_chunk=4, interpret=True)
+    got = gpu.ragged_paged_attention(*qargs, **kw, pages_per_chunk=64 // block_size, interpret=True)
     assert_close(got.astype(jnp.float32), want, b.num_real_tokens, rtol=3e-2, atol=3e-2)
     if case == "decode":
         got = gpu_decode.decode_attention(*qargs, **kw, num_splits=2, interpret=True)
@@ -184,11 +186,15 @@ def test_user_errors():
     with pytest.raises(UserError, match="fp8_e4m3.*TPU.*--attention-backend xla"):
         resolve_backend(None, "bfloat16", "fp8_e4m3", 1, shape, target="tpu")
     assert resolve_backend("xla", "bfloat16", "int8", 1, shape, target="tpu").attention == "xla"
-    # the GPU kernels' quantized path runs interpreted only: the portable path on a real GPU
-    assert resolve_backend(None, "bfloat16", "int8", 1, shape, target="cuda",
-                           compute_capability="9.0").attention == "xla"
-    with pytest.raises(UserError, match="interpreter only"):
-        resolve_backend("pallas", "bfloat16", "int8", 1, shape, target="cuda", compute_capability="9.0")
+    # GPU (sm_90+): the Mosaic GPU kernels read quantized KV (test_lowering lowers them), except at
+    # head_dim 80, whose 80-byte rows of 1-byte data fill no SMEM swizzle: xla there
+    for name in NAMES:
+        assert resolve_backend(None, "bfloat16", name, 1, shape, target="cuda",
+                               compute_capability="9.0").attention == "pallas"
+    d80 = KernelShape(80, 2, 16)
+    assert resolve_backend(None, "bfloat16", "int8", 1, d80, target="cuda", compute_capability="9.0").attention == "xla"
+    with pytest.raises(UserError, match="head_dim .* with int8 KV, not 80"):
+        resolve_backend("pallas", "bfloat16", "int8", 1, d80, target="cuda", compute_capability="9.0")
     from jaxserve.config import KV_QUANT_DTYPES, EngineConfig
 
     assert KV_QUANT_DTYPES == NAMES

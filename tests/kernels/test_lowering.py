@@ -14,6 +14,7 @@ import pytest
 import pallas_kernels
 from jaxserve.runtime import compat
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.kv_quant import KV_QUANT_DTYPES, QuantPages
 from tests.kernels.batch import MODELS
 
 
@@ -101,6 +102,35 @@ def test_split_kv_decode_lowers_for_cuda(heads):
 def test_split_kv_decode_head_dims_lower(head_dim, block_size):
     fn = functools.partial(pallas_kernels.for_step(decode_only=True, backend="gpu"), sm_scale=0.1)
     shapes = _model_shapes(jnp.float16, (10, 2, head_dim), block_size)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
+
+
+def _quant_shapes(name, heads, block_size=16):
+    """bfloat16 q, ``name`` (int8 / fp8) pages with their f32 scales [nb, bs, Hkv]."""
+    shapes = _model_shapes(jnp.bfloat16, heads, block_size)
+    data = jax.ShapeDtypeStruct(shapes[1].shape, KV_QUANT_DTYPES[name])
+    shapes[1] = shapes[2] = QuantPages(data, jax.ShapeDtypeStruct(data.shape[:-1], jnp.float32))
+    return shapes
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("heads", [(8, 2, 64), (9, 3, 64), (32, 8, 128), (8, 1, 128)],
+                         ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_quantized_kv_lowers_for_cuda(name, heads, decode_only):
+    """The quantized path of both GPU kernels (widened int8/fp8 tiles, the scales of a page's K and
+    V as one TMA copy of 128 bytes at 16-token pages) at the engine's default block size."""
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="gpu")
+    fn = functools.partial(step, sm_scale=0.1, soft_cap=30.0, sliding_window=100)
+    assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", _quant_shapes(name, heads))
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("name,head_dim,block_size", [("fp8_e5m2", 64, 8), ("int8", 96, 32), ("fp8_e4m3", 256, 64)])
+def test_quantized_kv_block_sizes_lower_for_cuda(name, head_dim, block_size, decode_only):
+    """Scale rows padded to 16 tokens (8-token pages), and pages whose scales need no padding."""
+    fn = functools.partial(pallas_kernels.for_step(decode_only=decode_only, backend="gpu"), sm_scale=0.1)
+    shapes = _quant_shapes(name, (10, 2, head_dim), block_size)
     assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
 
 
