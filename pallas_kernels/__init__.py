@@ -9,7 +9,9 @@ traces, whether a platform's kernel runs a shape (else why), for backend resolut
 ``write_kv`` dispatches the same way: a Mosaic TPU kernel on tpu, XLA's scatter on gpu/reference.
 The TPU kernel reads (and ``write_kv`` writes) the ``tpu-fused`` layout, one array per layer
 (``tpu.fused_shape``), passed as ``k_pages`` with ``v_pages=None``; given separate K/V pages the
-TPU path fuses them first (tests, this generic API).
+TPU path fuses them first (tests, this generic API). Quantized KV (``kv_quant.QuantPages``) is
+read by every kernel: on TPU the fused int8/fp8 data with f32 scales [nb, 2 * Hkv, bs]
+(``tpu.fused_scale_shape``).
 With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host.
 """
 from __future__ import annotations
@@ -44,13 +46,16 @@ def supported(
     group: int,
     block_size: int,
     compute_capability: str | tuple[int, int] | None = None,
+    kv_dtype=None,
 ) -> str | None:
     """None when this platform's Pallas kernel runs the shape, else the reason it cannot.
 
     Meant for backend resolution at engine construction (so a bad choice fails there, or falls
     back to the portable path with one warning), not per call. ``platform``: ``gpu``/``cuda``
     or ``tpu``; ``compute_capability`` (``"9.0"`` or ``(9, 0)``) is the GPU's, from
-    ``compat.compute_capability(device)``.
+    ``compat.compute_capability(device)``. ``kv_dtype``: the pages' storage dtype when it is not
+    ``dtype`` (int8/fp8 for a quantized cache, ``dtype`` being the compute dtype); the TPU block
+    size must be a multiple of its sublane packing (32 rows of an 8-bit dtype).
     """
     import jax.numpy as jnp
 
@@ -71,9 +76,10 @@ def supported(
             return f"the TPU attention kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
         from pallas_kernels import tpu
 
-        if group < 1 or block_size % tpu.sublanes(dtype):
-            return (f"the TPU attention kernel needs a block size multiple of {tpu.sublanes(dtype)} "
-                    f"(the sublane packing of {name}), not {block_size}")
+        stored = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+        if group < 1 or block_size % tpu.sublanes(stored):
+            return (f"the TPU attention kernel needs a block size multiple of {tpu.sublanes(stored)} "
+                    f"(the sublane packing of {stored.name}), not {block_size}")
         return None
     return f"no Pallas attention kernel for platform {platform!r} (use xla)"
 

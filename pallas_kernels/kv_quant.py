@@ -3,7 +3,8 @@
 A quantized cache is a `QuantPages` where a float cache is an array: every KV write and every
 attention path dispatches on the pages' type (no flag through the model). The data keeps the
 layout's shape ([nb, bs, Hkv, D], whatever the layout's order inside a block); the scales have
-that shape minus the head_dim axis ([nb, bs, Hkv]). Scaling is symmetric absmax per (token, head):
+that shape minus the head_dim axis ([nb, bs, Hkv]; tpu-fused [nb, 2 * Hkv, bs, Dp] data has
+[nb, 2 * Hkv, bs] scales, ``tpu.fused_scale_shape``). Scaling is symmetric absmax per (token, head):
 int8 q = round(x / s) with s = absmax / 127; fp8 q = fp8(x / s) with s = absmax / finfo.max
 (448 for e4m3, 57344 for e5m2); x ~= q * s.
 

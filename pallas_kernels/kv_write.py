@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.runtime import compat
+from pallas_kernels.kv_quant import QuantPages, quantize
 
 
 def _kernel(
@@ -141,17 +142,34 @@ def _fused_kernel(slots_ref, kv_in, new_ref, kv_out, sems, *, tokens_per_step: i
 
 
 def write_kv_fused(
-    kv_pages: jax.Array,  # tpu-fused [num_blocks, 2 * Hkv, block_size, Dp]
+    kv_pages,  # tpu-fused [num_blocks, 2 * Hkv, block_size, Dp], or kv_quant.QuantPages of it
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]
     *,
     tokens_per_step: int = 8,
     interpret: bool = False,
-) -> jax.Array:
+):
     """New K/V into the fused layout (pallas_kernels.tpu), in place when the pages are donated;
     same contract as ``write_kv_tpu``. Under tensor parallelism each device writes its own kv
-    heads (the caller runs this per shard)."""
+    heads (the caller runs this per shard).
+
+    Quantized pages (QuantPages: fused int8/fp8 data, f32 scales [nb, 2 * Hkv, bs]): each (token,
+    head) row is quantized as ``kv_quant.quantize`` does (the xla/cpu writes' arithmetic), the
+    data moves through the same DMA kernel and the [T, 2 * Hkv] scales by one XLA scatter into
+    lane ``offset`` of their page (a single-lane DMA per token would be a strided 4-byte write)."""
+    if isinstance(kv_pages, QuantPages):
+        (kq, ks), (vq, vs) = (quantize(x, kv_pages.dtype) for x in (k, v))
+        data = write_kv_fused(kv_pages.data, kq, vq, slot_mapping, tokens_per_step=tokens_per_step,
+                              interpret=interpret)
+        num_blocks, kv_rows, block_size = kv_pages.scale.shape
+        if slot_mapping.shape[0] == 0:
+            return QuantPages(data, kv_pages.scale)
+        new = jnp.stack([ks, vs], axis=2).reshape(-1, kv_rows)  # [T, 2 * Hkv]: K, V per head
+        slots = slot_mapping.astype(jnp.int32)
+        # one scatter of [T, 2 * Hkv] rows, in place when the pages are donated
+        scale = kv_pages.scale.at[lax.div(slots, block_size), :, lax.rem(slots, block_size)].set(new)
+        return QuantPages(data, scale)
     _, kv_rows, block_size, padded_dim = kv_pages.shape
     num_tokens, num_kv_heads, head_dim = k.shape
     if kv_rows != 2 * num_kv_heads or v.shape != k.shape or head_dim > padded_dim:

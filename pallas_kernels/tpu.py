@@ -22,6 +22,17 @@ a bubble between sequences. Lengths and tile ranges are scalar-prefetched into S
 tables too up to ``TABLE_SMEM_BYTES``; longer ones (a 128k ``max_model_len``) stay in HBM and
 each chunk DMAs its few ids into a two-slot SMEM buffer, so SMEM use is bounded.
 Online softmax in f32, per head. Block sizes are static (``block_sizes``).
+
+Quantized pages (``--kv-cache-dtype int8|fp8_*``, ``kv_quant.QuantPages``): the data is int8/fp8
+in the same fused shape (so the block size is a multiple of 32, the 8-bit sublane packing) and the
+scales are f32 ``[num_blocks, 2 * Hkv, block_size]`` (``fused_scale_shape``): row ``2h`` K's and
+``2h + 1`` V's, one lane per token, so one page's scales are one full ``(2 * Hkv, block_size)``
+tile (HBM pads it to (8, 128): ``scale_page_bytes``). Each page's scales are DMAed with its data,
+on the same semaphore and slot, into ``[2, pages_per_chunk, 2 * Hkv, block_size]`` (a whole tile
+per page: no lane offset). Per chunk one exact (HIGHEST) 0/1 selection matmul per page lays them out
+as ``[2 * Hkv, chunk]`` lanes; the tile is widened to the compute dtype (exact for int8 and both
+fp8s), the K scales (times ``sm_scale``) multiply the score columns and the V scales the
+probabilities: nothing multiplies the tile element by element.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxserve.runtime import compat
 from pallas_kernels import common
+from pallas_kernels.kv_quant import QuantPages
 
 # SMEM is small (tens to hundreds of KiB per core by generation) and shared with the other scalar
 # operands: tables up to 4096 entries (16 sequences x 4k tokens of 16) are prefetched whole.
@@ -57,16 +69,38 @@ def fused_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: i
     return num_blocks, 2 * num_kv_heads, block_size, common.round_up(head_dim, LANES)
 
 
-def fuse_pages(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
-    """Separate [nb, bs, Hkv, D] K and V pages -> the fused layout (tests, the generic API)."""
+def fused_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple:
+    """The scales of quantized ``tpu-fused`` pages: f32 [num_blocks, 2 * Hkv, block_size] (the
+    data's shape minus its lanes; row 2h K's, 2h + 1 V's, one lane per token)."""
+    return num_blocks, 2 * num_kv_heads, block_size
+
+
+def scale_page_bytes(block_size: int, num_kv_heads: int) -> int:
+    """HBM bytes of one page's scales as allocated: XLA tiles the minor (2 * Hkv, block_size) f32
+    dims by (8, 128), so they pad to that (``runner.kv_bytes_per_block`` counts this)."""
+    return common.round_up(2 * num_kv_heads, 8) * common.round_up(block_size, LANES) * 4
+
+
+def fuse_pages(k_pages, v_pages):
+    """Separate [nb, bs, Hkv, D] K and V pages -> the fused layout (tests, the generic API);
+    QuantPages -> QuantPages of the fused data and the [nb, 2 * Hkv, bs] scales."""
+    if isinstance(k_pages, QuantPages):
+        nb, bs, hkv = k_pages.scale.shape
+        scale = jnp.stack([k_pages.scale, v_pages.scale], axis=3).transpose(0, 2, 3, 1)
+        return QuantPages(fuse_pages(k_pages.data, v_pages.data), scale.reshape(nb, 2 * hkv, bs))
     nb, bs, hkv, d = k_pages.shape
     kv = jnp.stack([k_pages, v_pages], axis=3).transpose(0, 2, 3, 1, 4)  # [nb, Hkv, 2, bs, D]
     kv = kv.reshape(nb, 2 * hkv, bs, d)
     return jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, fused_shape(nb, bs, hkv, d, kv.dtype)[3] - d)))
 
 
-def unfuse_pages(kv: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
+def unfuse_pages(kv, head_dim: int) -> tuple:
     """The inverse of ``fuse_pages`` (tests)."""
+    if isinstance(kv, QuantPages):
+        nb, h2, bs = kv.scale.shape
+        scale = kv.scale.reshape(nb, h2 // 2, 2, bs).transpose(2, 0, 3, 1)
+        k, v = unfuse_pages(kv.data, head_dim)
+        return QuantPages(k, scale[0]), QuantPages(v, scale[1])
     nb, h2, bs, _ = kv.shape
     kv = kv[..., :head_dim].reshape(nb, h2 // 2, 2, bs, head_dim).transpose(2, 0, 3, 1, 4)
     return kv[0], kv[1]
@@ -92,7 +126,7 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), b)
 
 
-def _kernel(*refs, tables_in_smem: bool, **static):
+def _kernel(*refs, tables_in_smem: bool, quantized: bool, **static):
     """Unpack the refs of either table mode, then run the body.
 
     Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], [tables i32[S * max_blocks] when they
@@ -100,16 +134,25 @@ def _kernel(*refs, tables_in_smem: bool, **static):
     (HBM), [tables in HBM i32[S, max_blocks + ppc] otherwise]. Output: [Hkv, rows, Dp]. Scratch:
     chunk buffer [2, 2 * Hkv, chunk, Dp], DMA sems [2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows,
     Dp], state i32[2] (SMEM: chunks issued, next chunk in flight), [the chunk's table ids
-    i32[2 * ppc] (SMEM) and their DMA semaphore in HBM-table mode].
+    i32[2 * ppc] (SMEM) and their DMA semaphore in HBM-table mode]. Quantized pages: the scales
+    (HBM, f32[nb, 2 * Hkv, bs]) follow the pages among the inputs, and their chunk buffer
+    f32[2, ppc, 2 * Hkv, bs] ends the scratch.
     """
+    if quantized:
+        *refs, scale_buf = refs
     if tables_in_smem:
-        (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch) = refs
+        (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, kv_hbm, *refs) = refs
+    else:
+        (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, *refs) = refs
+    scales = (refs.pop(0), scale_buf) if quantized else None
+    if tables_in_smem:
+        o_ref, *scratch = refs
         tables = (tables_ref,)
     else:
-        (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, tables_hbm, o_ref, *scratch) = refs
+        tables_hbm, o_ref, *scratch = refs
         tables = (tables_hbm, *scratch[6:])
     _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch[:6],
-          tables=tables, **static)
+          tables=tables, scales=scales, **static)
 
 
 def _body(
@@ -117,6 +160,7 @@ def _body(
     buf, sems, m_ref, l_ref, acc_ref, state,
     *,
     tables: tuple,
+    scales: tuple | None,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -175,19 +219,34 @@ def _body(
         return tables[1][slot * pages_per_chunk + j]
 
     def page_copies(seq, c, slot, num_pages):
-        """One DMA per page of chunk c: K and V of all its kv heads; pages past the sequence's
-        visible end are skipped."""
-        return [
-            (
-                c * pages_per_chunk + j < num_pages,
-                pltpu.make_async_copy(
-                    kv_hbm.at[block_id(seq, c, j, slot)],
-                    buf.at[slot, :, pl.ds(j * block_size, block_size)],
-                    sems.at[slot],
-                ),
-            )
-            for j in range(pages_per_chunk)
-        ]
+        """One DMA per page of chunk c: K and V of all its kv heads (and, quantized, a second one
+        of their scales, on the same semaphore); pages past the sequence's visible end are
+        skipped."""
+        copies = []
+        for j in range(pages_per_chunk):
+            needed, block = c * pages_per_chunk + j < num_pages, block_id(seq, c, j, slot)
+            copies.append((needed, pltpu.make_async_copy(
+                kv_hbm.at[block], buf.at[slot, :, pl.ds(j * block_size, block_size)], sems.at[slot])))
+            if scales is not None:
+                copies.append((needed, pltpu.make_async_copy(
+                    scales[0].at[block], scales[1].at[slot, j], sems.at[slot])))
+        return copies
+
+    def chunk_scales(c, slot, num_pages):
+        """Quantized: chunk c's scales as f32[2 * Hkv, chunk] (one lane per KV position). Page j's
+        [2 * Hkv, bs] tile goes to lanes [j * bs, (j + 1) * bs) by an exact 0/1 selection matmul
+        (a lane shift Mosaic cannot do as a copy at bs < 128); pages not fetched are zeroed first,
+        as stale VMEM times 0 would still be NaN."""
+        sel = (lax.broadcasted_iota(jnp.int32, (block_size, chunk), 1)
+               - lax.broadcasted_iota(jnp.int32, (block_size, chunk), 0))
+        out = None
+        for j in range(pages_per_chunk):
+            tile = jnp.where(c * pages_per_chunk + j < num_pages, scales[1][slot, j], 0.0)
+            part = lax.dot_general(tile, (sel == j * block_size).astype(jnp.float32),
+                                   (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+            out = part if out is None else out + part
+        return out
 
     def fetch(seq, c, slot, num_pages):
         load_table(seq, c, slot)
@@ -242,11 +301,21 @@ def _body(
             # Pages past kv_end were not fetched this round: zero them so stale VMEM
             # (possibly NaN) never reaches the accumulator through 0 * NaN.
             kv_col = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+            if scales is not None:
+                scale = chunk_scales(c, slot, num_pages)
+                # stale positions past kv_end (masked in p anyway) must not turn p * s_v into NaN
+                scale = jnp.where(kv_pos < kv_end, scale, 0.0)
+            compute = q_ref.dtype
             for h in range(num_kv_heads):  # static: each head's dense [chunk, Dp] K and V tiles
+                k = buf[slot, 2 * h]
+                if scales is not None:
+                    k = k.astype(compute)  # exact: int8 and both fp8s fit bf16/f16/f32
                 s = lax.dot_general(
-                    q_ref[h], buf[slot, 2 * h], (((1,), (1,)), ((), ())),
+                    q_ref[h], k, (((1,), (1,)), ((), ())),
                     preferred_element_type=jnp.float32,
-                ) * sm_scale
+                )
+                # the K scales multiply the score columns (one per KV position)
+                s = s * (scale[2 * h:2 * h + 1] * sm_scale) if scales is not None else s * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * jnp.tanh(s / soft_cap)
                 s = jnp.where(mask, s, common.MASK_VALUE)
@@ -255,9 +324,13 @@ def _body(
                 p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
                 alpha = jnp.exp(m_prev - m_new)
                 v = buf[slot, 2 * h + 1]
+                pw = p
+                if scales is not None:
+                    v = v.astype(compute)
+                    pw = p * scale[2 * h + 1:2 * h + 2]  # the V scales multiply the probabilities
                 v = jnp.where(kv_col < kv_end, v, jnp.zeros_like(v))
                 pv = lax.dot_general(
-                    p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                    pw.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                     preferred_element_type=jnp.float32,
                 )
                 m_ref[h] = m_new
@@ -280,8 +353,8 @@ def _body(
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # fused [num_blocks, 2 * Hkv, block_size, Dp], or K [nb, bs, Hkv, D]
-    v_pages: jax.Array | None,  # None (fused), or V [nb, bs, Hkv, D] (fused here first)
+    k_pages,  # fused [num_blocks, 2 * Hkv, block_size, Dp], or K [nb, bs, Hkv, D]; or QuantPages
+    v_pages,  # None (fused), or V [nb, bs, Hkv, D] (fused here first)
     seq_lens: jax.Array,  # i32[S]
     query_start_loc: jax.Array,  # i32[S+1]
     block_tables: jax.Array,  # i32[S, max_blocks]
@@ -297,13 +370,18 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D]
     """``table_smem_bytes``: block tables up to this size are scalar-prefetched into SMEM;
     larger ones (long ``max_model_len`` x many sequences) stay in HBM and each chunk DMAs its
-    ``pages_per_chunk`` ids into a two-slot SMEM buffer, so SMEM use is bounded."""
+    ``pages_per_chunk`` ids into a two-slot SMEM buffer, so SMEM use is bounded. Quantized pages
+    (``QuantPages``, fused data + f32[nb, 2 * Hkv, bs] scales) compute in q's dtype."""
     kv = k_pages if v_pages is None else fuse_pages(k_pages, v_pages)
+    quantized = isinstance(kv, QuantPages)
+    kv, kv_scale = (kv.data, kv.scale) if quantized else (kv, None)
     num_tokens, num_q_heads, head_dim = q.shape
     _, kv_rows, block_size, padded_dim = kv.shape
     num_kv_heads = kv_rows // 2
     if kv.shape != fused_shape(kv.shape[0], block_size, num_kv_heads, head_dim, kv.dtype):
         raise ValueError(f"pages {kv.shape} are not the tpu-fused layout of head_dim {head_dim}")
+    if quantized and kv_scale.shape != fused_scale_shape(kv.shape[0], block_size, kv_rows // 2):
+        raise ValueError(f"scales {kv_scale.shape} do not match quantized tpu-fused pages {kv.shape}")
     if num_q_heads % num_kv_heads or block_q < 1 or pages_per_chunk < 1:
         raise ValueError(f"bad shapes: Hq={num_q_heads} Hkv={num_kv_heads} {block_q=} "
                          f"{pages_per_chunk=}")
@@ -320,7 +398,7 @@ def ragged_paged_attention(
     tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
     tables_in_smem = tables.size * 4 <= table_smem_bytes
     kernel = functools.partial(
-        _kernel, tables_in_smem=tables_in_smem, sm_scale=sm_scale, sliding_window=sliding_window,
+        _kernel, tables_in_smem=tables_in_smem, quantized=quantized, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, block_q=block_q, group=group, block_size=block_size,
         pages_per_chunk=pages_per_chunk, max_blocks=max_blocks, num_tiles=num_tiles,
     )
@@ -335,13 +413,18 @@ def ragged_paged_attention(
         pltpu.SMEM((2,), jnp.int32),
     ]
     lens = (seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32))
+    pages = (kv, kv_scale) if quantized else (kv,)
     if tables_in_smem:
-        prefetch, inputs, in_specs = (*lens, tables, tile_lo, tile_hi), (q_rows, kv), [row_spec, hbm]
+        prefetch = (*lens, tables, tile_lo, tile_hi)
+        inputs, in_specs = (q_rows, *pages), [row_spec, *[hbm] * len(pages)]
     else:
         prefetch = (*lens, tile_lo, tile_hi)
         padded = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_chunk)))
-        inputs, in_specs = (q_rows, kv, padded), [row_spec, hbm, hbm]  # the table stays in HBM
+        # the table stays in HBM
+        inputs, in_specs = (q_rows, *pages, padded), [row_spec, *[hbm] * len(pages), hbm]
         scratch += [pltpu.SMEM((2 * pages_per_chunk,), jnp.int32), pltpu.SemaphoreType.DMA((1,))]
+    if quantized:  # each page's scales: one whole (2 * Hkv, bs) tile per chunk slot and page
+        scratch.append(pltpu.VMEM((2, pages_per_chunk, kv_rows, block_size), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(num_tiles,),

@@ -193,17 +193,14 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                             param="attention_backend")
         name = requested or "pallas"
         reason = "requested" if requested else f"default on {platform}"
-        if name == "pallas" and platform == "tpu" and kv_quant.is_quantized(kv_dtype):
-            raise UserError(f"KV cache dtype {kv_dtype!r} has no TPU Pallas kernel yet: use "
-                            "--attention-backend xla, or a float --kv-cache-dtype.", param="kv_cache_dtype")
         if name == "pallas" and shape is not None:
             import pallas_kernels
 
             # Quantized pages are widened to the compute dtype inside the kernel.
             why = pallas_kernels.supported(
                 platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
-                compute_capability=compute_capability)
-            if not why and kv_quant.is_quantized(kv_dtype):
+                compute_capability=compute_capability, kv_dtype=kv_quant.KV_QUANT_DTYPES.get(kv_dtype))
+            if not why and platform == "gpu" and kv_quant.is_quantized(kv_dtype):
                 from pallas_kernels import gpu
 
                 why = gpu.unsupported(dtype, shape.head_dim, shape.group, shape.block_size,
@@ -234,9 +231,14 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         log.warning("Native CPU kernels unavailable (%s); using the slower 'xla' backend.", why)
         return Backend("cpu", "xla", "paged", False, False, f"native kernels unavailable: {why}")
     # pallas on CPU is the TPU kernel in its interpreter, on its own layout
-    if requested == "pallas" and kv_quant.is_quantized(kv_dtype):
-        raise UserError(f"KV cache dtype {kv_dtype!r} has no TPU Pallas kernel yet (which 'pallas' runs "
-                        "interpreted on CPU): use --attention-backend cpu or xla, or a float --kv-cache-dtype.",
-                        param="kv_cache_dtype")
+    if requested == "pallas" and kv_quant.is_quantized(kv_dtype) and shape is not None:
+        from pallas_kernels import tpu
+
+        packing = tpu.sublanes(kv_quant.KV_QUANT_DTYPES[kv_dtype])
+        if shape.block_size % packing:
+            raise UserError(f"KV cache dtype {kv_dtype!r} on 'pallas' (the TPU kernel, interpreted on CPU) needs a "
+                            f"block size multiple of {packing} (the TPU's sublane packing of 8-bit data), not "
+                            f"{shape.block_size}: use --block-size {packing}, or --attention-backend cpu or xla.",
+                            param="block_size")
     layout = "tpu-fused" if requested == "pallas" else "paged"
     return Backend("cpu", requested, layout, False, False, "requested")

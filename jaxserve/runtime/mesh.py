@@ -262,12 +262,13 @@ def kv_cache_sharding(mesh: Mesh, layout: str = "paged", quantized: bool = False
 
 def page_spec(layout: str = "paged", quantized: bool = False):
     """Where a layer's KV array splits over the model axis: its kv heads (dim 2 of paged
-    [nb, bs, Hkv, D], dim 1 of tpu-fused [nb, 2*Hkv, bs, Dp]); for quantized (paged) pages a
-    QuantPages of the data's and the scales' specs."""
+    [nb, bs, Hkv, D], dim 1 of tpu-fused [nb, 2*Hkv, bs, Dp]); for quantized pages a QuantPages
+    of the data's and the scales' specs (scales [nb, bs, Hkv], tpu-fused [nb, 2*Hkv, bs])."""
     from pallas_kernels.kv_quant import QuantPages
 
     if layout == "tpu-fused":
-        return P(None, MODEL, None, None)
+        pages = P(None, MODEL, None, None)
+        return QuantPages(pages, P(None, MODEL, None)) if quantized else pages
     pages = P(None, None, MODEL, None)
     return QuantPages(pages, P(None, None, MODEL)) if quantized else pages
 
@@ -338,9 +339,10 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
         from pallas_kernels.kv_quant import QuantPages
 
         pages = page_spec(layout, isinstance(k_pages, QuantPages))
+        v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
         f = jax.shard_map(
             functools.partial(attn_fn, **kw), mesh=mesh,
-            in_specs=(heads, heads, heads, pages, pages, rep), out_specs=(heads, pages, pages), check_vma=False,
+            in_specs=(heads, heads, heads, pages, v_spec, rep), out_specs=(heads, pages, v_spec), check_vma=False,
         )
         return f(q, k, v, k_pages, v_pages, md)
 

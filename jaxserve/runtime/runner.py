@@ -138,8 +138,11 @@ class ModelRunner:
         self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
         quantized = kv_quant.is_quantized(self.kv_cache_dtype)
         self.page_sharding = meshlib.kv_cache_sharding(self.mesh, self.backend.kv_layout, quantized)
-        # quantized pages are (data, scale) pytrees: their two shardings per array; else one for all
-        self.kv_sharding = [(self.page_sharding,) * 2] * model_cfg.num_layers if quantized else self.page_sharding
+        # quantized pages are (data, scale) pytrees: their two shardings per array (tpu-fused: one
+        # array, (pages, None)); else one for all
+        v_sharding = None if self.backend.kv_layout == "tpu-fused" else self.page_sharding
+        self.kv_sharding = ([(self.page_sharding, v_sharding)] * model_cfg.num_layers if quantized
+                            else self.page_sharding)
         self.kv = self._allocate_kv(cfg.num_blocks)
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -325,12 +328,17 @@ def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tens
                        layout: str = "paged") -> int:
     """KV bytes of one block on one device (kv heads split over tp, at least one head each), as
     allocated: the tpu-fused layout's head-dim padding counts, so the budget is physical memory; a
-    quantized cache counts its data and its float32 scale per (token, kv head)."""
+    quantized cache counts its data and its float32 scale per (token, kv head) (tpu-fused: the
+    scales' [2 * Hkv, block_size] tile as HBM pads it, ``tpu.scale_page_bytes``)."""
     tp = tensor_parallel_size
     heads = max(model_cfg.num_kv_heads // tp, 1) if tp > 1 else model_cfg.num_kv_heads
     arrays = 1 if layout == "tpu-fused" else 2
     shape = kv_block_shape(layout, block_size, heads, model_cfg.head_dim, kv_storage_dtype(dtype))
     scales = 4 * int(np.prod(shape[:-1])) if kv_quant.is_quantized(dtype) else 0
+    if scales and layout == "tpu-fused":
+        from pallas_kernels import tpu
+
+        scales = tpu.scale_page_bytes(block_size, heads)
     return arrays * model_cfg.num_layers * (int(np.prod(shape)) * dtype_size(dtype) + scales)
 
 

@@ -179,12 +179,42 @@ def test_memory_plan_counts_data_and_scales():
         assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pages)) * 2 * 30 == 7 * per_block
 
 
+def test_memory_plan_counts_tpu_fused_scales_as_padded():
+    """tpu-fused quantized pages: one array of lane-padded data plus a [2 * Hkv, bs] f32 scale tile
+    that HBM pads to (8, 128); the allocation has exactly the plan's logical shapes."""
+    from pallas_kernels import tpu
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64)
+    for bs, scale_bytes in ((32, 8 * 128 * 4), (256, 8 * 256 * 4)):
+        assert rt.kv_bytes_per_block(cfg, bs, "int8", 1, "tpu-fused") == 30 * (6 * bs * 128 + scale_bytes)
+    assert rt.kv_bytes_per_block(cfg, 32, "int8", 3, "tpu-fused") == 30 * (2 * 32 * 128 + 8 * 128 * 4)
+    shape = (7, *rt.kv_block_shape("tpu-fused", 32, 3, 64, rt.kv_storage_dtype("fp8_e5m2")))
+    pages = jax.eval_shape(lambda: kv_quant.empty(shape, "fp8_e5m2"))
+    assert pages.data.shape == tpu.fused_shape(7, 32, 3, 64, jnp.int8)
+    assert pages.scale.shape == tpu.fused_scale_shape(7, 32, 3) and pages.scale.dtype == jnp.float32
+
+
+def test_tpu_pallas_takes_quantized_kv_at_block_size_32():
+    """TPU: the Pallas kernel reads quantized tpu-fused pages at a block size multiple of 32 (the
+    sublane packing of 8-bit data); at 16 the default falls back to xla and an explicit pallas is a
+    UserError naming the packing; pallas on CPU (the TPU kernel interpreted) follows the same rule."""
+    shape16, shape32 = KernelShape(64, 3, 16), KernelShape(64, 3, 32)
+    for name in NAMES:
+        got = resolve_backend(None, "bfloat16", name, 1, shape32, target="tpu")
+        assert (got.attention, got.kv_layout) == ("pallas", "tpu-fused")
+    assert resolve_backend(None, "bfloat16", "fp8_e4m3", 1, shape16, target="tpu").attention == "xla"
+    with pytest.raises(UserError, match="block size multiple of 32.*float8_e4m3fn.*--attention-backend xla"):
+        resolve_backend("pallas", "bfloat16", "fp8_e4m3", 1, shape16, target="tpu")
+    assert resolve_backend("pallas", "float32", "int8", 1, shape32).kv_layout == "tpu-fused"
+    with pytest.raises(UserError, match="block size multiple of 32"):
+        resolve_backend("pallas", "float32", "int8", 1, shape16)
+
+
 def test_user_errors():
     with pytest.raises(UserError, match=r"'int4'.*int8, fp8_e4m3, fp8_e5m2"):
         resolve_backend(None, "float32", "int4")
     shape = KernelShape(64, 3, 16)
-    with pytest.raises(UserError, match="fp8_e4m3.*TPU.*--attention-backend xla"):
-        resolve_backend(None, "bfloat16", "fp8_e4m3", 1, shape, target="tpu")
     assert resolve_backend("xla", "bfloat16", "int8", 1, shape, target="tpu").attention == "xla"
     # GPU (sm_90+): the Mosaic GPU kernels read quantized KV (test_lowering lowers them), except at
     # head_dim 80, whose 80-byte rows of 1-byte data fill no SMEM swizzle: xla there

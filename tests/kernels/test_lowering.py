@@ -171,3 +171,26 @@ def test_backend_ops_pick_the_split_kv_kernel_for_decode_steps(decode_only):
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert len(calls) == 1
     assert bool(re.search(r"\) -> \(tensor<", calls[0])) == decode_only
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("decode_only,heads", [(True, (8, 2, 64)), (False, (32, 8, 128)), (False, (9, 3, 64))])
+def test_tpu_quantized_pages_lower(name, decode_only, heads):
+    """The TPU kernel over quantized tpu-fused pages (int8/fp8 data + f32[nb, 2*Hkv, bs] scales)
+    and the quantizing fused write, at the table's block sizes, for a real TPU target."""
+    from pallas_kernels import kv_quant, tpu
+    from pallas_kernels.kv_quant import QuantPages
+
+    hq, hkv, d = heads
+    shapes = list(_model_shapes(jnp.bfloat16, heads, block_size=32))
+    nb, bs = 64, 32
+    shapes[1] = QuantPages(jax.ShapeDtypeStruct(tpu.fused_shape(nb, bs, hkv, d, jnp.int8), kv_quant.KV_QUANT_DTYPES[name]),
+                           jax.ShapeDtypeStruct(tpu.fused_scale_shape(nb, bs, hkv), jnp.float32))
+    shapes[2] = None
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu")
+    fn = functools.partial(step, sm_scale=0.1, soft_cap=30.0, sliding_window=100)
+    assert "tpu_custom_call" in _custom_calls(fn, "tpu", shapes)
+    new = jax.ShapeDtypeStruct((shapes[0].shape[0], hkv, d), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((shapes[0].shape[0],), jnp.int32)
+    write = functools.partial(pallas_kernels.write_kv, backend="tpu")
+    assert "tpu_custom_call" in _custom_calls(write, "tpu", (shapes[1], None, new, new, slots))

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import reference, tpu
+from pallas_kernels import kv_quant, reference, tpu
+from pallas_kernels.kv_quant import QuantPages
 from tests.kernels.batch import MODELS, assert_close, make_batch
 
 KINDS = {  # (q_lens, kv_lens)
@@ -102,3 +103,84 @@ def test_fused_write_matches_reference(heads, head_dim, dtype):
     for g, w in zip(tpu.unfuse_pages(got, head_dim), want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     np.testing.assert_array_equal(np.asarray(got[..., head_dim:], np.float32), 0.0)
+
+
+# ---- quantized pages (--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2) ---------------------------
+# The kernel widens the int8/fp8 tile (exact) and applies the K scales to the scores and the V
+# scales to the probabilities; the oracle is the reference on the dequantized float32 pages.
+# Block size 32: the sublane packing of 8-bit data. f32 q: only reassociation separates the two.
+
+
+def _run_quantized(b, name, *, decode_only=False, **kw):
+    q, k_pages, v_pages, *meta = b.args
+    dtype = kv_quant.KV_QUANT_DTYPES[name]
+    kq, vq = (QuantPages(*kv_quant.quantize(x, dtype)) for x in (k_pages, v_pages))
+    kw = dict(sm_scale=0.125, **kw)
+    step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu", interpret=True)
+    fused = tpu.fuse_pages(kq, vq)
+    assert fused.data.dtype == dtype and fused.scale.shape == tpu.fused_scale_shape(*kq.scale.shape)
+    out = jax.jit(functools.partial(step, **kw))(q, fused, None, *meta)
+    ref = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(
+        q.astype(jnp.float32), kv_quant.dequantize(kq), kv_quant.dequantize(vq), *meta)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    tol = 2e-5 if q.dtype == jnp.float32 else 2e-2
+    assert_close(out, ref, b.num_real_tokens, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name,kind,heads,window,dtype", [
+    ("int8", "mixed", (8, 2, 64), None, jnp.float32),
+    ("fp8_e4m3", "decode", (4, 1, 128), 20, jnp.float32),
+    ("fp8_e5m2", "chunked", (9, 3, 64), 5, jnp.float32),
+    ("int8", "decode", (6, 2, 64), None, jnp.bfloat16),
+])
+def test_quantized_pages_match_the_oracle(name, kind, heads, window, dtype):
+    """GQA 4, 4, 3 and 3 (two of them one kv head), head_dim 64 and 128, decode and mixed/chunked
+    prefill, sliding windows; the chunked case keeps its block table in HBM."""
+    hq, hkv, d = heads
+    q_lens, kv_lens = {"decode": ([1, 1, 1], [1, 33, 70]), "mixed": ([1, 1, 9, 4], [40, 2, 9, 70]),
+                       "chunked": ([6, 3], [70, 3])}[kind]
+    b = make_batch(np.random.default_rng(hq + d), q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv,
+                   head_dim=d, block_size=32, dtype=dtype, pad_tokens=0 if kind == "decode" else 3)
+    # two pages per chunk: sequences span several chunks, and a chunk holds pages not fetched
+    hbm_table = {"table_smem_bytes": 0} if kind == "chunked" else {}
+    _run_quantized(b, name, decode_only=kind == "decode", sliding_window=window, pages_per_chunk=2, **hbm_table)
+
+
+def test_quantized_layout_and_block_size():
+    k, v = (QuantPages(*kv_quant.quantize(jnp.asarray(np.random.default_rng(i).standard_normal((3, 32, 2, 64)),
+                                                      jnp.float32), jnp.int8)) for i in range(2))
+    fused = tpu.fuse_pages(k, v)
+    assert fused.shape == tpu.fused_shape(3, 32, 2, 64, jnp.int8) == (3, 4, 32, 128)
+    assert fused.scale.shape == (3, 4, 32)
+    np.testing.assert_array_equal(fused.scale[:, 2], k.scale[:, :, 1])  # row 2h: head h's K
+    np.testing.assert_array_equal(fused.scale[:, 3], v.scale[:, :, 1])
+    for got, want in zip(tpu.unfuse_pages(fused, 64), (k, v)):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert tpu.scale_page_bytes(32, 1) == 8 * 128 * 4 and tpu.scale_page_bytes(256, 8) == 16 * 256 * 4
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tpu.fused_shape(10, 16, 2, 64, jnp.int8)
+    assert "multiple of 32" in pallas_kernels.supported("tpu", dtype=jnp.bfloat16, head_dim=64, group=2,
+                                                        block_size=16, kv_dtype=jnp.int8)
+    assert pallas_kernels.supported("tpu", dtype=jnp.bfloat16, head_dim=64, group=2, block_size=32,
+                                    kv_dtype=jnp.float8_e5m2) is None
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_quantized_fused_write_matches_the_scatter(name):
+    """write_kv into quantized fused pages stores the bytes and scales of the quantizing scatter
+    into separate pages (the xla path's write); untouched slots keep theirs."""
+    rng = np.random.default_rng(5)
+    nb, bs, heads, d, t = 4, 32, 2, 64, 11
+    dtype = kv_quant.KV_QUANT_DTYPES[name]
+    pages = [QuantPages(*kv_quant.quantize(jnp.asarray(rng.standard_normal((nb, bs, heads, d)), jnp.float32), dtype))
+             for _ in range(2)]
+    k, v = (jnp.asarray(rng.standard_normal((t, heads, d)), jnp.float32) for _ in range(2))
+    slots = jnp.asarray(rng.permutation(np.arange(bs, nb * bs))[:t], jnp.int32)  # real blocks only
+    got, none = pallas_kernels.write_kv(tpu.fuse_pages(*pages), None, k, v, slots, backend="tpu", interpret=True)
+    assert none is None and got.data.dtype == dtype
+    want = reference.write_kv(*pages, k, v, slots)
+    for g, w in zip(tpu.unfuse_pages(got, d), want):
+        np.testing.assert_array_equal(np.asarray(g.data, np.float32), np.asarray(w.data, np.float32))
+        np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(w.scale))
+    np.testing.assert_array_equal(np.asarray(got.data[..., d:], np.float32), 0.0)
