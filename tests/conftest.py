@@ -11,6 +11,16 @@ import pytest
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) a module's tests stay
+    on one worker, so its module fixtures (a server, an engine) are built once; tests/parallel is
+    one group, since its conftest runs those tests in a single 8-device child pytest."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        group = "tests/parallel" if module.startswith("tests/parallel/") else module
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_executables(request):
     """Free what a test module dropped before the next one starts.

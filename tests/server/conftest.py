@@ -29,7 +29,11 @@ def free_port() -> int:
 
 
 class ServerThread:
-    def __init__(self, model_dir, engine_kw: dict | None = None, **server_kw):
+    """`precompile=False` for a server whose test sends a few requests with an engine config of its
+    own: compiling every bucket of a config the suite meets once costs a minute on 2 cores; the
+    shared ENGINE config's executables come from the persistent compilation cache."""
+
+    def __init__(self, model_dir, engine_kw: dict | None = None, precompile: bool = True, **server_kw):
         from jaxserve.config import EngineConfig
         from jaxserve.engine import LLMEngine
         from jaxserve.server.app import KEEP_ALIVE_S, build_app
@@ -38,7 +42,8 @@ class ServerThread:
         self.engine = LLMEngine(
             EngineConfig(model=str(model_dir), **{**ENGINE, **(engine_kw or {})})
         )
-        self.engine.precompile()
+        if precompile:
+            self.engine.precompile()
         self.port = free_port()
         self.cfg = ServerConfig(port=self.port, **server_kw)
         self.app = build_app(self.engine, self.cfg)

@@ -179,7 +179,7 @@ def test_sequences_per_request_capped(strict):
 
 def test_never_fits_kv_cache_is_400_not_429(tiny_llama):
     """A request longer than the whole KV cache could never run: 400, not 'retry later'."""
-    s = ServerThread(tiny_llama, engine_kw={"num_blocks": 8})  # 7 usable blocks = 112 tokens
+    s = ServerThread(tiny_llama, engine_kw={"num_blocks": 8}, precompile=False)  # 7 usable blocks = 112 tokens
     try:
         with s.http() as h:
             r = h.post(C, json={"prompt": "Hello", "max_tokens": 200})

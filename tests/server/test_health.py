@@ -12,7 +12,7 @@ from tests.server.conftest import ServerThread
 
 @pytest.fixture(scope="module")
 def faulty(tiny_llama):
-    s = ServerThread(tiny_llama, {"max_num_seqs": 8})
+    s = ServerThread(tiny_llama)  # the shared config: its executables are in the compilation cache
     yield s
     s.stop()
 

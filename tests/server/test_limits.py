@@ -20,6 +20,7 @@ def strict(tiny_llama):
     s = ServerThread(
         tiny_llama,
         {"max_num_seqs": 1},
+        precompile=False,
         api_key=KEY,
         public_paths=("/health",),
         max_body_bytes=32 * 1024,

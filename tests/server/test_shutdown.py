@@ -16,6 +16,11 @@ from tests.server.conftest import free_port
 from tests.server.test_concurrency import metric
 
 
+# These servers see a few requests: their buckets compile on first use (a full precompile of each
+# config costs a minute on 2 cores, and shutdown is what is tested here).
+LAZY = ("--no-precompile",)
+
+
 def test_serve_cli_sigterm_drains(tiny_llama, tmp_path):
     """In-flight streams run to the end, new requests get 503, the process exits 0."""
     port = free_port()
@@ -69,7 +74,7 @@ def start_serve(tiny_llama, port: int, url: str, log, *flags: str) -> subprocess
 
 def _run(tiny_llama, port: int, url: str, log) -> None:
     proc = start_serve(
-        tiny_llama, port, url, log, "--max-num-seqs", "8", "--shutdown-timeout", "60"
+        tiny_llama, port, url, log, "--max-num-seqs", "8", "--shutdown-timeout", "60", *LAZY
     )
     try:
         assert "Ready" in _tail(log) and url in _tail(log) and "KV cache" in _tail(log)
@@ -163,7 +168,7 @@ def test_shutdown_timeout_aborts_with_abort_chunks_and_503(tiny_llama, tmp_path)
     long = {"model": "tiny", "prompt": "Story", "max_tokens": 480, "ignore_eos": True}
     with open(tmp_path / "serve.log", "w+") as log:
         proc = start_serve(
-            tiny_llama, port, url, log, "--max-num-seqs", "1", "--shutdown-timeout", "0"
+            tiny_llama, port, url, log, "--max-num-seqs", "1", "--shutdown-timeout", "0", *LAZY
         )
         try:
             lines, started, whole = [], threading.Event(), []
@@ -207,7 +212,7 @@ def test_second_signal_exits_at_once(tiny_llama, tmp_path):
     body = {"model": "tiny", "prompt": "Story", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with open(tmp_path / "serve.log", "w+") as log:
         proc = start_serve(
-            tiny_llama, port, url, log, "--max-num-seqs", "1", "--shutdown-timeout", "600"
+            tiny_llama, port, url, log, "--max-num-seqs", "1", "--shutdown-timeout", "600", *LAZY
         )
         try:
             outs = [[] for _ in range(4)]  # one runs, three wait: minutes of work in all
