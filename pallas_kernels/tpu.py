@@ -237,7 +237,7 @@ def _body(
         [2 * Hkv, bs] tile goes to lanes [j * bs, (j + 1) * bs) by an exact 0/1 selection matmul
         (a lane shift Mosaic cannot do as a copy at bs < 128); pages not fetched are zeroed first,
         as stale VMEM times 0 would still be NaN."""
-        sel = (lax.broadcasted_iota(jnp.int32, (block_size, chunk), 1)
+        sel = (lax.broadcasted_iota(jnp.int32, (block_size, chunk), 1)  # KV position - token in page
                - lax.broadcasted_iota(jnp.int32, (block_size, chunk), 0))
         out = None
         for j in range(pages_per_chunk):

@@ -271,3 +271,19 @@ def test_quantized_weights_lower_under_tp(tmp_path, quantization):
     assert weight_bytes_per_device(params) <= 0.3 * float32 / 2 + 4096
     step = lowering.lower(BucketKey(8, 8, 0))
     assert (step.num_devices, step.kernel_calls) == (2, 2)
+
+
+@pytest.mark.parametrize("kv,tp", [("int8", 1), ("fp8_e4m3", 2)])
+def test_tpu_step_lowers_with_quantized_kv(tmp_path, kv, tp):
+    """--kv-cache-dtype int8/fp8 on TPU: the Pallas write and attention over quantized tpu-fused
+    pages (data [nb, 2*Hkv, bs, 128] and f32 scales [nb, 2*Hkv, bs], both sharded on kv heads)."""
+    config = EngineConfig(**ENGINE, tensor_parallel_size=tp, kv_cache_dtype=kv, block_size=32)
+    lowering = prepare(_config(tmp_path), "tpu", config)
+    assert (lowering.runner.backend.attention, lowering.runner.backend.kv_layout) == ("pallas", "tpu-fused")
+    exported = lowering.export(BucketKey(8, 8, 0))
+    data, scale = exported.in_avals[len(jax.tree.leaves(lowering.runner.params)):][:2]
+    assert data.shape == (lowering.plan.num_blocks, 4, 32, 128) and data.dtype == rt.kv_storage_dtype(kv)
+    assert scale.shape == (lowering.plan.num_blocks, 4, 32) and scale.dtype == jax.numpy.float32
+    step = lowering.lower(BucketKey(8, 8, 0))
+    assert step.kernel_calls == CALLS_PER_LAYER["tpu"] * LLAMA["num_hidden_layers"], step.describe()
+    assert step.num_devices == tp

@@ -135,15 +135,15 @@ def _run_quantized(b, name, *, decode_only=False, **kw):
 ])
 def test_quantized_pages_match_the_oracle(name, kind, heads, window, dtype):
     """GQA 4, 4, 3 and 3 (two of them one kv head), head_dim 64 and 128, decode and mixed/chunked
-    prefill, sliding windows; the chunked case keeps its block table in HBM."""
+    prefill, sliding windows; the chunked case keeps its block table in HBM and caps the scores."""
     hq, hkv, d = heads
     q_lens, kv_lens = {"decode": ([1, 1, 1], [1, 33, 70]), "mixed": ([1, 1, 9, 4], [40, 2, 9, 70]),
                        "chunked": ([6, 3], [70, 3])}[kind]
     b = make_batch(np.random.default_rng(hq + d), q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv,
                    head_dim=d, block_size=32, dtype=dtype, pad_tokens=0 if kind == "decode" else 3)
     # two pages per chunk: sequences span several chunks, and a chunk holds pages not fetched
-    hbm_table = {"table_smem_bytes": 0} if kind == "chunked" else {}
-    _run_quantized(b, name, decode_only=kind == "decode", sliding_window=window, pages_per_chunk=2, **hbm_table)
+    extra = {"table_smem_bytes": 0, "soft_cap": 20.0} if kind == "chunked" else {}
+    _run_quantized(b, name, decode_only=kind == "decode", sliding_window=window, pages_per_chunk=2, **extra)
 
 
 def test_quantized_layout_and_block_size():
