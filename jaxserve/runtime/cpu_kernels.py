@@ -78,8 +78,9 @@ def cpu_features() -> frozenset[str]:
 
 # The dot-product kernels (csrc/dot_matmul.cc) per weight format: the CPU flag their fast path
 # needs, and the bit of JaxserveDotIsa() saying the library was built with it; and the AMX tiles'.
-DOT_PATHS = {"bfloat16": ("avx512_bf16", 1), "w8a8": ("avx512_vnni", 2), "w4a8": ("avx512_vnni", 2)}
-AMX_PATHS = {"bfloat16": "amx_bf16", "w8a8": "amx_int8", "w4a8": "amx_int8"}
+DOT_PATHS = {"bfloat16": ("avx512_bf16", 1), "w8a8": ("avx512_vnni", 2), "w4a8": ("avx512_vnni", 2),
+             "q8a8": ("avx512_vnni", 2)}
+AMX_PATHS = {"bfloat16": "amx_bf16", "w8a8": "amx_int8", "w4a8": "amx_int8", "q8a8": "amx_int8"}
 AMX_BIT = 4
 ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable" / "avx512": cap the instructions below what the CPU has
 ISA_CHOICES = ("auto", "avx512", "portable")
@@ -108,7 +109,7 @@ def amx_permitted() -> str | None:
 
 
 def dot_isa(fmt: str) -> int:
-    """The `isa` attribute of csrc/dot_matmul.cc for weight format `fmt` ("bfloat16", "w8a8", "w4a8"),
+    """The `isa` attribute of csrc/dot_matmul.cc for weight format `fmt` ("bfloat16", "w8a8", "w4a8", "q8a8"),
     chosen here, at trace time, from what the CPU has and the library was built with: 2 AMX tiles
     (amx_bf16 / amx_int8, where Linux grants them), 1 the AVX-512 dot-product instruction
     (vdpbf16ps / vpdpbusd), 0 the portable code (isa 1's sums in isa 1's order).

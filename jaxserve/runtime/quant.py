@@ -4,7 +4,7 @@ from float weights, or kept as a GGUF file stores them; and the two formats comp
 CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights (activations rounded to
 bfloat16, float32 sums), W8A8 (int8 weights and per-row int8 activations in blocks of 32, int32
 sums per block) and W4A8 (Q4_1's 4-bit blocks times the same int8 activations: llama.cpp's
-Q4_1 x Q8_1).
+Q4_1 x Q8_1; under it a GGUF's Q8_0 blocks run as Q8A8, Q8_0 x Q8_0).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of the float32 packed
 matmul (csrc/matmul.cc): a [K, N] kernel becomes [N / 64, K, 64] panels, each contiguous, with
@@ -97,17 +97,27 @@ class W4A8Weight(NamedTuple):
     m: jax.Array  # f16[N / 64, K / 32, 64]
 
 
-QuantWeight = (Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | W4A8Weight | Q4KWeight
-               | Q6KWeight)
+class Q8A8Weight(NamedTuple):
+    """Q8Weight's values (GGUF Q8_0) in W8A8Weight's quads, + 128, with d and m = -128 d per block
+    of 32 along k (W = q d + m): the W4A8 block arithmetic on whole bytes, for int8 activations."""
+
+    q: jax.Array  # u8[N / 64, K / 4, 256]: Q + 128
+    d: jax.Array  # f16[N / 64, K / 32, 64]
+    m: jax.Array  # f16[N / 64, K / 32, 64]: -128 d (exact)
+
+
+QuantWeight = (Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | W4A8Weight | Q8A8Weight
+               | Q4KWeight | Q6KWeight)
 _FMT = {Int8Weight: 0, Q8Weight: 1, Q4Weight: 2, Fp8Weight: 3, Q4KWeight: 4, Q6KWeight: 5}  # the `fmt` attribute of csrc/quant_matmul.cc
-_DOT_FMT = {Bf16Weight: 0, W8A8Weight: 1, W4A8Weight: 2}  # ... of csrc/dot_matmul.cc
-_DOT_NAME = {Bf16Weight: "bfloat16", W8A8Weight: "w8a8", W4A8Weight: "w4a8"}  # cpu_kernels.dot_isa's names
-_PER_WORD = {Bf16Weight: 2, W8A8Weight: 4}  # k values interleaved per 32-bit lane
+_DOT_FMT = {Bf16Weight: 0, W8A8Weight: 1, W4A8Weight: 2, Q8A8Weight: 3}  # ... of csrc/dot_matmul.cc
+_DOT_NAME = {Bf16Weight: "bfloat16", W8A8Weight: "w8a8", W4A8Weight: "w4a8", Q8A8Weight: "q8a8"}  # cpu_kernels.dot_isa's
+_PER_WORD = {Bf16Weight: 2, W8A8Weight: 4, Q8A8Weight: 4}  # k values interleaved per 32-bit lane
+_BLOCKED = (W4A8Weight, Q8A8Weight)  # dot formats with d and m per block
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight, W4A8Weight, Q4KWeight,
-                          Q6KWeight))
+    return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight, W4A8Weight, Q8A8Weight,
+                          Q4KWeight, Q6KWeight))
 
 
 def block_of(scheme: str) -> int:
@@ -168,8 +178,9 @@ def dequantize(w: QuantWeight) -> jax.Array:
         return from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp)
     if isinstance(w, W8A8Weight):
         return from_panels(_w8a8_q(w.q).astype(jnp.float32), jnp) * w.scale
-    if isinstance(w, W4A8Weight):
-        return from_panels(_w4a8_q(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
+    if isinstance(w, _BLOCKED):
+        q = _w4a8_q(w.q) if isinstance(w, W4A8Weight) else from_words(w.q, 4, jnp)
+        return from_panels(q.astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
     if isinstance(w, (Q4KWeight, Q6KWeight)):
         return from_panels(kquants.decode(w, jnp), jnp)
     return from_panels(_nibbles(w.q).astype(jnp.float32) * _per_block(w.d) + _per_block(w.m), jnp)
@@ -220,6 +231,13 @@ def to_w4a8(w: Q4Weight) -> W4A8Weight:
     """A Q4Weight's values and blocks, bit for bit, in W4A8Weight's layout."""
     words = to_words(_nibbles(np.asarray(w.q)), 4)  # [P, K / 4, 256] values 0..15
     return W4A8Weight(np.ascontiguousarray(words[:, 0::2] | words[:, 1::2] << 4), np.asarray(w.d), np.asarray(w.m))
+
+
+def to_q8a8(w: Q8Weight) -> Q8A8Weight:
+    """A Q8Weight's values and blocks, bit for bit, in Q8A8Weight's layout."""
+    d = np.asarray(w.d)
+    q = to_words((np.asarray(w.q).astype(np.int16) + 128).astype(np.uint8), 4)
+    return Q8A8Weight(np.ascontiguousarray(q), d, (d * np.float16(-128)).astype(np.float16))
 
 
 def _w4a8_q(q, xp=jnp):
@@ -281,6 +299,8 @@ def quantize(w, scheme: str) -> QuantWeight:
         return quantize_w8a8(w)
     if scheme == "w4a8":
         return to_w4a8(quantize(w, "q4_1"))
+    if scheme == "q8a8":  # what w4a8 makes of a GGUF's Q8_0 blocks (not a --quantization of its own)
+        return to_q8a8(quantize(w, "q8_0"))
     if scheme.upper() in kquants.FORMATS:
         return kquants.from_gguf(kquants.quantize_gguf(np.asarray(w, np.float32).T, scheme.upper()), scheme.upper())
     import gguf
@@ -309,15 +329,16 @@ def quantize_params(params: dict, scheme: str) -> dict:
     layout stay as they are. A K-quant scheme falls back, for a kernel whose K is not a multiple
     of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
     quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
-    kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout, the same values). The float leaves
+    kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout and a Q8_0 one in Q8A8Weight's, the
+    same values). The float leaves
     are dropped: nothing here holds on to them."""
     check_quantization(scheme, SCHEMES)
     fallback = K_FALLBACK.get(scheme, scheme)
 
     def convert(path, leaf):
         names = [getattr(k, "key", None) for k in path]
-        if isinstance(leaf, Q4Weight) and scheme == "w4a8":
-            return to_w4a8(leaf)
+        if isinstance(leaf, (Q4Weight, Q8Weight)) and scheme == "w4a8":
+            return to_w4a8(leaf) if isinstance(leaf, Q4Weight) else to_q8a8(leaf)
         if is_quantized(leaf):
             return leaf
         on_device = isinstance(leaf, jax.Array)
@@ -440,7 +461,7 @@ def _dot_reference(x, w):
                        preferred_element_type=jnp.float32)
     xq, sx = quantize_blocks(x.astype(jnp.float32))
     xd = xq * jnp.repeat(sx, BLOCK, axis=1)
-    if isinstance(w, W4A8Weight):  # sx (d sum(xq Q) + m sum(xq)) per block
+    if isinstance(w, _BLOCKED):  # sx (d sum(xq Q) + m sum(xq)) per block
         return jnp.dot(xd, dequantize(w))
     return jnp.dot(xd, from_panels(_w8a8_q(w.q), jnp).astype(jnp.float32)) * w.scale
 
@@ -457,7 +478,7 @@ def _dot(x, ws, num_rows, native):
     w = ws[0]
     none16 = jnp.zeros((0,), jnp.float16)
     ops = [(v.q, jnp.zeros((0,), jnp.float32), none16) if isinstance(v, Bf16Weight) else
-           (v.q, v.d, v.m) if isinstance(v, W4A8Weight) else (v.q, v.scale, none16) for v in ws]
+           (v.q, v.d, v.m) if isinstance(v, _BLOCKED) else (v.q, v.scale, none16) for v in ws]
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
     return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
@@ -477,14 +498,14 @@ def embed(w, ids):
         return _e4m3(w.q[p, :, c]) * w.scale[ids][:, None]
     if isinstance(w, (Q4KWeight, Q6KWeight)):
         return kquants.decode(kquants.gather_rows(w, p, c), jnp)[:, :, 0]
-    if isinstance(w, W4A8Weight):  # [T, K / 8, 4] bytes -> [T, K]: low nibbles then high ones
-        b = w.q.reshape(*w.q.shape[:2], PANEL, 4)[p, :, c, :]
-        q = jnp.stack([b & 15, b >> 4], axis=2).reshape(ids.shape[0], -1).astype(jnp.float32)
-        return q * jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1) + jnp.repeat(
-            w.m[p, :, c].astype(jnp.float32), BLOCK, axis=1)
-    if type(w) in _PER_WORD:  # [T, K / per, per] -> [T, K]
-        per = _PER_WORD[type(w)]
-        q = w.q.reshape(*w.q.shape[:2], PANEL, per)[p, :, c, :].reshape(ids.shape[0], -1).astype(jnp.float32)
+    if type(w) in _PER_WORD or isinstance(w, W4A8Weight):  # words [T, K / per, 4 bytes] -> [T, K]
+        b = w.q.reshape(*w.q.shape[:2], PANEL, w.q.shape[2] // PANEL)[p, :, c, :]
+        if isinstance(w, W4A8Weight):  # a byte's low nibbles (one quad), then its high ones
+            b = jnp.stack([b & 15, b >> 4], axis=2)
+        q = b.reshape(ids.shape[0], -1).astype(jnp.float32)
+        if isinstance(w, _BLOCKED):
+            return q * jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1) + jnp.repeat(
+                w.m[p, :, c].astype(jnp.float32), BLOCK, axis=1)
         return (q - 128) * w.scale[ids][:, None] if isinstance(w, W8A8Weight) else q
     d = jnp.repeat(w.d[p, :, c].astype(jnp.float32), BLOCK, axis=1)  # [T, H]
     if isinstance(w, Q8Weight):

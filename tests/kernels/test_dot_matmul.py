@@ -18,8 +18,8 @@ from jaxserve.runtime import cpu_kernels, quant
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
-FORMATS = ["bfloat16", "w8a8", "w4a8"]
-EXACT = ("w8a8", "w4a8")  # integer block sums: the same bits on every path
+FORMATS = ["bfloat16", "w8a8", "w4a8", "q8a8"]  # q8a8: what w4a8 makes of a GGUF's Q8_0 blocks
+EXACT = ("w8a8", "w4a8", "q8a8")  # integer block sums: the same bits on every path
 linear = jax.jit(quant.linear)
 gated = jax.jit(quant.linear_gated)
 
@@ -67,11 +67,23 @@ def w4a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (sx * (d * sums + mins * xq.sum(axis=2, keepdims=True))).sum(axis=1)
 
 
+def q8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Q8_0's values and d (gguf's quantizer) times the activations' blocks: per block sx d sum(xq Q)."""
+    q8 = quant.quantize(w, "q8_0")
+    k = x.shape[1]
+    q = quant.from_panels(np.asarray(q8.q)).astype(np.int64).reshape(k // 32, 32, -1)
+    d = quant.from_panels(np.asarray(q8.d)).astype(np.float64)
+    xq, sx = activation_blocks(x)
+    return (sx * d * np.einsum("mbk,bkn->mbn", xq, q)).sum(axis=1)
+
+
 def reference(x: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
     if fmt == "w8a8":
         return w8a8_reference(x, w).astype(np.float64)
     if fmt == "w4a8":
         return w4a8_reference(x, w)
+    if fmt == "q8a8":
+        return q8a8_reference(x, w)
     bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
     return bf(x) @ bf(w)
 
@@ -93,8 +105,13 @@ def test_layouts_round_trip():
     vals = quant.from_panels(quant._nibbles(q4.q))  # [K, N] in 0..15
     assert f.q[1, 5, 4 * 7 + 2] == vals[8 * 5 + 2, 64 + 7] | vals[8 * 5 + 4 + 2, 64 + 7] << 4  # [p, g, 4j + t]
     np.testing.assert_array_equal(np.asarray(quant.dequantize(f)), np.asarray(quant.dequantize(q4)))
+    q8 = quant.quantize(w, "q8_0")
+    e = quant.to_q8a8(q8)  # Q8_0's values + 128 in quads, m = -128 d
+    assert e.q.shape == (2, 24, 256) and e.q[1, 5, 4 * 7 + 2] == int(q8.q[1, 4 * 5 + 2, 7]) + 128
+    np.testing.assert_array_equal(np.asarray(e.m, np.float32), -128 * np.asarray(e.d, np.float32))
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(e)), np.asarray(quant.dequantize(q8)))
     ids = jnp.asarray([0, 5, 63, 64, 127, 5], jnp.int32)
-    for qw in (b, a, f):
+    for qw in (b, a, f, e):
         np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(quant.dequantize(qw)).T[ids])
 
 

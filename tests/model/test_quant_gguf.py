@@ -137,11 +137,12 @@ def test_k_quant_gguf_runs_as_its_float_model(tmp_path):
         np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q4_1"])
-def test_tiny_gguf_as_w4a8(tmp_path, matrix_type):
-    """quantization="w4a8" keeps a GGUF's 4-bit blocks (the same values, laid out for int8
-    activations: W4A8Weight) and runs them with activations quantized per block of 32: the float
-    model's logits to within that rounding, its greedy tokens, and the 4-bit budget."""
+@pytest.mark.parametrize("matrix_type,kind,budget", [("Q4_0", "W4A8Weight", 0.17), ("Q4_1", "W4A8Weight", 0.17),
+                                                     ("Q8_0", "Q8A8Weight", 0.30)])
+def test_tiny_gguf_as_w4a8(tmp_path, matrix_type, kind, budget):
+    """quantization="w4a8" keeps a GGUF's 4-bit and Q8_0 blocks (the same values, laid out for int8
+    activations: W4A8Weight, Q8A8Weight) and runs them with activations quantized per block of 32:
+    the float model's logits to within that rounding, and the 4-bit / 8-bit budget."""
     import jax
 
     from tests.parallel.test_tensor_parallel import BS, greedy_run
@@ -160,12 +161,12 @@ def test_tiny_gguf_as_w4a8(tmp_path, matrix_type):
 
     w4, ref = runner("w4a8"), runner(None)
     kept = {type(w) for w in jax.tree.leaves(w4.params, is_leaf=quant.is_quantized) if quant.is_quantized(w)}
-    assert kept == {quant.W4A8Weight}
-    assert quant.weight_bytes(w4.params) <= 0.17 * float_bytes(w4.params)
+    assert kept == {getattr(quant, kind)}
+    assert quant.weight_bytes(w4.params) <= budget * float_bytes(w4.params)
     _, floats = load_gguf(p)
     got = dict(jax.tree_util.tree_flatten_with_path(w4.params, is_leaf=quant.is_quantized)[0])
     q_proj = next(w for path, w in got.items() if "q_proj" in jax.tree_util.keystr(path))
-    assert q_proj.q.shape[1] == HIDDEN // 8  # two k quads a byte
+    assert q_proj.q.shape[1] == HIDDEN // (8 if kind == "W4A8Weight" else 4)  # two k quads a byte, or one
     layer0 = [w for path, w in got.items() if "layers_0" in jax.tree_util.keystr(path) and "down_proj" in
               jax.tree_util.keystr(path)][0]
     np.testing.assert_array_equal(np.asarray(quant.dequantize(layer0)).T, floats["model.layers.0.mlp.down_proj.weight"])

@@ -20,6 +20,8 @@
 //           q[8 g + 4 + t, 64 p + j] << 4 (q in 0..15); d and m f16[N / 64, K / 32, 64]: W = q d + m
 //           per block of 32 k. x is quantized as w8a8's, and each block adds
 //           sx (d sum(xq q) + m sum(xq)) to the float32 sum, in k order (llama.cpp's Q4_1 x Q8_1).
+//   3 q8a8: GGUF Q8_0's blocks in w8a8's layout (q + 128 in quads), d and m = -128 d as w4a8's
+//           (W = (q + 128) d + m = q d): the w4a8 block sum on whole bytes (llama.cpp's Q8_0 x Q8_0).
 // Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
 // that computes the same sums in the same order, 2 AMX tiles (tdpbf16ps / tdpbsud on 16-row tiles
@@ -55,7 +57,8 @@ using i32x16 = int32_t __attribute__((vector_size(64)));
 constexpr int kPanel = 64, kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
 constexpr int kBlock = 32, kQuads = kBlock / 4;  // w8a8's activation blocks: k values, 4-k words
 
-enum Fmt { kBf16 = 0, kW8A8 = 1, kW4A8 = 2 };
+enum Fmt { kBf16 = 0, kW8A8 = 1, kW4A8 = 2, kQ8A8 = 3 };
+constexpr bool Blocked(int f) { return f == kW4A8 || f == kQ8A8; }  // d and m per block of 32 k
 // Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers; w4a8's nibbles take 8
 // more); the int8 formats' float32 block sums live in memory (L1), updated once per block.
 template <int F>
@@ -207,7 +210,7 @@ struct Weight {
   const _Float16* m = nullptr;
 };
 
-// w4a8: a block's d and m for a panel's 64 columns (f16 -> float32, once per block, not per row).
+// w4a8, q8a8: a block's d and m for a panel's 64 columns (f16 -> float32, once per block, not per row).
 struct W4Scales {
   v16 d[kNV], m[kNV];
   W4Scales() = default;
@@ -217,7 +220,7 @@ struct W4Scales {
   }
 };
 
-// w4a8: one block's sum into a row's float32 sum, f + sx (d sum(xq q) + m sum(xq)), for 16 columns.
+// w4a8, q8a8: one block's sum into a row's float32 sum, f + sx (d sum(xq q) + m sum(xq)), for 16 columns.
 inline v16 W4Block(v16 f, i32x16 sum, float sx, int32_t xsum, v16 d, v16 m) {
   v16 t = d * __builtin_convertvector(sum, v16) + m * float(xsum);
   Opaque(t);
@@ -248,11 +251,12 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
   alignas(64) float f[MR][kPanel] = {};
   if constexpr (F == kBf16) {
     t.Run(x, w, 0, a.ldx, a.ldx);
-  } else if constexpr (F == kW4A8) {
+  } else if constexpr (Blocked(F)) {
+    constexpr int steps = F == kW4A8 ? kQuads / 2 : kQuads;  // k steps per block (w4a8: of two quads)
     for (int64_t b = 0; b < a.blocks; ++b) {
       for (int r = 0; r < MR; ++r)
         for (int v = 0; v < kNV; ++v) t.c[r][v] = i32x16{};
-      t.Run(x, w, b * kQuads / 2, (b + 1) * kQuads / 2, a.ldx);
+      t.Run(x, w, b * steps, (b + 1) * steps, a.ldx);
       const W4Scales dm(wt, panel, a.blocks, b);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (r0 + r) * a.blocks + b;
@@ -284,7 +288,7 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
       v16 out;
       if constexpr (F == kBf16)
         out = t.c[r][v];
-      else if constexpr (F == kW4A8)
+      else if constexpr (Blocked(F))
         out = Load<v16>(f[r] + v * kW);
       else
         out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
@@ -375,10 +379,10 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32
     TileStep<F>(x + b * kBlock, ldx, w + b * kQuads * ldw, ldw);
     StoreTiles(c[0], sizeof(c[0]));
     ZeroTiles();
-    const W4Scales dm = F == kW4A8 ? W4Scales(wt, panel, a.blocks, b) : W4Scales{};
+    const W4Scales dm = Blocked(F) ? W4Scales(wt, panel, a.blocks, b) : W4Scales{};
     for (int r = 0; r < mr; ++r) {
       const float sx = a.sx[(r0 + r) * a.blocks + b];
-      if constexpr (F == kW4A8) {
+      if constexpr (Blocked(F)) {
         for (int v = 0; v < kNV; ++v) {
           const v16 fv = W4Block(Load<v16>(f[r] + v * kW), Load<i32x16>(c[r] + v * kW), sx,
                                  a.xsum[(r0 + r) * a.blocks + b], dm.d[v], dm.m[v]);
@@ -398,7 +402,7 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32
   for (int r = 0; r < mr; ++r)
     for (int v = 0; v < kNV; ++v) {
       v16 out = Load<v16>(f[r] + v * kW);
-      if constexpr (F != kW4A8) out *= Load<v16>(wt.scale + panel * kPanel + v * kW);
+      if constexpr (!Blocked(F)) out *= Load<v16>(wt.scale + panel * kPanel + v * kW);
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
     }
 }
@@ -412,7 +416,8 @@ void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel
     Rows<F, I, MR + 1>(mr, a, r0, wt, panel, y, ldy);
   }
 }
-static_assert(kMaxMR<kBf16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMaxMR<kW4A8> <= kAmxRows,
+static_assert(kMaxMR<kBf16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMaxMR<kW4A8> <= kAmxRows &&
+                  kMaxMR<kQ8A8> <= kAmxRows,
               "the gated buffers hold 16 rows");
 
 template <Fmt F, Isa I>
@@ -480,7 +485,7 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
 // else -1.
 int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
   const auto wd = w.dimensions();
-  const int64_t per = f == kBf16 ? 2 : f == kW8A8 ? 4 : 8;  // k values per 32-bit lane
+  const int64_t per = f == kBf16 ? 2 : f == kW4A8 ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)
   if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * (f == kBf16 ? 2 : 4)) return -1;
   if (f == kBf16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
   if (w.element_type() != ffi::U8 || k_len % kBlock != 0) return -1;
@@ -514,6 +519,7 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
   if (f == kBf16 && isa == kAmx) Run<kBf16, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW4A8 && isa == kAmx) Run<kW4A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kQ8A8 && isa == kAmx) Run<kQ8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
 #endif
   if (f == kBf16 && isa == kDot) Run<kBf16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kBf16 && isa == kPortable) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
@@ -521,11 +527,13 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
   if (f == kW8A8 && isa == kPortable) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW4A8 && isa == kDot) Run<kW4A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW4A8 && isa == kPortable) Run<kW4A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kQ8A8 && isa == kDot) Run<kQ8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kQ8A8 && isa == kPortable) Run<kQ8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   return ffi::Error::Success();
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, int32_t isa, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && (fmt == kBf16 || fmt == kW8A8 || fmt == kW4A8) && (isa == kPortable || isa == kDot || isa == kAmx) &&
+  return x.dimensions().size() == 2 && (fmt >= kBf16 && fmt <= kQ8A8) && (isa == kPortable || isa == kDot || isa == kAmx) &&
          rows.element_count() == 1;
 }
 
