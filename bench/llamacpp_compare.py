@@ -29,11 +29,21 @@ DEFAULT_VENV_PYTHON = "/tmp/llamacpp-venv/bin/python"  # where the bench notes b
 class LlamaCpp:
     """One llama.cpp model; `rate()` decodes --tokens greedy tokens after the first, in tok/s."""
 
-    def __init__(self, path: str, tokens: int, threads: int):
-        from llama_cpp import Llama
+    def __init__(self, path: str, tokens: int, threads: int, extra_bufts: bool = True):
+        import llama_cpp
+        import llama_cpp.llama_cpp as api  # what llama_cpp.Llama builds its model params with
 
+        if not extra_bufts:  # llama.cpp's repacked / AMX weight buffers off (llama_model_params.use_extra_bufts)
+            defaults = api.llama_model_default_params
+
+            def params():
+                p = defaults()
+                p.use_extra_bufts = False
+                return p
+
+            api.llama_model_default_params = params
         self.tokens = tokens
-        self.llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_batch=64, verbose=False)
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_threads=threads, n_batch=64, verbose=False)
         self.prompt = self.llm.tokenize(PROMPT.encode())
         self.version = __import__("llama_cpp").__version__
 
@@ -51,8 +61,8 @@ class LlamaCpp:
 def worker(argv) -> int:
     """Line protocol over stdin/stdout: prints {"version"} once loaded, then one {"rate"} per line
     read, until stdin closes."""
-    path, tokens, threads = argv[0], int(argv[1]), int(argv[2])
-    engine = LlamaCpp(path, tokens, threads)
+    path, tokens, threads, extra = argv[0], int(argv[1]), int(argv[2]), argv[3] == "1"
+    engine = LlamaCpp(path, tokens, threads, extra)
     print(json.dumps({"version": engine.version}), flush=True)
     for _ in sys.stdin:
         print(json.dumps({"rate": engine.rate()}), flush=True)
@@ -62,8 +72,9 @@ def worker(argv) -> int:
 class RemoteLlamaCpp:
     """`LlamaCpp` in a worker process of another interpreter (its own venv)."""
 
-    def __init__(self, python: str, path: str, tokens: int, threads: int):
-        self.proc = subprocess.Popen([python, __file__, "--worker", path, str(tokens), str(threads)],
+    def __init__(self, python: str, path: str, tokens: int, threads: int, extra_bufts: bool = True):
+        self.proc = subprocess.Popen([python, __file__, "--worker", path, str(tokens), str(threads),
+                                      "1" if extra_bufts else "0"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.version = self._read()["version"]
 
@@ -83,16 +94,16 @@ class RemoteLlamaCpp:
         self.proc.wait(timeout=30)
 
 
-def open_llamacpp(python: str | None, path: str, tokens: int, threads: int):
+def open_llamacpp(python: str | None, path: str, tokens: int, threads: int, extra_bufts: bool = True):
     """(engine or None, why not): here if llama_cpp imports, else through `python`."""
     try:
-        return LlamaCpp(path, tokens, threads), None
+        return LlamaCpp(path, tokens, threads, extra_bufts), None
     except ImportError:
         pass
     if not python or not os.path.exists(python):
         return None, "llama-cpp-python not installed (pass --llamacpp-python PATH to a python that has it)"
     try:
-        return RemoteLlamaCpp(python, path, tokens, threads), None
+        return RemoteLlamaCpp(python, path, tokens, threads, extra_bufts), None
     except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as e:
         return None, f"llama-cpp-python not usable through {python}: {e}"
 
@@ -110,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--llamacpp-python", default=os.environ.get("JAXSERVE_LLAMACPP_PYTHON", DEFAULT_VENV_PYTHON),
                    help="a python with llama-cpp-python, where this one has not ('' for none; default "
                    f"$JAXSERVE_LLAMACPP_PYTHON or {DEFAULT_VENV_PYTHON})")
+    p.add_argument("--no-extra-bufts", action="store_true", help="llama.cpp without its repacked / AMX weight "
+                   "buffers (llama-cpp-python 0.3.36's AMX matmul segfaults at 2 threads on an AMX Xeon)")
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
 
@@ -119,7 +132,7 @@ def main(argv=None) -> int:
     from jaxserve.model.loader import resolve_model_path
 
     path = str(resolve_model_path(args.model))
-    llama, why = open_llamacpp(args.llamacpp_python, path, args.tokens, args.threads)
+    llama, why = open_llamacpp(args.llamacpp_python, path, args.tokens, args.threads, not args.no_extra_bufts)
     engines = {} if llama is None else {f"llama.cpp {llama.version}": llama.rate}
     for f in args.formats.split(","):
         llm = LLM(path, quantization=None if f == "none" else f, precompile=False, use_tqdm=False,

@@ -15,7 +15,7 @@ import argparse
 from bench import common
 from bench.matmul import LM_HEAD, SHAPES
 
-FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1", "q4_k", "q6_k", "bfloat16", "w8a8", "w4a8")
+FORMATS = ("float32", "int8", "fp8", "q8_0", "q4_1", "q4_k", "q6_k", "bfloat16", "w8a8", "w4a8", "q8a8")
 
 
 def main(argv=None) -> int:
