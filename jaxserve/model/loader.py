@@ -100,6 +100,7 @@ def _load_hf_dir(path: Path, keep_fp8: bool = False) -> tuple[dict, dict, dict]:
     if not cfg_file.exists():
         raise MissingFileError(f"{str(path)!r} has no config.json: it is not a Hugging Face model directory.")
     hf_config = json.loads(cfg_file.read_text())
+    check_checkpoint_quantization(hf_config, path)
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -118,6 +119,25 @@ def _load_hf_dir(path: Path, keep_fp8: bool = False) -> tuple[dict, dict, dict]:
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
     return hf_config, weights, gen
+
+
+# config.json's quantization_config that load as their float values (fold_weight_scales): HF fp8,
+# and compressed-tensors' float8 / int8 weights with scales. Packed int4 (AWQ, GPTQ, compressed-tensors
+# pack-quantized) and other methods are refused by name.
+CHECKPOINT_QUANT = {"fp8": None, "compressed-tensors": (None, "float-quantized", "int-quantized", "naive-quantized")}
+
+
+def check_checkpoint_quantization(hf_config: dict, path: Path) -> None:
+    """A UserError naming a checkpoint quantization this loader cannot read."""
+    qc = hf_config.get("quantization_config") or {}
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method is None or (method in CHECKPOINT_QUANT and (CHECKPOINT_QUANT[method] is None or
+                                                         fmt in CHECKPOINT_QUANT[method])):
+        return
+    what = f"{method!r}" + (f" ({fmt})" if fmt else "")
+    raise UserError(f"{str(path)!r} holds {what}-quantized weights (config.json quantization_config), which "
+                    "jaxserve cannot load: use the float or FP8 checkpoint (--quantization int8, w8a8, w4a8 or "
+                    "q4_k quantize it at load), or a GGUF file.", param="model")
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:

@@ -5,6 +5,7 @@ weights they stand for, and run quantized."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -90,3 +91,21 @@ def test_fp8_checkpoint_kept_as_stored(tiny_model, tmp_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert (llm.generate(["hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids
             == same.generate(["hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("qc,named", [({"quant_method": "awq", "bits": 4}, "'awq'"),
+                                      ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+                                      ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+                                       "'compressed-tensors' (pack-quantized)")])
+def test_unsupported_checkpoint_quantization_is_named(tiny_model, tmp_path, qc, named):
+    """AWQ / GPTQ / packed int4 checkpoints: one UserError naming the method, before any weight is read."""
+    from jaxserve.errors import UserError
+
+    dst = tmp_path / "q"
+    shutil.copytree(tiny_model("llama"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(UserError, match=re.escape(f"holds {named}-quantized weights")) as e:
+        load_model(str(dst))
+    assert e.value.param == "model"
+
