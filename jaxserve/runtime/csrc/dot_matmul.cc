@@ -107,6 +107,18 @@ inline uint32_t Bf16(float f) {
   return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
 }
 
+// w4a8: a word of nibbles as its low quad and its high quad of bytes 0..15.
+inline void Nibbles(i32x16 b, i32x16& lo, i32x16& hi) {
+  lo = b & 0x0f0f0f0f;
+  hi = (b >> 4) & 0x0f0f0f0f;
+}
+
+// Where panel `panel` of weight words `w` starts: K / per rows of 64 words (w4a8: a row holds 8 k).
+template <Fmt F>
+inline const uint32_t* PanelWords(const uint32_t* w, int64_t panel, int64_t k_words) {
+  return w + panel * (F == kW4A8 ? k_words / 2 : k_words) * kPanel;
+}
+
 // One step of a tile: the 64 columns' accumulators of MR rows. Each k step (a pair for bf16, a
 // quad for w8a8) reads 4 vectors of the panel and one 32-bit word of each row's activations.
 template <Fmt F, Isa I, int MR>
@@ -121,7 +133,7 @@ struct Tile {
       for (int v = 0; v < kNV; ++v) b[v] = Load<i32x16>(w + s * kPanel + v * kW);
       if constexpr (F == kW4A8) {
         i32x16 hi[kNV];
-        for (int v = 0; v < kNV; ++v) hi[v] = (b[v] >> 4) & 0x0f0f0f0f, b[v] &= 0x0f0f0f0f;
+        for (int v = 0; v < kNV; ++v) Nibbles(b[v], b[v], hi[v]);
         for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + 2 * s], b);
         for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + 2 * s + 1], hi);
       } else {
@@ -234,7 +246,8 @@ inline v16 W4Block(v16 f, i32x16 sum, float sx, int32_t xsum, v16 d, v16 m) {
 void SplitNibbles(const uint32_t* w, int64_t rows, uint32_t* out) {
   for (int64_t g = 0; g < rows; ++g)
     for (int v = 0; v < kNV; ++v) {
-      const i32x16 b = Load<i32x16>(w + g * kPanel + v * kW), lo = b & 0x0f0f0f0f, hi = (b >> 4) & 0x0f0f0f0f;
+      i32x16 lo, hi;
+      Nibbles(Load<i32x16>(w + g * kPanel + v * kW), lo, hi);
       std::memcpy(out + 2 * g * kPanel + v * kW, &lo, sizeof(lo));
       std::memcpy(out + (2 * g + 1) * kPanel + v * kW, &hi, sizeof(hi));
     }
@@ -246,7 +259,7 @@ void SplitNibbles(const uint32_t* w, int64_t rows, uint32_t* out) {
 template <Fmt F, Isa I, int MR>
 void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
   const uint32_t* x = a.words.data() + r0 * a.ldx;
-  const uint32_t* w = wt.w + panel * (F == kW4A8 ? a.ldx / 2 : a.ldx) * kPanel;
+  const uint32_t* w = PanelWords<F>(wt.w, panel, a.ldx);
   Tile<F, I, MR> t;
   alignas(64) float f[MR][kPanel] = {};
   if constexpr (F == kBf16) {
@@ -433,12 +446,12 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
     int configured = 0;  // the rows the tiles are configured for (AMX)
     // w4a8 on AMX: the panel's nibbles split into bytes once per work item (gate, then up)
     thread_local std::vector<uint32_t> split[2];
-    const uint32_t* panel_words[2] = {w.w + panel * a.ldx * kPanel, up ? up->w + panel * a.ldx * kPanel : nullptr};
+    const uint32_t* panel_words[2] = {PanelWords<F>(w.w, panel, a.ldx), up ? PanelWords<F>(up->w, panel, a.ldx) : nullptr};
     if constexpr (I == kAmx && F == kW4A8)
       if (rows >= kAmxMinRowsW8A8)
         for (int i = 0; i < (up ? 2 : 1); ++i) {
           split[i].resize(a.ldx * kPanel);
-          SplitNibbles((i ? up : &w)->w + panel * (a.ldx / 2) * kPanel, a.ldx / 2, split[i].data());
+          SplitNibbles(panel_words[i], a.ldx / 2, split[i].data());
           panel_words[i] = split[i].data();
         }
     const auto rows_of = [&](int64_t mr, int64_t r, const Weight& wt, float* y, int64_t ldy) {
