@@ -124,7 +124,7 @@ def test_gpu_pool_is_sized_to_the_utilization_before_jax_starts():
     0.9 x 75%. Sized, an H200's 141 GiB at 0.9 gives a pool of 126.9 GiB and all of it is planned."""
     env: dict = {}
     assert memory.size_gpu_pool(0.9, env=env, started=False) == 0.9
-    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.9", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+    assert env == {"XLA_CLIENT_MEM_FRACTION": "0.9"}
     total = 141 * GiB
     pool = int(0.9 * total)
     assert memory.device_total(pool, "gpu", pool_fraction=0.9) == pytest.approx(total, abs=1)
@@ -148,6 +148,23 @@ def test_gpu_pool_the_user_chose_is_kept(env):
     assert memory.size_gpu_pool(0.9, env=env, started=False) is None
     assert env == before
     assert memory.size_gpu_pool(0.9, env={}, started=True) is None  # jax already started: too late
+
+
+@pytest.mark.parametrize("user", [{}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, {"XLA_CLIENT_MEM_FRACTION": ".5"}])
+def test_gpu_plugin_options_accept_the_sized_pool(monkeypatch, user):
+    """jaxlib's own GPU plugin options, read after size_gpu_pool: they raise ValueError when both pool
+    variables are set, and jax then starts without its GPU (what the engine did to itself)."""
+    from jaxlib import xla_client
+
+    for k in memory.POOL_FRACTION_ENV:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in user.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(memory, "_pool_fraction", None)
+    memory.size_gpu_pool(0.9, started=False)
+    options = xla_client.generate_pjrt_gpu_plugin_options()
+    assert options["memory_fraction"] == (0.5 if user else 0.9)
+    monkeypatch.setattr(memory, "_pool_fraction", None)
 
 
 def test_device_memory_on_cpu_is_none():

@@ -23,9 +23,13 @@ DEFAULT_UTILIZATION = 0.9
 DEFAULT_MARGIN = 256 << 20  # allocator fragmentation, small runtime buffers allocated later
 
 
-# jax's GPU allocator: the pool is a fraction of the device's memory (75% by default; newer jax
-# name it XLA_CLIENT_MEM_FRACTION), read once, when jax starts its GPU backend.
-POOL_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+# jax's GPU allocator: the pool is a fraction of the device's memory (75% by default), read once,
+# when jax starts its GPU backend. jaxlib >= 0.10 reads XLA_CLIENT_MEM_FRACTION and the deprecated
+# XLA_PYTHON_CLIENT_MEM_FRACTION, and refuses the two together (`generate_pjrt_gpu_plugin_options`
+# raises; jax's plugin discovery logs it and carries on without the GPU). So we set exactly the first,
+# and nothing where the user set either.
+POOL_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
+POOL_FRACTION_ENV = (POOL_FRACTION_VAR, "XLA_PYTHON_CLIENT_MEM_FRACTION")
 _pool_fraction: float | None = None  # what size_gpu_pool set, in this process
 
 
@@ -44,8 +48,7 @@ def size_gpu_pool(utilization: float, env: dict | None = None, started: bool | N
         return None
     if not 0.0 < utilization <= 1.0:
         return None  # plan_kv_memory names the bad value
-    for k in POOL_FRACTION_ENV:
-        env[k] = f"{utilization:.4g}"
+    env[POOL_FRACTION_VAR] = f"{utilization:.4g}"
     if env is os.environ:
         _pool_fraction = utilization
     return utilization
