@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Export the engine's whole step (forward, attention kernels, sampler) for every "
                         "bucket with jax.export for --platform, from the model's config.json alone (weights are "
                         "shapes), on an abstract mesh of --tensor-parallel-size devices; print the memory plan "
-                        "for --device-memory. The target's own compiler does not run here.")
+                        "for --device-memory. With --compile the target's own compiler then runs here too.")
     lw.add_argument("--platform", required=True, choices=("cuda", "tpu"), help="the target platform")
     lw.add_argument("--model", "-m", required=True, metavar="CONFIG",
                     help="HF model directory (its config.json is read) or a config.json file")
@@ -278,6 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     lw.add_argument("--compute-capability", default="9.0", metavar="X.Y",
                     help="the GPU's compute capability; below 9.0 the portable xla attention is lowered "
                     "(default: 9.0)")
+    lw.add_argument("--compile", action="store_true",
+                    help="also compile every bucket with the target's own compiler on this host (XLA:GPU "
+                    "deviceless with ptxas, or libtpu compile-only): needs jaxserve[compile-cuda] or "
+                    "jaxserve[compile-tpu]")
+    lw.add_argument("--target", default=None, metavar="NAME",
+                    help="with --compile: h100, h200, b200 or a GpuTargetConfigProto file (cuda; default h100), "
+                    "v5e, v6e, v5p or v7x (tpu; default v5e)")
+    lw.add_argument("--buckets", choices=("all", "largest"), default="all",
+                    help="with --compile: every bucket, or the largest mixed and decode buckets")
+    lw.add_argument("--num-layers", type=int, default=None, metavar="N",
+                    help="with --compile: compile N layers instead of the model's count (same shapes)")
+    lw.add_argument("--json", default=None, metavar="PATH", help="with --compile: write the figures as JSON")
     add_engine_args(lw, skip=tuple(n for n in EngineConfig.field_names() if n not in LOWER_FIELDS))
     lw.set_defaults(func=cmd_lower, command_parser=lw)
 

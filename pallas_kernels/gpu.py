@@ -428,13 +428,16 @@ def ragged_paged_attention(
         plgpu.copy_smem_to_gmem(q_smem, o_g.at[head, pl.ds(tile * ROWS, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(
-        lambda *refs: pl.run_scoped(
+    def rpa_general(*refs):  # named: the kernel's name in ptxas' report and profiles
+        return pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
             *scratch(head_dim, chunk, pages_per_chunk, dtype,
                      num_stages(head_dim, chunk, dtype, kv_dtype=k_data.dtype, block_size=block_size),
                      k_data.dtype),
-        ),
+        )
+
+    kernel = plgpu.kernel(
+        rpa_general,
         out_type=jax.ShapeDtypeStruct(q_rows.shape, dtype),
         grid=(num_tiles, num_kv_heads),
         grid_names=("tile", "head"),

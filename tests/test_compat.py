@@ -12,6 +12,7 @@ from packaging.requirements import Requirement
 
 from jaxserve.runtime import compat
 
+MISSING = lambda kind: (None, None)  # noqa: E731  (no plugin installed)
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
@@ -75,14 +76,38 @@ def test_interpreter_params_resolve_on_this_jax():
 
 def test_unused_gpu_logs_an_error_naming_the_extra(caplog):
     with caplog.at_level(logging.ERROR, logger="jaxserve.runtime.compat"):
-        msg = compat.warn_if_accelerator_unused(lambda: {"nvidia": True, "tpu": False}, "cpu")
-    assert "jaxserve[cuda13]" in msg and "jaxserve[cuda12]" in msg
+        msg = compat.warn_if_accelerator_unused(lambda: {"nvidia": True, "tpu": False}, "cpu", MISSING)
+    assert "not installed" in msg and "jaxserve[cuda13]" in msg and "jaxserve[cuda12]" in msg
     assert [r.getMessage() for r in caplog.records] == [msg]
 
 
 def test_unused_tpu_names_the_tpu_extra():
-    msg = compat.warn_if_accelerator_unused(lambda: {"nvidia": False, "tpu": True}, "cpu")
+    msg = compat.warn_if_accelerator_unused(lambda: {"nvidia": False, "tpu": True}, "cpu", MISSING)
     assert "jaxserve[tpu]" in msg
+
+
+def test_installed_plugin_that_failed_names_its_error_not_install():
+    """The pool-bug class: the plugin is there, its initialize() raised, jax carried on on CPU."""
+    failed = lambda kind: ({"nvidia": "jax_plugins.xla_cuda13", "tpu": "libtpu"}[kind], "ValueError: boom")  # noqa: E731
+    gpu = compat.accelerator_hint("cpu", {"nvidia": True}, failed)
+    tpu = compat.accelerator_hint("cpu", {"tpu": True}, failed)
+    for msg in (gpu, tpu):
+        assert "failed to initialise: ValueError: boom" in msg and "pip install" not in msg
+    assert "jax_plugins.xla_cuda13" in gpu
+
+
+def test_plugin_error_logged_by_jax_is_recorded():
+    """jax logs a plugin whose initialize() raised (logger.exception) and moves on; the hint
+    reads that record back."""
+    log = logging.getLogger("jax._src.xla_bridge")
+    try:
+        raise ValueError("XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION both set")
+    except ValueError:
+        log.exception("Jax plugin configuration error: Exception when calling %s.initialize()",
+                      "jax_plugins.xla_cuda13")
+    _, error = compat.plugin_state("nvidia")
+    assert error == "ValueError: XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION both set"
+    compat._plugin_errors.errors.clear()
 
 
 def test_no_error_when_jax_uses_the_device_or_there_is_none(caplog):

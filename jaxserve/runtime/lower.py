@@ -12,10 +12,17 @@ The memory plan is the engine's (`memory.plan_kv_memory`) with the device memory
 command line, the weights' bytes per device from their shapes and shardings, and the step's
 temporaries from `memory.estimate_step_bytes` (XLA's memory analysis needs a compile for the
 target, so it is estimated here; the engine measures it on the device).
+
+`--compile` goes on to the target's own compiler (`runtime/deviceless.py`): the mesh is made of a
+compile-only topology's devices (an H200 described by its GpuTargetConfigProto, a TPU v5e from
+libtpu), every bucket is compiled, and each reports its compile seconds, the executable's
+temporaries and, per Mosaic GPU kernel, ptxas' registers and spills with its shared memory. The
+memory plan is then redone with the largest compiled temporaries in place of the estimate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -142,6 +149,7 @@ class Lowering:
     plan: memory.MemoryPlan
     activation_key: BucketKey  # the bucket the activation estimate comes from
     total_weight_bytes: int
+    estimate: Callable[[BucketKey], int]  # a bucket's temporaries by memory.estimate_step_bytes
 
     def describe(self) -> list[str]:
         mc, r = self.model, self.runner
@@ -149,7 +157,8 @@ class Lowering:
             f"model: {mc.model_type}, {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_heads} q / "
             f"{mc.num_kv_heads} kv heads x {mc.head_dim}, vocab {mc.vocab_size}: "
             f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}",
-            f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} (abstract mesh), "
+            f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} "
+            f"({'abstract mesh' if isinstance(r.mesh, jax.sharding.AbstractMesh) else 'compile-only devices'}), "
             f"KV {r.kv_dtype.name}, {len(r.all_buckets())} buckets",
             r.backend.describe(),
             memory.summary(self.plan),
@@ -161,6 +170,23 @@ class Lowering:
         """One bucket's step as a `jax.export.Exported` for the target platform."""
         jitted, args = self.runner.step_function(key)
         return compat.export(jitted, platforms=[self.platform])(*args)
+
+    def compile(self, key: BucketKey):
+        """One bucket compiled by the target's compiler (needs `prepare(devices=...)`): a
+        `deviceless.CompileReport`."""
+        from jaxserve.runtime import deviceless
+
+        jitted, args = self.runner.step_function(key)
+        return deviceless.compile_report(lambda: jitted.lower(*args))
+
+    def replan(self, activation_bytes: int) -> memory.MemoryPlan:
+        """The memory plan again with `activation_bytes` (compiled temporaries) for the estimate."""
+        p = self.plan
+        return memory.plan_kv_memory(
+            device_limit=p.device_limit, bytes_in_use=p.weight_bytes, activation_bytes=activation_bytes,
+            block_bytes=p.block_bytes, block_size=p.block_size, max_model_len=p.max_model_len,
+            utilization=p.utilization, margin_bytes=p.margin_bytes, tensor_parallel_size=p.tensor_parallel_size,
+            reserved_blocks=p.reserved_blocks)
 
     def lower(self, key: BucketKey) -> LoweredStep:
         t0 = time.perf_counter()
@@ -186,12 +212,19 @@ def prepare(
     *,
     device_memory: int | None = None,
     compute_capability: str = DEFAULT_COMPUTE_CAPABILITY,
+    devices: list | None = None,
+    num_layers: int | None = None,
 ) -> Lowering:
     """The abstract runner for `model` on `platform` with `config`'s engine settings, and the memory
-    plan for `device_memory` bytes per device; the KV cache is lowered at the planned size."""
+    plan for `device_memory` bytes per device; the KV cache is lowered at the planned size.
+    `devices`: a compile-only topology's devices (runtime/deviceless.py) to lay the mesh out on,
+    so the steps compile; without them the mesh is abstract and the steps only lower.
+    `num_layers`: fewer layers than the model has (a quick compile of the same shapes)."""
     if platform not in PLATFORMS:
         raise UserError(f"Unknown platform {platform!r}: choose one of {', '.join(PLATFORMS)}.", param="platform")
     mc = load_model_config(model)
+    if num_layers is not None:
+        mc = dataclasses.replace(mc, num_layers=num_layers)
     tp = config.tensor_parallel_size
     meshlib.check_layout(mc, tp)
     dtype = config.dtype or "bfloat16"
@@ -205,7 +238,10 @@ def prepare(
         max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype, tensor_parallel_size=tp,
         kv_cache_dtype=kv_dtype, quantization=config.quantization,
     )
-    mesh = jax.sharding.AbstractMesh((1, tp), (meshlib.DATA, meshlib.MODEL))
+    if devices is not None:
+        mesh = jax.sharding.Mesh(np.array(devices[:tp]).reshape(1, tp), (meshlib.DATA, meshlib.MODEL))
+    else:
+        mesh = jax.sharding.AbstractMesh((1, tp), (meshlib.DATA, meshlib.MODEL))
     checkpoint = AbstractCheckpoint(mc)
     runner = AbstractRunner(mc, checkpoint, cfg, mesh=mesh, backend=backend)
     weights = weight_bytes_per_device(runner.params)
@@ -227,14 +263,20 @@ def prepare(
     runner.resize_kv(plan.num_blocks)
     shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
     total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
-    return Lowering(platform, mc, runner, plan, largest, total)
+    return Lowering(platform, mc, runner, plan, largest, total, estimate)
 
 
 def run(args, out: Callable[[str], None] = print) -> int:
-    """The `jaxserve lower` command: the plan, then one line per bucket lowered."""
+    """The `jaxserve lower` command: the plan, then one line per bucket lowered (or compiled)."""
     from jaxserve.cli import engine_config
 
     config = engine_config(args)
+    if getattr(args, "compile", False):
+        from jaxserve.runtime import compile_cmd
+
+        return compile_cmd.run(args, config, out)
+    if getattr(args, "target", None):
+        raise UserError("--target names the device --compile compiles for: add --compile.", param="target")
     lowering = prepare(args.model, args.platform, config, device_memory=args.device_memory,
                        compute_capability=args.compute_capability)
     for line in lowering.describe():
