@@ -1,7 +1,7 @@
 """Pallas kernels for jaxserve, each next to its pure-jnp reference.
 
 ``ragged_paged_attention`` picks a backend: ``tpu`` (Mosaic TPU), ``gpu`` (Mosaic GPU, bf16/f16,
-sm_90+), ``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU
+Hopper sm_90a only), ``reference`` (pure jnp) or ``auto`` (from ``jax.default_backend()``; on CPU the TPU
 kernel in its interpreter when ``interpret=True``, else the reference). ``for_step(decode_only=)``
 fixes the step kind per compiled bucket: decode-only steps get the split-KV ``gpu_decode`` kernel
 on GPU and the decode row of the block-size table on TPU. ``supported(...)`` says, before anything
@@ -28,7 +28,9 @@ __all__ = ["for_step", "ragged_paged_attention", "resolve_backend", "supported",
 
 TPU_DTYPES = ("float32", "bfloat16", "float16")
 HEAD_DIMS = (64, 80, 96, 128, 256)
-MIN_CAPABILITY = (9, 0)  # WGMMA and TMA: Hopper and later
+# WGMMA and TMA as the kernels use them: Hopper. Blackwell (sm_100, sm_120) has no wgmma; the
+# compile tier (tools/compile_tier.py) decides what else is admitted, one target at a time.
+GPU_CAPABILITIES = ((9, 0),)
 
 
 def _capability(cc) -> tuple[int, int] | None:
@@ -61,10 +63,10 @@ def supported(
 
     if platform in ("gpu", "cuda"):
         cc = _capability(compute_capability)
-        if cc is None or cc < MIN_CAPABILITY:
+        if cc not in GPU_CAPABILITIES:
             have = "unknown" if cc is None else f"sm_{cc[0]}{cc[1]}"
-            return (f"the Mosaic GPU attention kernel needs an sm_90+ GPU (Hopper WGMMA/TMA); "
-                    f"this one is {have}")
+            return (f"the Mosaic GPU attention kernels are built for Hopper sm_90a (WGMMA/TMA); "
+                    f"this GPU is {have}")
         from pallas_kernels import gpu
 
         return gpu.unsupported(dtype, head_dim, group, block_size)

@@ -168,6 +168,8 @@ def run_cases(cases: list[Case], targets: dict, out=print) -> list[dict]:
         kernels = "; ".join(f"{k.name} {k.registers} regs {k.spills} B spill "
                             f"{'' if k.smem_bytes is None else f'{k.smem_bytes / 1024:.1f} KiB smem'}"
                             for k in report.kernels)
+        if report.cached_kernels and not report.kernels:
+            kernels = "kernel compiled earlier in this run (Mosaic's cache): same figures as there"
         temp = "" if report.temp_bytes is None else f"{report.temp_bytes / 2**20:8.1f} MiB"
         note = {"FAIL": why, "XPASS": why, "XFAIL": f"expected: {report.error or why}"}.get(status)
         out(f"{status:5} {case.id:50} {report.seconds:6.1f} s {temp:>12}  {kernels}" + (f"  <- {note}" if note else ""))

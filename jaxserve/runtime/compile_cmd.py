@@ -42,6 +42,8 @@ def bucket_line(key: BucketKey, target: str, report: deviceless.CompileReport, e
             f"(estimated {_mib(estimate)})")
     if report.kernels:
         line += f"; {describe_kernels(report.kernels)}"
+    elif report.cached_kernels:
+        line += "; its kernels were compiled for an earlier bucket (Mosaic's cache): same figures"
     return line
 
 

@@ -235,6 +235,9 @@ class CompileReport:
     temp_bytes: int | None = None  # the executable's temporaries (memory_analysis)
     kernels: list[KernelReport] = field(default_factory=list)
     error: str | None = None
+    # Mosaic GPU kernels lowered but not handed to ptxas: identical to one compiled earlier in
+    # this process (Mosaic caches them), whose figures stand for them
+    cached_kernels: int = 0
     log: str = ""  # what the compilers printed besides ptxas' lines (warnings), trimmed
 
     def as_dict(self) -> dict:
@@ -277,7 +280,8 @@ def compile_report(lower: Callable[[], object]) -> CompileReport:
     temp = compat.peak_temp_bytes(compiled) if compiled is not None else None
     log = "\n".join(line for line in text.splitlines() if line.strip() and "ptxas" not in line
                     and not line.startswith("    "))[-2000:]
-    return CompileReport(error is None, seconds, cpu, temp, kernels, error, log)
+    cached = max(0, len(smem) - len(kernels)) if compiled is not None else 0
+    return CompileReport(error is None, seconds, cpu, temp, kernels, error, cached, log)
 
 
 def _cpu_seconds() -> float:
