@@ -57,6 +57,10 @@ MAX_STAGES = 4  # chunks of K/V in flight at most (a ring of TMA destinations)
 # KV tokens per chunk by head_dim: bounded by the f32 scores [64, chunk] held in registers and
 # by two ring slots of K and V (2 x 2 x chunk x D x 2 bytes) fitting beside the q/out tile.
 CHUNK_TOKENS = {64: 128, 80: 128, 96: 128, 128: 128, 256: 64}
+# Quantized pages in the general kernel: the widening and the scale loads need registers beside the
+# f32[64, chunk] scores; at 128 tokens ptxas spilled (sm_90a, head_dim 128: 255 registers, 428 B of
+# spills), at 64 none (248 registers). bench/RESULTS.md has the table per variant.
+QUANT_CHUNK_TOKENS = 64
 
 
 def swizzle_bytes(head_dim: int, dtype) -> int:
@@ -65,8 +69,9 @@ def swizzle_bytes(head_dim: int, dtype) -> int:
     return next(s for s in (128, 64, 32, 16) if row % s == 0)
 
 
-def default_pages_per_chunk(head_dim: int, block_size: int) -> int:
-    return max(1, CHUNK_TOKENS.get(head_dim, 64) // block_size)
+def default_pages_per_chunk(head_dim: int, block_size: int, quantized: bool = False) -> int:
+    tokens = CHUNK_TOKENS.get(head_dim, 64)
+    return max(1, (min(tokens, QUANT_CHUNK_TOKENS) if quantized else tokens) // block_size)
 
 
 def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0, kv_dtype=None,
@@ -108,7 +113,7 @@ def unsupported(dtype, head_dim: int, group: int, block_size: int,
     if block_size % 8 or block_size > 256:
         return f"the Mosaic GPU kernel needs a block size that is a multiple of 8 up to 256, " \
                f"not {block_size}"
-    ppc = pages_per_chunk or default_pages_per_chunk(head_dim, block_size)
+    ppc = pages_per_chunk or default_pages_per_chunk(head_dim, block_size, kv_dtype is not None)
     chunk = ppc * block_size
     if chunk % 64:
         return f"pages_per_chunk*block_size={chunk} must be a multiple of 64"
@@ -320,9 +325,9 @@ def validate(q, k_pages, v_pages, pages_per_chunk):
     _, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_q_heads // max(num_kv_heads, 1)
-    if pages_per_chunk is None:
-        pages_per_chunk = default_pages_per_chunk(head_dim, block_size)
     quant = isinstance(k_pages, QuantPages)
+    if pages_per_chunk is None:
+        pages_per_chunk = default_pages_per_chunk(head_dim, block_size, quant)
     if quant and (k_pages.dtype not in KV_QUANT_DTYPES.values() or v_pages.dtype != k_pages.dtype):
         raise ValueError(f"quantized pages must be int8 or fp8, both alike, not {k_pages.dtype}/{v_pages.dtype}")
     reason = unsupported(q.dtype, head_dim, group, block_size, pages_per_chunk,

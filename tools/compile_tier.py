@@ -40,7 +40,12 @@ EXPECTED_FAILURES = {
              "write slices one token row out of a tiled block dimension",
 }
 # Spills accepted in bf16 kernels, with the ptxas figures that justify them (bench/RESULTS.md).
-ACCEPTED_SPILLS: dict[str, str] = {}
+ACCEPTED_SPILLS = {
+    "cuda/*/kernel/G*-d256/*": "head_dim 256 (no shipped family): the f32[64, 256] accumulator alone is 128 of a "
+                               "thread's 255 registers, the f32[64, 64] scores 32 more; ptxas spills 1536 B (general) "
+                               "and 772 B (decode) at the smallest WGMMA chunk. Removing it means splitting D over "
+                               "two warpgroups; until then a spill to L1 beats the xla fallback's page gathers",
+}
 GPU_TARGET, TPU_TARGETS = "h100", ("v5e", "v6e")
 STEP_MODEL = ROOT / "configs" / "models" / "llama-3.1-8b.json"
 BLOCK_SIZE, MAX_BLOCKS, NUM_BLOCKS = 16, 512, 1024  # 8K tokens of context per sequence
