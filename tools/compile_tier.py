@@ -177,7 +177,7 @@ def run_cases(cases: list[Case], targets: dict, out=print) -> list[dict]:
             kernels = "kernel compiled earlier in this run (Mosaic's cache): same figures as there"
         temp = "" if report.temp_bytes is None else f"{report.temp_bytes / 2**20:8.1f} MiB"
         note = {"FAIL": why, "XPASS": why, "XFAIL": f"expected: {report.error or why}"}.get(status)
-        out(f"{status:5} {case.id:50} {report.seconds:6.1f} s {temp:>12}  {kernels}" + (f"  <- {note}" if note else ""))
+        out(f"{status:5} {case.id:50} {report.seconds:6.1f} s ({report.cpu_seconds:5.1f} s CPU) {temp:>12}  {kernels}" + (f"  <- {note}" if note else ""))
     return rows
 
 

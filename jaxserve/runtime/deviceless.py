@@ -89,8 +89,9 @@ def prepare_env(platforms: tuple[str, ...] = ("cuda", "tpu")) -> None:
     if "tpu" in platforms:  # compile-only: no TPU to lock, no metadata server to ask
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # no driver or cuDNN here: the CUDA plugin (installed for either platform's run) must not check
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     if "cuda" in platforms:
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
         os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
         d = cuda_dir()
         flags = os.environ.get("XLA_FLAGS", "")
