@@ -3,7 +3,7 @@
 One source of defaults: the scheduler's knobs are the fields of `core.scheduler.SchedulerConfig`
 (EngineConfig holds them as `scheduler`, and `scheduler_config()` adds what the engine derives:
 blocks, lengths, batch limits); the CLI's flags and `--help` are generated from these dataclass
-fields (`cli.add_config_args`), so nothing is written twice.
+fields (`args.add_config_args`), so nothing is written twice.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.args import engine_config
 from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
@@ -232,8 +233,6 @@ def prepare(
 
 def run(args, out: Callable[[str], None] = print) -> int:
     """The `jaxserve lower` command: the plan, then one line per bucket lowered."""
-    from jaxserve.cli import engine_config
-
     config = engine_config(args)
     lowering = prepare(args.model, args.platform, config, device_memory=args.device_memory,
                        compute_capability=args.compute_capability)

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxserve
+from jaxserve.args import engine_config
 from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
@@ -294,7 +295,6 @@ def freeze_startup_heap() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from jaxserve.cli import engine_config
     from jaxserve.engine import LLMEngine
 
     cfg = ServerConfig.from_args(args)
