@@ -39,6 +39,8 @@ from jaxserve.server.errors import (
 )
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
+from jaxserve.server.openai_responses import OpenAIResponses
+from jaxserve.server.responses_input import ResponseStore
 from jaxserve.server.serving import OpenAIServing, served_names
 
 log = logging.getLogger("jaxserve.server")
@@ -80,6 +82,9 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         engine, aengine, cfg, tokenizer or Tokenizer.from_pretrained(engine.loaded.path)
     )
     anthropic = AnthropicMessages(serving)
+    responses = OpenAIResponses(
+        serving, ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl)
+    )
     started = int(time.time())
 
     def model_card(name: str) -> dict:
@@ -176,6 +181,9 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/v1/completions", guarded(serving.completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(serving.chat), methods=["POST"]),
         Route("/invocations", guarded(serving.invocations), methods=["POST"]),
+        Route("/v1/responses", guarded(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(responses.get), methods=["GET"]),
+        Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
         Route("/v1/messages", guarded(anthropic.create), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(anthropic.count_tokens), methods=["POST"]),
         Route("/load", guarded(load), methods=["GET"]),

@@ -72,7 +72,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     truncation: Literal["disabled"] | None = None
-    include: list[Literal[()]] | None = None  # nothing extra to include
+    include: list[str] | None = Field(default=None, max_length=0)  # no extra output to include
     background: Literal[False] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None  # prefix caching is automatic
