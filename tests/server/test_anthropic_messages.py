@@ -206,3 +206,17 @@ def test_x_api_key_is_the_key(tiny_model, tmp_path_factory):
             "type": "authentication_error", "message": "Invalid API key."}}
     finally:
         s.stop()
+
+
+def test_thinking_blocks_where_a_reasoning_parser_is_set(srv, client, monkeypatch):
+    """deepseek_r1: the template opened the thinking, so an answer that never closes it (the random
+    model's) is all thinking."""
+    monkeypatch.setattr(srv.app.state.serving.cfg, "reasoning_parser", "deepseek_r1")
+    whole = client.messages.create(model=srv.model, messages=USER, max_tokens=6,
+                                   extra_body=GREEDY)
+    assert [b.type for b in whole.content] == ["thinking"]
+    with client.messages.stream(model=srv.model, messages=USER, max_tokens=6,
+                                extra_body=GREEDY) as s:
+        thinking = "".join(e.thinking for e in s if e.type == "thinking")
+        final = s.get_final_message()
+    assert thinking == whole.content[0].thinking == final.content[0].thinking

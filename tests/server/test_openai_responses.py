@@ -218,3 +218,20 @@ def test_bad_requests_are_one_400_naming_the_field(srv, body, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     srv.wait_idle()
+
+
+def test_reasoning_items_where_a_reasoning_parser_is_set(srv, client, monkeypatch):
+    """deepseek_r1: the template opened the thinking, so an answer that never closes it (the random
+    model's) is all reasoning: one reasoning item, streamed as reasoning_text events."""
+    monkeypatch.setattr(srv.app.state.serving.cfg, "reasoning_parser", "deepseek_r1")
+    kw = {"input": QUESTION, "max_output_tokens": 6, "temperature": 0}
+    r = create(srv, client, **kw)
+    want = client.completions.create(model=srv.model, max_tokens=6, temperature=0, prompt=(
+        srv.app.state.serving.tok.apply_chat_template(
+            [{"role": "user", "content": QUESTION}], add_generation_prompt=True))).choices[0].text
+    assert [o.type for o in r.output] == ["reasoning"]
+    assert r.output[0].content[0].text == want
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    events = sse_events(srv, {"model": srv.model, "stream": True, **kw})
+    deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == want
