@@ -116,12 +116,17 @@ class ToolChoiceIn(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class ThinkingConfigIn(_Strict):
+    type: Literal["disabled"]  # extended-thinking budgets are not served
+
+
 class CountTokensRequest(_Strict):
     model: str
     messages: list[MessageIn] = Field(min_length=1)
     system: str | list[TextIn] | None = None
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None
+    thinking: ThinkingConfigIn | None = None
 
 
 class MessagesRequest(CountTokensRequest):

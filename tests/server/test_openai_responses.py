@@ -137,6 +137,11 @@ def test_two_turns_by_previous_response_id(srv, client):
              {"role": "assistant", "content": first.output_text},
              {"role": "user", "content": "And Oslo?"}]
     assert second.previous_response_id == first.id
+    # the same conversation sent whole, the first answer's output items included
+    resent = create(srv, client, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Hi"}, *first.output, {"role": "user", "content": "And Oslo?"}])
+    assert resent.usage.input_tokens == second.usage.input_tokens
+    assert resent.output_text == second.output_text
     assert second.usage.input_tokens == len(tok.apply_chat_template(
         convo, add_generation_prompt=True))
     # a forced call, then its output as the next turn's input
