@@ -11,14 +11,16 @@ streamed, Open / Piece / Close events per block and one Finished. Both APIs are 
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
 from starlette.requests import Request
 
 from jaxserve.server import protocol as P
-from jaxserve.server.errors import APIError
+from jaxserve.server.errors import APIError, from_validation_error
 from jaxserve.server.output_parser import Delta
 from jaxserve.server.responses import Kind
 from jaxserve.server.serving import OpenAIServing
@@ -100,8 +102,13 @@ class ChatRun:
                    call_prefix: str = "call_") -> ChatRun:
         try:
             req = P.ChatCompletionRequest.model_validate(chat)
-        except ValueError as e:  # the protocol module built it: its own checks ran first
-            raise APIError(400, f"Invalid request: {str(e).splitlines()[0]}") from None
+        except ValidationError as e:  # what only the chat model checks (e.g. a tool's name)
+            err = from_validation_error(e.errors(include_input=False))
+            # both protocols write a tool's fields where chat nests them under `function`
+            flat = re.sub(r"^(tools\[\d+\])\.function", r"\1", err.param or "")
+            if flat != err.param:
+                err = APIError(400, err.message.replace(err.param, flat), param=flat, code=err.code)
+            raise renamed(err, names) from None
         try:
             kind, params, model = await serving.plan_chat(req)
         except APIError as e:

@@ -171,6 +171,8 @@ def test_count_tokens_is_the_rendered_prompt(srv, client):
     ({"messages": USER, "max_tokens": 4, "tools": [{**TOOL, "type": "web_search_20250305"}]},
      "tools[0].type"),
     ({"messages": USER, "max_tokens": 5000}, "max_tokens"),
+    ({"messages": USER, "max_tokens": 4, "tools": [{**TOOL, "name": "bad name"}]},
+     "tools[0].name"),
     ({"messages": USER, "max_tokens": 4, "stop_sequences": "x"}, "stop_sequences"),
 ])
 def test_bad_requests_are_one_400_naming_the_field(srv, body, field):

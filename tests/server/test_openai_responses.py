@@ -205,6 +205,7 @@ def test_store_expires_by_ttl():
      "input[0].content[0]"),
     ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{**TOOL, "name": "bad name"}]}, "tools[0].name"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
