@@ -222,3 +222,20 @@ def test_thinking_blocks_where_a_reasoning_parser_is_set(srv, client, monkeypatc
         thinking = "".join(e.thinking for e in s if e.type == "thinking")
         final = s.get_final_message()
     assert thinking == whole.content[0].thinking == final.content[0].thinking
+
+
+def aborted(srv) -> float:
+    """Requests the server counted as aborted (/metrics)."""
+    with srv.http() as h:
+        lines = h.get("/metrics").text.splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "request_success_total{" in ln
+               and 'finished_reason="abort"' in ln)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(srv):
+    before = aborted(srv)
+    with srv.http() as h, h.stream("POST", "/v1/messages", json={
+            "model": srv.model, "messages": USER, "max_tokens": 1500, "stream": True}) as r:
+        next(r.iter_lines())  # message_start: the request is running
+    assert srv.wait_idle()["num_running"] == 0
+    assert aborted(srv) == before + 1

@@ -241,3 +241,21 @@ def test_reasoning_items_where_a_reasoning_parser_is_set(srv, client, monkeypatc
     events = sse_events(srv, {"model": srv.model, "stream": True, **kw})
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == want
+
+
+def aborted(srv) -> float:
+    """Requests the server counted as aborted (/metrics)."""
+    with srv.http() as h:
+        lines = h.get("/metrics").text.splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "request_success_total{" in ln
+               and 'finished_reason="abort"' in ln)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(srv):
+    before = aborted(srv)
+    with srv.http() as h, h.stream("POST", "/v1/responses", json={
+            "model": srv.model, "input": QUESTION, "max_output_tokens": 1500,
+            "stream": True}) as r:
+        next(r.iter_lines())  # response.created: the request is running
+    assert srv.wait_idle()["num_running"] == 0
+    assert aborted(srv) == before + 1
