@@ -36,7 +36,7 @@ from bench import common
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxserve.cli import add_engine_args
+    from jaxserve.args import add_engine_args
 
     p = argparse.ArgumentParser(prog="jaxserve bench offline", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)

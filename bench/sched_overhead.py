@@ -40,15 +40,16 @@ def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radi
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running) or sched.num_waiting:
         out = sched.schedule()  # warm-up: prefill everyone
         sched.dispatched(out)
-        sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled})
+        sched.update_from_output(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         out = sched.schedule()
         sched.dispatched(out)
-        finished = sched.update_from_output(out, {s.request.request_id: rng.randrange(32000) for s in out.scheduled})
+        landed = sched.update_from_output(out, {s.request.request_id: rng.randrange(32000)
+                                                for s in out.scheduled if s.samples})
         times.append(time.perf_counter() - t0)
-        for _ in finished:  # keep the population at N: replace finished ones (not timed)
+        for _ in (k for k in landed.values() if k.finished):  # keep the population at N: replace finished ones (not timed)
             new()
     times.sort()
     return {"running": num_running, "steps": steps, "prefix_cache": prefix_cache,

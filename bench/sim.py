@@ -79,6 +79,7 @@ def simulate(items: list[WorkItem], cfg: SimConfig, *, num_blocks: int = 512, bl
         prefill_first=cfg.prefill_first, admission=admission))
     reqs = [Request(f"r{i}", list(it.prompt_token_ids), it.max_tokens, arrival_time=it.arrival_time)
             for i, it in enumerate(items)]
+    arrival = {r.request_id: r.arrival_time for r in reqs}
     arrive_step: dict[str, int] = {}
     ttft_s: dict[str, float] = {}
     ttft_steps: dict[str, int] = {}
@@ -106,8 +107,9 @@ def simulate(items: list[WorkItem], cfg: SimConfig, *, num_blocks: int = 512, bl
             if s.samples and r.request_id not in ttft_s:
                 ttft_s[r.request_id] = t - r.arrival_time
                 ttft_steps[r.request_id] = steps - arrive_step[r.request_id]
-        for r, _, _ in sched.update_from_output(out, sampled):  # max_tokens / max_model_len stops
-            e2e_s[r.request_id] = t - r.arrival_time
+        for rid, kept in sched.update_from_output(out, sampled).items():
+            if kept.finished:  # max_tokens / max_model_len stops
+                e2e_s[rid] = t - arrival[rid]
         for r in out.finished:
             e2e_s[r.request_id] = t - r.arrival_time
     if check_invariants:

@@ -3,7 +3,7 @@
 One source of defaults: the scheduler's knobs are the fields of `core.scheduler.SchedulerConfig`
 (EngineConfig holds them as `scheduler`, and `scheduler_config()` adds what the engine derives:
 blocks, lengths, batch limits); the CLI's flags and `--help` are generated from these dataclass
-fields (`cli.add_config_args`), so nothing is written twice.
+fields (`args.add_config_args`), so nothing is written twice.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from jaxserve.core.scheduler import ADMISSIONS, EVICTIONS, POLICIES, PREFIX_CACHES, SchedulerConfig
 from jaxserve.errors import UserError
@@ -121,8 +122,6 @@ class EngineConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise bad(f.name, f"choose one of {', '.join(choices)}")
-        from jaxserve.spec import SpeculativeConfig
-
         self.speculative = SpeculativeConfig.parse(self.speculative_config)  # parsed, checked
         try:
             self.scheduler_config(num_blocks=2, max_model_len=2)  # the scheduler's own checks
@@ -160,3 +159,69 @@ def parse_bytes(text: str) -> int:
         raise UserError(f"Invalid memory size {text!r}: use a number with an optional unit, e.g. 2GiB or 512MiB.",
                         param="kv_cache_memory")
     return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+# --- `--speculative-config` (vLLM's shape): {"method": "ngram", "num_speculative_tokens": k,
+# "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft", "model": PATH, ...}.
+
+METHODS = ("ngram", "draft")
+# Above this many running sequences a step verifies no drafts (vLLM: disable_by_batch_size). On a
+# CPU each draft row costs about as much compute as a sequence's decode row, so speculation pays
+# only while the step is bound by reading the weights: measured on the default model (2 cores,
+# bench/spec_decode.py --sweep; bench/RESULTS.md), forced on at 8 running it gave +53% on
+# repetitive and -3% on fresh prompts, at 16 +7% and -9%.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # ngram: shortest suffix to look up
+    prompt_lookup_max: int = 4  # ngram: longest suffix to look up (tried first)
+    model: str | None = None  # draft: the draft model (same tokenizer as the target)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a dict, a JSON/YAML string (the CLI flag), or a SpeculativeConfig."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import yaml
+
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                value = None
+        if not isinstance(value, dict):
+            raise UserError('--speculative-config must be a JSON object, e.g. '
+                            '\'{"method": "ngram", "num_speculative_tokens": 4}\'.', param="speculative_config")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise UserError(f"Unknown speculative_config key {unknown[0]!r}: use {', '.join(sorted(names))}.",
+                            param="speculative_config")
+        cfg = cls(**value)
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        def bad(name: str, rule: str) -> UserError:
+            return UserError(f"Invalid speculative_config {name}={getattr(self, name)!r}: {rule}.",
+                             param="speculative_config")
+
+        if self.method not in METHODS:
+            raise bad("method", f"choose one of {', '.join(METHODS)}")
+        for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
+                         ("disable_by_batch_size", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise bad(name, f"must be an integer >= {lo}")
+        if self.num_speculative_tokens > 16:
+            raise bad("num_speculative_tokens", "must be at most 16")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"must not exceed prompt_lookup_max={self.prompt_lookup_max}")
+        if self.method == "draft" and not self.model:
+            raise bad("model", 'the draft method needs "model": a directory or .gguf of a smaller model '
+                      "with the target's tokenizer")

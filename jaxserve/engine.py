@@ -449,21 +449,20 @@ class LLMEngine:
         sched = step.sched.scheduled
         sampled = {sched[i].request.request_id: ([int(tokens[j]) for j in rs] if sched[i].num_draft else int(tokens[rs[0]]))
                    for i, rs in emitted.items()}
-        stops = {id(r): (st, reason) for r, st, reason in self.scheduler.update_from_output(step.sched, sampled)}
+        landed = self.scheduler.update_from_output(step.sched, sampled)
         for i, rs in emitted.items():
             seq = step.seqs[i]
             group = self._groups.get(seq.group_id)
             if group is None or seq.out.finished:
                 continue
-            kept = min(len(rs), len(seq.req.token_ids) - sched[i].num_tokens)  # the scheduler cuts at a stop
-            for m, j in enumerate(rs[:kept]):
-                tok = int(tokens[j])
+            kept = landed[seq.req.request_id]
+            for m, (j, tok) in enumerate(zip(rs, kept.tokens)):
                 lp = None
                 if seq.out.logprobs is not None:
                     n = group.params.logprobs
                     lp = TokenLogprob(tok, float(got.logprobs[j]),
                                       [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
-                self._append(group, seq, tok, lp, stops.get(id(seq.req)) if m == kept - 1 else None)
+                self._append(group, seq, tok, lp, kept.stop if m == len(kept.tokens) - 1 else None)
                 if seq.out.finished:
                     break
             outputs[group.request_id] = group

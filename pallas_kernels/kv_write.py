@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxserve.runtime import compat
+from pallas_kernels import compat
 from pallas_kernels.kv_quant import QuantPages, quantize
 
 

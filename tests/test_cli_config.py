@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.cli import apply_config_file, build_parser, engine_config
+from jaxserve.args import apply_config_file, engine_config
+from jaxserve.cli import build_parser
 
 PRESETS = sorted(str(p) for p in (Path(__file__).parent.parent / "configs").glob("*.yaml"))
 

@@ -69,9 +69,11 @@ def test_memory_stats_on_cpu_is_none():
 
 
 def test_interpreter_params_resolve_on_this_jax():
-    assert compat.tpu_interpret_params() is not None
-    assert compat.gpu_interpret_params() is not None
-    assert compat.tpu_hbm() is not None
+    from pallas_kernels import compat as pallas_compat
+
+    assert pallas_compat.tpu_interpret_params() is not None
+    assert pallas_compat.gpu_interpret_params() is not None
+    assert pallas_compat.tpu_hbm() is not None
 
 
 def test_unused_gpu_logs_an_error_naming_the_extra(caplog):

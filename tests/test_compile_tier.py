@@ -72,7 +72,7 @@ import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxserve.runtime import compat
+from pallas_kernels import compat
 
 def build(offset_multiple):
     def kernel(start_ref, x_hbm, o_ref, buf, sem):

@@ -105,6 +105,19 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class Landed:
+    """What `update_from_output` did with one request's sampled tokens: the tokens it kept, in
+    order (those after a stop are dropped), and the token-level stop it applied, if any."""
+
+    tokens: list[int]
+    stop: tuple[RequestStatus, int | None] | None = None  # (status, stop_reason)
+
+    @property
+    def finished(self) -> bool:
+        return self.stop is not None
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
     preempted: list[Request] = field(default_factory=list)
@@ -391,13 +404,14 @@ class Scheduler:
             if s.samples:
                 req.append_token(PENDING)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[tuple[Request, RequestStatus, int | None]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> dict[str, Landed]:
         """A dispatched step's sampled tokens land: each replaces its PENDING placeholder (a
         verifying row brings its accepted drafts and one more token: a list, whose drafts' K/V
         is then computed), newly full blocks are cached, and token-level stops (EOS, stop ids,
         max_tokens, max_model_len) finish requests here, dropping what followed the stop.
-        Returns (request, status, stop_reason) of those."""
-        finished = []
+        Returns, per request that sampled (and was not already finished), what it kept and the
+        stop it applied. Every row that samples must bring its tokens."""
+        landed: dict[str, Landed] = {}
         max_len = self.config.max_model_len
         for s in out.scheduled:
             req = s.request
@@ -406,27 +420,26 @@ class Scheduler:
             stop = None
             if s.samples:
                 index = s.num_tokens  # where dispatched() put the placeholder
-                toks = sampled.get(req.request_id)
-                if toks is None:
-                    continue
-                if isinstance(toks, int):
-                    toks = [toks]
+                toks = sampled[req.request_id]
+                toks = [toks] if isinstance(toks, int) else toks
+                kept = landed[req.request_id] = Landed([])
                 for i, tok in enumerate(toks):
                     if i == 0:
                         req.token_ids[index] = tok
                     else:
                         req.append_token(tok)
                         req.num_computed_tokens += 1  # the accepted draft before it has K/V
+                    kept.tokens.append(tok)
                     stop = req.stop_for(index + i, max_len)
                     if stop is not None:
                         del req.token_ids[index + i + 1:]  # a token sampled after the stop never counts
+                        kept.stop = stop
                         break
             if req.status == RequestStatus.RUNNING:
                 self.kv.commit(req)
             if stop is not None:
                 self.finish_request(req, stop[0])
-                finished.append((req, *stop))
-        return finished
+        return landed
 
     # ---- numbers ------------------------------------------------------------------------------
     def stats(self) -> dict:

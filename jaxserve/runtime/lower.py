@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.args import engine_config
 from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
@@ -268,8 +269,6 @@ def prepare(
 
 def run(args, out: Callable[[str], None] = print) -> int:
     """The `jaxserve lower` command: the plan, then one line per bucket lowered (or compiled)."""
-    from jaxserve.cli import engine_config
-
     config = engine_config(args)
     if getattr(args, "compile", False):
         from jaxserve.runtime import compile_cmd

@@ -25,8 +25,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import jaxserve
+from jaxserve.args import engine_config
 from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
+from jaxserve.server.anthropic_messages import AnthropicMessages
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
 from jaxserve.server.errors import (
@@ -38,6 +40,8 @@ from jaxserve.server.errors import (
 )
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
+from jaxserve.server.openai_responses import OpenAIResponses
+from jaxserve.server.responses_input import ResponseStore
 from jaxserve.server.serving import OpenAIServing, served_names
 
 log = logging.getLogger("jaxserve.server")
@@ -60,7 +64,7 @@ def guarded(endpoint):
             raise  # answered by the app's exception handlers
         except Exception:
             log.exception("Unhandled error on %s", request.url.path)
-            return error_response(internal_error())
+            return error_response(internal_error(), request.url.path)
 
     return run
 
@@ -77,6 +81,10 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     )
     serving = OpenAIServing(
         engine, aengine, cfg, tokenizer or Tokenizer.from_pretrained(engine.loaded.path)
+    )
+    anthropic = AnthropicMessages(serving)
+    responses = OpenAIResponses(
+        serving, ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl)
     )
     started = int(time.time())
 
@@ -144,22 +152,23 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         return JSONResponse({"freed_blocks": freed})
 
     async def on_user_error(request: Request, exc: UserError) -> Response:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(
-            http_error(exc.status_code, exc.detail, request.method, request.url.path)
+            http_error(exc.status_code, exc.detail, request.method, request.url.path),
+            request.url.path,
         )
 
     async def on_engine_dead(request: Request, exc: EngineDeadError) -> Response:
-        return error_response(APIError(503, str(exc), code="engine_unavailable"))
+        return error_response(APIError(503, str(exc), code="engine_unavailable"), request.url.path)
 
     async def on_disconnect(request: Request, exc: ClientDisconnect) -> Response:
         return Response(status_code=499)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         log.exception("Unhandled error on %s", request.url.path)  # outside a route: middleware
-        return error_response(internal_error())
+        return error_response(internal_error(), request.url.path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -173,6 +182,11 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/v1/completions", guarded(serving.completions), methods=["POST"]),
         Route("/v1/chat/completions", guarded(serving.chat), methods=["POST"]),
         Route("/invocations", guarded(serving.invocations), methods=["POST"]),
+        Route("/v1/responses", guarded(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", guarded(responses.get), methods=["GET"]),
+        Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
+        Route("/v1/messages", guarded(anthropic.create), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(anthropic.count_tokens), methods=["POST"]),
         Route("/load", guarded(load), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
@@ -294,7 +308,6 @@ def freeze_startup_heap() -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from jaxserve.cli import engine_config
     from jaxserve.engine import LLMEngine
 
     cfg = ServerConfig.from_args(args)

@@ -37,6 +37,8 @@ class ServerConfig:
     enable_request_id_headers: bool = False  # echo X-Request-Id, or make one
     tool_call_parser: str | None = None  # how tool_choice "auto" reads calls (tool_parsers.py)
     reasoning_parser: str | None = None  # splits <think> blocks into reasoning_content
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id and GET
+    responses_store_ttl: float = 3600.0  # seconds a stored response is kept
 
     def __post_init__(self) -> None:
         for name, known in (
@@ -57,6 +59,17 @@ class ServerConfig:
                 raise UserError(
                     f"Invalid {name}={getattr(self, name)!r}: must be >= 0 seconds.", param=name
                 )
+        if not isinstance(self.responses_store_size, int) or self.responses_store_size < 0:
+            raise UserError(
+                f"Invalid responses_store_size={self.responses_store_size!r}: must be an integer "
+                ">= 0 (0 stores none).",
+                param="responses_store_size",
+            )
+        if not self.responses_store_ttl > 0:
+            raise UserError(
+                f"Invalid responses_store_ttl={self.responses_store_ttl!r}: must be > 0 seconds.",
+                param="responses_store_ttl",
+            )
         if not self.render_timeout > 0:
             raise UserError(
                 f"Invalid render_timeout={self.render_timeout!r}: must be > 0 seconds.",
@@ -101,6 +114,8 @@ class ServerConfig:
             enable_request_id_headers=args.enable_request_id_headers,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            responses_store_size=args.responses_store_size,
+            responses_store_ttl=args.responses_store_ttl,
         )
 
 
@@ -218,4 +233,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         help="put <think>...</think> in reasoning_content (qwen3: when the answer opens with "
         "<think>; deepseek_r1: the prompt opened it) (default: off)",
+    )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=ServerConfig.responses_store_size,
+        help="/v1/responses answers kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}; the oldest go first (default %(default)s; 0 keeps none)",
+    )
+    g.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=ServerConfig.responses_store_ttl,
+        help="seconds a stored /v1/responses answer is kept (default %(default)s)",
     )

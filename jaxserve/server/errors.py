@@ -49,9 +49,35 @@ def error_body(e: UserError) -> dict:
     return {"error": {"message": msg, "type": kind, "param": e.param, "code": e.code}}
 
 
-def error_response(e: UserError) -> JSONResponse:
+# Anthropic's error `type` per status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)  # routes that answer in Anthropic's error shape
+
+
+def anthropic_error_body(e: UserError) -> dict:
+    """Anthropic's error body; the message names the field (Anthropic's shape has no `param`)."""
+    msg = error_body(e)["error"]["message"]
+    if e.param and e.param not in msg:
+        msg = f"{e.param}: {msg}"
+    kind = _ANTHROPIC_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": msg}}
+
+
+def error_response(e: UserError, path: str = "") -> JSONResponse:
+    """`e` in the shape of the API that `path` belongs to (OpenAI's unless it is Anthropic's)."""
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+    anthropic = path.startswith(ANTHROPIC_PATHS)
+    body = anthropic_error_body(e) if anthropic else error_body(e)
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -9,11 +9,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.server.errors import APIError, error_response
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations",
+                            "/v1/responses", "/v1/messages"})
 
 
 class APIKey:
-    """Pure ASGI middleware: 'Authorization: Bearer KEY' on every path but the public ones.
+    """Pure ASGI middleware: 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on
+    every path but the public ones.
 
     CORS preflights (OPTIONS) pass: browsers never send credentials with them.
     """
@@ -29,8 +31,11 @@ class APIKey:
             and scope["method"] != "OPTIONS"
             and scope["path"] not in self.public
         ):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
+            if not auth and b"x-api-key" in headers:
+                auth, scheme, token = headers[b"x-api-key"], b"bearer", headers[b"x-api-key"]
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
                 msg = (
                     "Missing API key: send 'Authorization: Bearer <key>'."
@@ -38,7 +43,7 @@ class APIKey:
                     else "Invalid API key."
                 )
                 err = APIError(401, msg, code="invalid_api_key")
-                await error_response(err)(scope, receive, send)
+                await error_response(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import protocol as P
 from jaxserve.server import tools as T
-from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
+from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from jaxserve.server.chat_template import ChatTemplate
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request
@@ -257,7 +257,12 @@ class OpenAIServing:
         return await self._chat(request, await self.read_body(request))
 
     async def _chat(self, request: Request, body: bytes) -> Response:
-        req = P.parse(P.ChatCompletionRequest, body)
+        kind, params, model = await self.plan_chat(P.parse(P.ChatCompletionRequest, body))
+        return await self._generate(request, kind, params, model)
+
+    async def plan_chat(self, req: P.ChatCompletionRequest) -> tuple[Kind, SamplingParams, str]:
+        """A chat request as the engine runs it: its prompt, output parser and SamplingParams.
+        The other chat-shaped APIs (chat_bridge.py) come through here too."""
         req.check()
         model = self.check_model(req.model)
         self.admit(req.n, 1)
@@ -296,7 +301,7 @@ class OpenAIServing:
         if plan.skip_special_tokens is not None:
             params.skip_special_tokens = plan.skip_special_tokens
         await T.check_grammar(self.grammar, spec, spec_param)
-        return await self._generate(request, kind, params, model)
+        return kind, params, model
 
     def sampling_params(
         self,
@@ -341,8 +346,17 @@ class OpenAIServing:
 
     # ---- the shared generation path --------------------------------------------------------------
     async def _generate(self, request: Request, kind: Kind, params, model: str) -> Response:
+        api_id, stream = await self.submit(kind, params)
+        ctx = ResponseBuilder(self.tokens, kind, params.n, api_id, model)
+        if kind.params.stream:
+            return EventStream(ctx.events(stream), stream.abort)
+        return JSONResponse(ctx.body(await self.wait(request, stream, ctx.collect(stream))))
+
+    async def submit(self, kind: Kind, params, id_prefix: str | None = None
+                     ) -> tuple[str, RequestStream]:
+        """Admit the call and add one engine request per prompt, all on one RequestStream."""
         self.admit(len(kind.prompts) * params.n, len(kind.prompts))
-        api_id = f"{kind.id_prefix}-{uuid.uuid4().hex}"
+        api_id = f"{id_prefix or kind.id_prefix}-{uuid.uuid4().hex}"
         stream = self.aengine.stream()
         try:
             for i, p in enumerate(kind.prompts):
@@ -360,9 +374,11 @@ class OpenAIServing:
             raise
         if stream.aborted:  # by a drain that timed out while the adds were queued
             raise shutting_down()
-        ctx = ResponseBuilder(self.tokens, kind, params.n, api_id, model)
-        if kind.params.stream:
-            return EventStream(ctx.events(stream), stream.abort)
+        return api_id, stream
+
+    async def wait(self, request: Request, stream: RequestStream, collect: Awaitable):
+        """`collect`'s result (the finished outputs of a non-streamed call); a client that leaves
+        first aborts the work (ClientDisconnect: a 499), a shutdown that aborts it is a 503."""
         gone = []
 
         def client_gone() -> None:
@@ -370,13 +386,13 @@ class OpenAIServing:
             stream.abort()
 
         try:
-            finals = await until_disconnect(request, ctx.collect(stream), client_gone)
+            finals = await until_disconnect(request, collect, client_gone)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         finally:
             stream.abort()  # no-op once finished
         if finals is None:
             if gone:
-                return Response(status_code=499)  # nobody is listening; nginx's code for it
+                raise ClientDisconnect()  # nobody is listening: 499, nginx's code for it
             raise shutting_down()  # aborted by the shutdown timeout
-        return JSONResponse(ctx.body(finals))
+        return finals

@@ -99,3 +99,8 @@ class EventStream:
             await self.events.aclose()
             if gone.is_set():
                 self.on_disconnect()  # idempotent
+
+
+def sse_event(name: str, payload: dict) -> bytes:
+    """A named SSE event (`event: NAME`), as the Responses and Messages APIs stream them."""
+    return b"event: " + name.encode() + b"\n" + sse(payload)

@@ -3,6 +3,6 @@ of the same tokenizer; the target verifies every draft in one step (`RowSpec.ext
 rejection sampling in runtime/sampler.py) and keeps the accepted prefix plus one token of its own.
 """
 
-from jaxserve.spec.config import SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 
 __all__ = ["SpeculativeConfig"]

@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxserve.core.batch import PENDING
 from jaxserve.spec import ngram
-from jaxserve.spec.config import SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 
 
 class Speculator:

@@ -292,3 +292,40 @@ def test_lpm_falls_back_to_fcfs_on_long_queues():
     for r in reqs:
         sched.add_request(r)
     assert step(sched, random.Random(0)).scheduled[0].request.request_id == "cold"
+
+
+def _prefilled(sched: Scheduler, req: Request):
+    """Schedule `req` until its prompt is computed; returns the step in which it samples."""
+    sched.add_request(req)
+    while True:
+        out = sched.schedule()
+        sched.dispatched(out)
+        if any(s.samples for s in out.scheduled):
+            return out
+        sched.update_from_output(out, {})
+
+
+@pytest.mark.parametrize("sampled,kept,status,reason", [
+    ([5], [5], None, None),  # an ordinary token: kept, no stop
+    ([7], [7], RequestStatus.FINISHED_STOPPED, 7),  # a stop token id: kept, the stop is the token
+    ([2], [2], RequestStatus.FINISHED_STOPPED, None),  # EOS
+    ([5, 6, 7, 5], [5, 6, 7], RequestStatus.FINISHED_STOPPED, 7),  # a verify row: cut after the stop
+    ([5, 6, 5, 6, 5], [5, 6, 5, 6], RequestStatus.FINISHED_LENGTH, None),  # max_tokens=4 reached
+])
+def test_update_from_output_says_what_it_kept_and_the_stop(sampled, kept, status, reason):
+    sched = Scheduler(cfg())
+    req = Request("a", [1, 1, 1], max_tokens=4, eos_token_ids=frozenset({2}), stop_token_ids=frozenset({7}))
+    out = _prefilled(sched, req)
+    landed = sched.update_from_output(out, {"a": sampled if len(sampled) > 1 else sampled[0]})
+    assert list(landed) == ["a"]
+    assert landed["a"].tokens == kept and req.output_token_ids == kept
+    assert landed["a"].stop == (None if status is None else (status, reason))
+    assert req.is_finished == (status is not None)
+    sched.kv.check_invariants()
+
+
+def test_update_from_output_asserts_every_sampling_row_brings_its_token():
+    sched = Scheduler(cfg())
+    out = _prefilled(sched, Request("a", [1, 1, 1], max_tokens=4))
+    with pytest.raises(KeyError):
+        sched.update_from_output(out, {})

@@ -18,9 +18,14 @@ def step(sched: Scheduler, rng: random.Random, vocab: int = 5, check: bool = Tru
     for s in out.scheduled:
         assert len(s.request.block_ids) * sched.config.block_size >= s.start + s.num_new_tokens
     sched.dispatched(out)
-    finished = sched.update_from_output(out, {i: rng.randrange(vocab) for i in ids})
-    for r, status, _ in finished:  # the scheduler ends requests at max_tokens itself
-        assert status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+    sampled = {s.request.request_id: rng.randrange(vocab) for s in out.scheduled if s.samples}
+    landed = sched.update_from_output(out, sampled)
+    assert landed.keys() == sampled.keys()
+    for rid, kept in landed.items():
+        assert kept.tokens == [sampled[rid]]
+        if kept.finished:  # the scheduler ends requests at max_tokens itself
+            r = next(s.request for s in out.scheduled if s.request.request_id == rid)
+            assert kept.stop[0] == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
     if check:
         sched.kv.check_invariants()
     return out
