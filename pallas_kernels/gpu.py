@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.runtime import compat
+from pallas_kernels import compat
 from pallas_kernels import common
 from pallas_kernels.kv_quant import KV_QUANT_DTYPES, QuantPages
 

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxserve.runtime import compat
+from pallas_kernels import compat
 from pallas_kernels import common, gpu
 
 TARGET_CTAS = 2 * 132  # two per SM on an H100/H200

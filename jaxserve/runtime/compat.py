@@ -7,7 +7,6 @@ with an accelerator (the usual result of ``pip install jaxserve`` without a plat
 
 from __future__ import annotations
 
-import functools
 import glob
 import importlib
 import logging
@@ -81,53 +80,14 @@ def export(fn: Callable, platforms: list[str]) -> Callable:
     return mod.export(fn, platforms=platforms)
 
 
-def tpu_interpret_params() -> Any:
-    """Pallas TPU interpreter parameters (``pltpu.InterpretParams``; older: ``TPUInterpretParams``)."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    return _first(pltpu, "InterpretParams", "TPUInterpretParams")()
-
-
-@functools.cache
-def gpu_interpret_params() -> Any:
-    """The Mosaic GPU interpreter's parameters; the class is private and has moved between
-    releases, so look in each place it has lived."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    places = [plgpu]
-    for path in (
-        "jax._src.pallas.mosaic_gpu.interpret.params",
-        "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call",
-    ):
-        try:
-            places.append(importlib.import_module(path))
-        except ImportError:
-            continue
-    for place in places:
-        cls = getattr(place, "InterpretGPUParams", None) or getattr(place, "InterpretParams", None)
-        if cls is not None:
-            return cls()
-    raise RuntimeError(f"jax {jax.__version__} has no Mosaic GPU interpreter")
-
-
-def tpu_hbm() -> Any:
-    """The memory space for a Pallas TPU operand left in HBM (``MemorySpace.HBM``; older
-    releases spell it ``ANY``)."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    return _first(pltpu.MemorySpace, "HBM", "ANY")
-
-
-def tpu_compiler_params(**kw: Any) -> Any:
-    from jax.experimental.pallas import tpu as pltpu
-
-    return _first(pltpu, "CompilerParams", "TPUCompilerParams")(**kw)
-
-
-def gpu_compiler_params(**kw: Any) -> Any:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return _first(plgpu, "CompilerParams", "GPUCompilerParams")(**kw)
+# The Pallas shims live with the kernels (which import nothing from jaxserve); re-exported here.
+from pallas_kernels.compat import (  # noqa: E402, F401
+    gpu_compiler_params,
+    gpu_interpret_params,
+    tpu_compiler_params,
+    tpu_hbm,
+    tpu_interpret_params,
+)
 
 
 # --- an accelerator jax does not use -------------------------------------------------------
