@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated subset of tpu_cases.MODELS")
     ap.add_argument("--kv", default="bf16,int8,fp8", help="KV dtypes: bf16, int8, fp8")
     ap.add_argument("--tp", default="1,8")
+    ap.add_argument("--no-long", action="store_true", help="skip the 128k-context decode case")
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args(argv)
 
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     models = tuple(args.models.split(",")) if args.models else tuple(tpu_cases.MODELS)
     cases = list(tpu_cases.cases(models=models, kv_dtypes=tuple(args.kv.split(",")),
-                                 tps=tuple(int(t) for t in args.tp.split(","))))
+                                 tps=tuple(int(t) for t in args.tp.split(",")),
+                                 long_context=not args.no_long))
     rows = []
     for chip in args.chips.split(","):
         for case in cases:

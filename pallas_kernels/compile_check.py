@@ -4,7 +4,8 @@
 Pallas kernel inside ``fn`` and XLA:TPU for the rest, against a libtpu topology description
 (``jax.experimental.topologies.get_topology_desc``). It needs libtpu (``pip install 'jax[tpu]'``,
 the ``jaxserve[compile-tpu]`` extra) and, on a host without a TPU, ``JAX_PLATFORMS=cpu`` so jax
-itself does not try to open one. Usage::
+itself does not try to open one. libtpu takes a lock file (``/tmp/libtpu_lockfile``) per process;
+set ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` to compile from two processes at once. Usage::
 
     import jax, jax.numpy as jnp
     from pallas_kernels import compile_check

@@ -1,15 +1,20 @@
 """KV-cache write for TPU (Pallas / Mosaic TPU): this step's new K/V rows into their page slots.
 
-Grid ``(cdiv(T, tokens_per_step),)``. ``slot_mapping`` is scalar-prefetched into SMEM, so each
-row's destination (``slot // block_size``, ``slot % block_size``) is known before the body runs.
-Each program gets ``tokens_per_step`` new K and V rows (``[Hkv, D]`` each) as VMEM blocks and
-copies them into the paged cache with one async DMA per (K|V, token): all started, then all
-waited, so the copies of one step overlap each other and the pipelining of the next step's rows.
+``write_kv_fused`` (the engine's path, the ``tpu-fused`` layout of ``pallas_kernels.tpu``): a token
+row is one sublane row of each (block_size, Dp) tile, and a DMA can only address whole tiles
+(Mosaic rejects the sub-tile slice), so the kernel works by whole pages: a page is read into VMEM
+once, every consecutive new token of it selected into its row, and written back when the next
+token goes to another page. Grid steps of ``tokens_per_step`` tokens run in order and the held
+page carries over (a prefill fills a page over several steps with one read and one write).
 
-The pages never leave HBM (``memory_space=pl.ANY``) and are aliased input -> output, so only the
-``T`` new rows move and the update is in place when the caller donates the pages. Rows past ``T``
-in the last (partial) step are skipped. Padding tokens all point into the null block 0; their
-rows may land anywhere in it (same contract as ``reference.write_kv``).
+``write_kv_tpu`` (separate [nb, bs, Hkv, D] K and V pages, the generic API): grid
+``(cdiv(T, tokens_per_step),)``, ``slot_mapping`` scalar-prefetched into SMEM, and one async DMA
+per (K|V, token) of its [Hkv, D] rows (whole tiles there), all started, then all waited.
+
+The pages never leave HBM (``memory_space=pl.ANY``) and are aliased input -> output, so the update
+is in place when the caller donates the pages. Rows past ``T`` in the last (partial) step are
+skipped. Padding tokens all point into the null block 0; their rows may land anywhere in it (same
+contract as ``reference.write_kv``).
 """
 
 from __future__ import annotations
