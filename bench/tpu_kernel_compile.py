@@ -13,7 +13,9 @@ any case fails to compile.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from bench.common import machine_info, table, write_json
 
@@ -28,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", default="1,8")
     ap.add_argument("--no-long", action="store_true", help="skip the 128k-context decode case")
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                    help="print the table of earlier runs' JSON files (no compiling)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        rows = [r for path in args.from_json for r in json.loads(Path(path).read_text())["results"]]
+        return _report(rows)
 
     from pallas_kernels import tpu_cases
 
@@ -45,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "machine": machine_info(jax_devices=False), "partial": True, "results": rows})
             print(f"{r['chip']} {r['kernel']} {r['model']} {r['bucket']} {r['kv']} tp{r['tp']} "
                   f"{'ok' if r['ok'] else 'FAIL'} {r['seconds']}s {r['error'] or ''}", file=sys.stderr, flush=True)
+    write_json(args.out, {"benchmark": "tpu_kernel_compile", "command": " ".join(sys.argv),
+                          "machine": machine_info(jax_devices=False), "results": rows})
+    return _report(rows)
+
+
+def _report(rows: list[dict]) -> int:
     headers = ("kernel", "model", "bucket", "kv", "tp", "chip", "ok", "compile s", "CPU s", "VMEM est MiB",
                "VMEM limit MiB", "chip VMEM MiB", "SMEM KiB", "error")
     print(table([(r["kernel"], r["model"], r["bucket"] + (f" ctx {r['max_model_len']}" if r["max_model_len"] > 4096 else ""),
@@ -53,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
                   round(r["smem_bytes"] / 1024, 1), r["error"] or "") for r in rows], headers))
     failed = [r for r in rows if not r["ok"]]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} compiled")
-    write_json(args.out, {"benchmark": "tpu_kernel_compile", "command": " ".join(sys.argv),
-                          "machine": machine_info(jax_devices=False), "results": rows})
     return 1 if failed else 0
 
 
