@@ -12,7 +12,9 @@ The TPU kernel reads (and ``write_kv`` writes) the ``tpu-fused`` layout, one arr
 TPU path fuses them first (tests, this generic API). Quantized KV (``kv_quant.QuantPages``) is
 read by every kernel: on TPU the fused int8/fp8 data with f32 scales [nb, 2 * Hkv, bs]
 (``tpu.fused_scale_shape``).
-With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host.
+With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host;
+``compile_check`` compiles them for a real TPU with libtpu on any host, ``tpu_cases`` lists every
+shape served with its VMEM/SMEM budget (``tpu_budget``). Nothing here imports ``jaxserve``.
 """
 from __future__ import annotations
 
@@ -169,8 +171,8 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array | None]:
     """New K/V into their slots (in place when the pages are donated).
 
-    Fused pages (``v_pages`` None, ``tpu.fused_shape``): ``kv_write.write_kv_fused``, one DMA of
-    all kv heads' K and V per new token, whatever the backend.
+    Fused pages (``v_pages`` None, ``tpu.fused_shape``): ``kv_write.write_kv_fused``, whole pages
+    read into VMEM, the new rows selected in, written back once per page, whatever the backend.
 
     ``tpu`` (and ``auto`` on CPU with ``interpret=True``): the Mosaic TPU kernel in ``kv_write``,
     pages aliased in HBM and one DMA per new row, ``tokens_per_step`` rows per grid step.

@@ -1,15 +1,20 @@
 """KV-cache write for TPU (Pallas / Mosaic TPU): this step's new K/V rows into their page slots.
 
-Grid ``(cdiv(T, tokens_per_step),)``. ``slot_mapping`` is scalar-prefetched into SMEM, so each
-row's destination (``slot // block_size``, ``slot % block_size``) is known before the body runs.
-Each program gets ``tokens_per_step`` new K and V rows (``[Hkv, D]`` each) as VMEM blocks and
-copies them into the paged cache with one async DMA per (K|V, token): all started, then all
-waited, so the copies of one step overlap each other and the pipelining of the next step's rows.
+``write_kv_fused`` (the engine's path, the ``tpu-fused`` layout of ``pallas_kernels.tpu``): a token
+row is one sublane row of each (block_size, Dp) tile, and a DMA can only address whole tiles
+(Mosaic rejects the sub-tile slice), so the kernel works by whole pages: a page is read into VMEM
+once, every consecutive new token of it selected into its row, and written back when the next
+token goes to another page. Grid steps of ``tokens_per_step`` tokens run in order and the held
+page carries over (a prefill fills a page over several steps with one read and one write).
 
-The pages never leave HBM (``memory_space=pl.ANY``) and are aliased input -> output, so only the
-``T`` new rows move and the update is in place when the caller donates the pages. Rows past ``T``
-in the last (partial) step are skipped. Padding tokens all point into the null block 0; their
-rows may land anywhere in it (same contract as ``reference.write_kv``).
+``write_kv_tpu`` (separate [nb, bs, Hkv, D] K and V pages, the generic API): grid
+``(cdiv(T, tokens_per_step),)``, ``slot_mapping`` scalar-prefetched into SMEM, and one async DMA
+per (K|V, token) of its [Hkv, D] rows (whole tiles there), all started, then all waited.
+
+The pages never leave HBM (``memory_space=pl.ANY``) and are aliased input -> output, so the update
+is in place when the caller donates the pages. Rows past ``T`` in the last (partial) step are
+skipped. Padding tokens all point into the null block 0; their rows may land anywhere in it (same
+contract as ``reference.write_kv``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import compat
+from pallas_kernels import compat, tpu_budget
 from pallas_kernels.kv_quant import QuantPages, quantize
 
 
@@ -123,22 +128,57 @@ def write_kv_tpu(
     )
 
 
-def _fused_kernel(slots_ref, kv_in, new_ref, kv_out, sems, *, tokens_per_step: int,
+def _fused_kernel(slots_ref, kv_in, new_ref, kv_out, page, sems, current, *, tokens_per_step: int,
                   block_size: int, num_tokens: int):
-    """One DMA per new token: its [2 * Hkv, Dp] K/V rows into row ``offset`` of every kv row of
-    its page (a strided destination: one sublane row per kv head and K|V)."""
+    """Each new token's [2 * Hkv, 1, Dp] rows into row ``offset`` of its page, by whole pages: a
+    token row is a sub-tile slice of the (block_size, Dp) tiles, which a DMA cannot address, so the
+    page is read into VMEM once, every consecutive token of it selected in, and written back when
+    the next token goes elsewhere (or at the end). Steps run in order; ``current`` (SMEM) is the
+    page held in VMEM across them, -1 for none."""
     del kv_in  # same buffer as kv_out
     step = pl.program_id(0)
-    copies = []
+
+    def copy(src, dst, sem):
+        cp = pltpu.make_async_copy(src, dst, sems.at[sem])
+        cp.start()
+        cp.wait()
+
+    @pl.when(step == 0)
+    def _():
+        current[0] = -1
+
+    rows = lax.broadcasted_iota(jnp.int32, page.shape, 1)
     for j in range(tokens_per_step):
         t = step * tokens_per_step + j
         slot = slots_ref[jnp.minimum(t, num_tokens - 1)]
-        dst = kv_out.at[lax.div(slot, block_size), :, pl.ds(lax.rem(slot, block_size), 1)]
-        copies.append((t < num_tokens, pltpu.make_async_copy(new_ref.at[j], dst, sems.at[j])))
-    for valid, cp in copies:
-        pl.when(valid)(cp.start)
-    for valid, cp in copies:
-        pl.when(valid)(cp.wait)
+        block = lax.div(slot, block_size)
+        offset = lax.rem(slot, block_size)
+
+        @pl.when((t < num_tokens) & (block != current[0]))
+        def _():
+            @pl.when(current[0] >= 0)
+            def _():
+                copy(page, kv_out.at[current[0]], 1)
+
+            copy(kv_out.at[block], page, 0)
+            current[0] = block
+
+        @pl.when(t < num_tokens)
+        def _():
+            page[...] = jnp.where(rows == offset, jnp.broadcast_to(new_ref[j], page.shape), page[...])
+
+    @pl.when((step == pl.num_programs(0) - 1) & (current[0] >= 0))
+    def _():
+        copy(page, kv_out.at[current[0]], 1)
+
+
+def fused_vmem_estimate(num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                        tokens_per_step: int = 8) -> int:
+    """VMEM bytes of the fused write: the double-buffered new rows ([tokens, 2 * Hkv, 1, Dp], a
+    sublane tile per row), the page held across steps and two page-sized select temporaries."""
+    dp, item = tpu_budget.round_up(head_dim, tpu_budget.LANES), jnp.dtype(dtype).itemsize
+    rows = tpu_budget.vmem_tile_bytes((tokens_per_step, 2 * num_kv_heads, 1, dp), item)
+    return 2 * rows + 3 * tpu_budget.vmem_tile_bytes((2 * num_kv_heads, block_size, dp), item)
 
 
 def write_kv_fused(
@@ -189,14 +229,19 @@ def write_kv_fused(
         grid=(pl.cdiv(num_tokens, tokens_per_step),),
         in_specs=[any_spec, row_spec],
         out_specs=any_spec,
-        scratch_shapes=[pltpu.SemaphoreType.DMA((tokens_per_step,))],
+        scratch_shapes=[pltpu.VMEM((kv_rows, block_size, padded_dim), kv_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2,)), pltpu.SMEM((1,), jnp.int32)],
     )
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
         input_output_aliases={1: 0},  # operand 0 is the scalar-prefetched slots
-        compiler_params=compat.tpu_compiler_params(dimension_semantics=("parallel",)),
+        # in order: the page held in VMEM carries over from one step to the next
+        compiler_params=compat.tpu_compiler_params(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=tpu_budget.vmem_limit(fused_vmem_estimate(
+                num_kv_heads, head_dim, block_size, kv_pages.dtype, tokens_per_step))),
         interpret=compat.tpu_interpret_params() if interpret else False,
         name="write_kv_fused_tpu",
     )(slot_mapping.astype(jnp.int32), kv_pages, new)

@@ -18,9 +18,11 @@ bound) in chunks of ``pages_per_chunk`` pages through two VMEM slots: while chun
 the DMAs of the next chunk are in flight, and the next chunk of the last one of a sequence is the
 next sequence's first, in this tile or the next program's (the slot counter and an in-flight
 flag persist in SMEM across grid steps): decode (one sequence per program) streams pages without
-a bubble between sequences. Lengths and tile ranges are scalar-prefetched into SMEM, block
-tables too up to ``TABLE_SMEM_BYTES``; longer ones (a 128k ``max_model_len``) stay in HBM and
-each chunk DMAs its few ids into a two-slot SMEM buffer, so SMEM use is bounded.
+a bubble between sequences. Lengths, tile ranges and block tables are scalar-prefetched into
+SMEM (a DMA of a few table ids out of HBM would be a sub-tile slice, which Mosaic rejects); tables
+over ``TABLE_SMEM_BYTES`` (a 128k ``max_model_len`` x many sequences) split the batch's sequences
+over several calls (``table_rows``). ``vmem_estimate``/``smem_estimate`` bound each call, and the
+call's ``vmem_limit_bytes`` comes from the first (``tpu_budget``).
 Online softmax in f32, per head. Block sizes are static (``block_sizes``).
 
 Quantized pages (``--kv-cache-dtype int8|fp8_*``, ``kv_quant.QuantPages``): the data is int8/fp8
@@ -46,12 +48,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
-from pallas_kernels import common
+from pallas_kernels import common, tpu_budget
 from pallas_kernels.kv_quant import QuantPages
 
-# SMEM is small (tens to hundreds of KiB per core by generation) and shared with the other scalar
-# operands: tables up to 4096 entries (16 sequences x 4k tokens of 16) are prefetched whole.
-TABLE_SMEM_BYTES = 16 * 1024
+TABLE_SMEM_BYTES = tpu_budget.TABLE_SMEM_BYTES
 LANES = 128
 CHUNK_VMEM_BYTES = 4 << 20  # both slots of the K/V chunk buffer
 
@@ -126,40 +126,30 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), b)
 
 
-def _kernel(*refs, tables_in_smem: bool, quantized: bool, **static):
-    """Unpack the refs of either table mode, then run the body.
+def _kernel(*refs, quantized: bool, **static):
+    """Unpack the refs, then run the body.
 
-    Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], [tables i32[S * max_blocks] when they
-    fit], tile_lo/tile_hi i32[num_tiles]. Inputs: q [Hkv, rows, Dp] (VMEM block), the fused pages
-    (HBM), [tables in HBM i32[S, max_blocks + ppc] otherwise]. Output: [Hkv, rows, Dp]. Scratch:
-    chunk buffer [2, 2 * Hkv, chunk, Dp], DMA sems [2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows,
-    Dp], state i32[2] (SMEM: chunks issued, next chunk in flight), [the chunk's table ids
-    i32[2 * ppc] (SMEM) and their DMA semaphore in HBM-table mode]. Quantized pages: the scales
-    (HBM, f32[nb, 2 * Hkv, bs]) follow the pages among the inputs, and their chunk buffer
-    f32[2, ppc, 2 * Hkv, bs] ends the scratch.
+    Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], this call's block tables
+    i32[rows * max_blocks] (sequences [seq_base, seq_base + rows)), tile_lo/tile_hi i32[num_tiles].
+    Inputs: q [Hkv, rows, Dp] (VMEM block), the fused pages (HBM), [quantized: their scales (HBM,
+    f32[nb, 2 * Hkv, bs])]. Output: [Hkv, rows, Dp]. Scratch: chunk buffer [2, 2 * Hkv, chunk,
+    Dp], DMA sems [2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows, Dp], state i32[2] (SMEM: chunks
+    issued, next chunk in flight), [quantized: the scales' chunk buffer f32[2, ppc, 2 * Hkv, bs]].
     """
     if quantized:
         *refs, scale_buf = refs
-    if tables_in_smem:
-        (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, kv_hbm, *refs) = refs
-    else:
-        (seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, *refs) = refs
+    (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, kv_hbm, *refs) = refs
     scales = (refs.pop(0), scale_buf) if quantized else None
-    if tables_in_smem:
-        o_ref, *scratch = refs
-        tables = (tables_ref,)
-    else:
-        tables_hbm, o_ref, *scratch = refs
-        tables = (tables_hbm, *scratch[6:])
-    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch[:6],
-          tables=tables, scales=scales, **static)
+    o_ref, *scratch = refs
+    _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch,
+          tables=tables_ref, scales=scales, **static)
 
 
 def _body(
     seq_lens_ref, qsl_ref, tile_lo_ref, tile_hi_ref, q_ref, kv_hbm, o_ref,
     buf, sems, m_ref, l_ref, acc_ref, state,
     *,
-    tables: tuple,
+    tables,
     scales: tuple | None,
     sm_scale: float,
     sliding_window: int | None,
@@ -170,6 +160,7 @@ def _body(
     pages_per_chunk: int,
     max_blocks: int,
     num_tiles: int,
+    seq_base: int,
 ):
     tile = pl.program_id(0)
     num_kv_heads, rows, _ = m_ref.shape
@@ -198,25 +189,9 @@ def _body(
         c_hi = jnp.where(t_last >= t_first, _cdiv(kv_end, chunk), c_lo)
         return c_lo, c_hi, _cdiv(kv_end, block_size), kv_end, ctx_before, q_start, q_end
 
-    def load_table(seq, c, slot):
-        """HBM-table mode: chunk c's block ids into SMEM slot ``slot`` (a few bytes; each table
-        row is padded by one chunk, so the slice never runs off its end)."""
-        if len(tables) == 1:
-            return
-        tables_hbm, ids, sem = tables
-        cp = pltpu.make_async_copy(
-            tables_hbm.at[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)],
-            ids.at[pl.ds(slot * pages_per_chunk, pages_per_chunk)],
-            sem.at[0],
-        )
-        cp.start()
-        cp.wait()
-
-    def block_id(seq, c, j, slot):
-        if len(tables) == 1:
-            page_idx = jnp.minimum(c * pages_per_chunk + j, max_blocks - 1)
-            return tables[0][seq * max_blocks + page_idx]
-        return tables[1][slot * pages_per_chunk + j]
+    def block_id(seq, c, j):
+        page_idx = jnp.minimum(c * pages_per_chunk + j, max_blocks - 1)
+        return tables[(seq - seq_base) * max_blocks + page_idx]
 
     def page_copies(seq, c, slot, num_pages):
         """One DMA per page of chunk c: K and V of all its kv heads (and, quantized, a second one
@@ -224,7 +199,7 @@ def _body(
         skipped."""
         copies = []
         for j in range(pages_per_chunk):
-            needed, block = c * pages_per_chunk + j < num_pages, block_id(seq, c, j, slot)
+            needed, block = c * pages_per_chunk + j < num_pages, block_id(seq, c, j)
             copies.append((needed, pltpu.make_async_copy(
                 kv_hbm.at[block], buf.at[slot, :, pl.ds(j * block_size, block_size)], sems.at[slot])))
             if scales is not None:
@@ -249,7 +224,6 @@ def _body(
         return out
 
     def fetch(seq, c, slot, num_pages):
-        load_table(seq, c, slot)
         for needed, cp in page_copies(seq, c, slot, num_pages):
             pl.when(needed)(cp.start)
 
@@ -351,6 +325,45 @@ def _body(
     o_ref[...] = jnp.where(l > 0.0, acc_ref[...] / safe_l, 0.0).astype(o_ref.dtype)
 
 
+def vmem_estimate(*, num_kv_heads: int, rows: int, head_dim: int, q_dtype, kv_dtype, block_size: int,
+                  pages_per_chunk: int, quantized: bool = False) -> int:
+    """VMEM bytes of one attention call: the double-buffered q and output blocks, both K/V chunk
+    slots, m/l (one lane used, 128 allocated) and acc, the scales' chunk slots, and the [rows,
+    chunk] f32 scores and probabilities of one head that Mosaic keeps in VMEM."""
+    dp, chunk = common.round_up(head_dim, LANES), pages_per_chunk * block_size
+    q_item, kv_item = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
+    total = 4 * tpu_budget.vmem_tile_bytes((num_kv_heads, rows, dp), q_item)  # q, o: 2 buffers each
+    total += tpu_budget.vmem_tile_bytes((2, 2 * num_kv_heads, chunk, dp), kv_item)
+    total += 2 * tpu_budget.vmem_tile_bytes((num_kv_heads, rows, 1), 4)
+    total += tpu_budget.vmem_tile_bytes((num_kv_heads, rows, dp), 4)
+    if quantized:
+        total += tpu_budget.vmem_tile_bytes((2, pages_per_chunk, 2 * num_kv_heads, block_size), 4)
+    return total + 3 * tpu_budget.vmem_tile_bytes((rows, chunk), 4)
+
+
+def smem_estimate(*, num_seqs: int, max_blocks: int, num_tiles: int,
+                  table_smem_bytes: int = TABLE_SMEM_BYTES) -> int:
+    """SMEM bytes of one attention call: lengths, query starts, the call's table rows (at most
+    ``table_smem_bytes``, ``table_rows``), the tile ranges and the pipeline state."""
+    rows = table_rows(num_seqs, max_blocks, table_smem_bytes)
+    words = (num_seqs, num_seqs + 1, rows * max_blocks, num_tiles, num_tiles, 2)
+    return sum(tpu_budget.smem_array_bytes(w) for w in words)
+
+
+def table_rows(num_seqs: int, max_blocks: int, table_smem_bytes: int = TABLE_SMEM_BYTES) -> int:
+    """Sequences whose block tables one call prefetches into SMEM: all of them when they fit
+    ``table_smem_bytes``, else as many as fit (a longer ``max_model_len`` splits the batch's
+    sequences over several calls); an error when not even one sequence's row fits."""
+    per_seq = tpu_budget.smem_array_bytes(max_blocks)
+    if per_seq > table_smem_bytes:
+        raise ValueError(f"one sequence's block table ({max_blocks} blocks, {per_seq} B) exceeds the "
+                         f"{table_smem_bytes} B of SMEM for tables: use a larger block size or a "
+                         "shorter max_model_len")
+    if tpu_budget.smem_array_bytes(num_seqs * max_blocks) <= table_smem_bytes:
+        return num_seqs
+    return max(1, table_smem_bytes // per_seq)
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages,  # fused [num_blocks, 2 * Hkv, block_size, Dp], or K [nb, bs, Hkv, D]; or QuantPages
@@ -368,10 +381,12 @@ def ragged_paged_attention(
     table_smem_bytes: int = TABLE_SMEM_BYTES,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
-    """``table_smem_bytes``: block tables up to this size are scalar-prefetched into SMEM;
-    larger ones (long ``max_model_len`` x many sequences) stay in HBM and each chunk DMAs its
-    ``pages_per_chunk`` ids into a two-slot SMEM buffer, so SMEM use is bounded. Quantized pages
-    (``QuantPages``, fused data + f32[nb, 2 * Hkv, bs] scales) compute in q's dtype."""
+    """``table_smem_bytes``: block tables live in SMEM, at most this many bytes per kernel call;
+    a batch whose tables are larger (long ``max_model_len`` x many sequences) is split by
+    sequences over several calls (``table_rows``), each walking only its own sequences, and the
+    outputs are summed (each token's row is non-zero in exactly one call). Quantized pages
+    (``QuantPages``, fused data + f32[nb, 2 * Hkv, bs] scales) compute in q's dtype. The call
+    asks for ``tpu_budget.vmem_limit(vmem_estimate(...))`` of VMEM."""
     kv = k_pages if v_pages is None else fuse_pages(k_pages, v_pages)
     quantized = isinstance(kv, QuantPages)
     kv, kv_scale = (kv.data, kv.scale) if quantized else (kv, None)
@@ -395,10 +410,8 @@ def ragged_paged_attention(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_dim - head_dim)))
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
 
-    tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
-    tables_in_smem = tables.size * 4 <= table_smem_bytes
     kernel = functools.partial(
-        _kernel, tables_in_smem=tables_in_smem, quantized=quantized, sm_scale=sm_scale, sliding_window=sliding_window,
+        _kernel, quantized=quantized, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, block_q=block_q, group=group, block_size=block_size,
         pages_per_chunk=pages_per_chunk, max_blocks=max_blocks, num_tiles=num_tiles,
     )
@@ -412,33 +425,37 @@ def ragged_paged_attention(
         pltpu.VMEM((num_kv_heads, rows, padded_dim), jnp.float32),
         pltpu.SMEM((2,), jnp.int32),
     ]
-    lens = (seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32))
-    pages = (kv, kv_scale) if quantized else (kv,)
-    if tables_in_smem:
-        prefetch = (*lens, tables, tile_lo, tile_hi)
-        inputs, in_specs = (q_rows, *pages), [row_spec, *[hbm] * len(pages)]
-    else:
-        prefetch = (*lens, tile_lo, tile_hi)
-        padded = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_chunk)))
-        # the table stays in HBM
-        inputs, in_specs = (q_rows, *pages, padded), [row_spec, *[hbm] * len(pages), hbm]
-        scratch += [pltpu.SMEM((2 * pages_per_chunk,), jnp.int32), pltpu.SemaphoreType.DMA((1,))]
     if quantized:  # each page's scales: one whole (2 * Hkv, bs) tile per chunk slot and page
         scratch.append(pltpu.VMEM((2, pages_per_chunk, kv_rows, block_size), jnp.float32))
+    estimate = vmem_estimate(num_kv_heads=num_kv_heads, rows=rows, head_dim=head_dim, q_dtype=q.dtype,
+                             kv_dtype=kv.dtype, block_size=block_size, pages_per_chunk=pages_per_chunk,
+                             quantized=quantized)
+    pages = (kv, kv_scale) if quantized else (kv,)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(prefetch),
+        num_scalar_prefetch=5,
         grid=(num_tiles,),
-        in_specs=in_specs,
+        in_specs=[row_spec, *[hbm] * len(pages)],
         out_specs=row_spec,
         scratch_shapes=scratch,
     )
-    out = pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        # In order: a program's last DMAs fetch the next program's first pages.
-        compiler_params=compat.tpu_compiler_params(dimension_semantics=("arbitrary",)),
-        interpret=compat.tpu_interpret_params() if interpret else False,
-        name="ragged_paged_attention_tpu",
-    )(*prefetch, *inputs)
+    lens = (seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32))
+    tables = block_tables.astype(jnp.int32)
+    per_call = table_rows(num_seqs_max, max_blocks, table_smem_bytes)
+    out = None
+    for base in range(0, num_seqs_max, per_call):
+        part = tables[base:base + per_call]
+        part = jnp.pad(part, ((0, per_call - part.shape[0]), (0, 0))).reshape(-1)
+        lo = jnp.clip(tile_lo, base, base + per_call)
+        hi = jnp.maximum(jnp.clip(tile_hi, base, base + per_call), lo)
+        call = pl.pallas_call(
+            functools.partial(kernel, seq_base=base),
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+            # In order: a program's last DMAs fetch the next program's first pages.
+            compiler_params=compat.tpu_compiler_params(
+                dimension_semantics=("arbitrary",), vmem_limit_bytes=tpu_budget.vmem_limit(estimate)),
+            interpret=compat.tpu_interpret_params() if interpret else False,
+            name="ragged_paged_attention_tpu",
+        )(*lens, part, lo, hi, q_rows, *pages)
+        out = call if out is None else out + call  # a token's row is non-zero in one call only
     return common.from_rows(out[..., :head_dim], num_tokens, num_q_heads, block_q)

@@ -35,10 +35,7 @@ sys.path.insert(0, str(ROOT))
 from jaxserve.runtime import deviceless  # noqa: E402  (sets no jax state on import)
 
 # Known failures, visible in the table: remove an entry when its cause is fixed.
-EXPECTED_FAILURES = {
-    "tpu/*": "issue 24 item 4: the TPU kernels are being rewritten (branch tpu-kernels); today's fused KV "
-             "write slices one token row out of a tiled block dimension",
-}
+EXPECTED_FAILURES: dict[str, str] = {}  # none: every kernel and step case compiles
 # Spills accepted in bf16 kernels, with the ptxas figures that justify them (bench/RESULTS.md).
 ACCEPTED_SPILLS = {
     "cuda/*/kernel/G*-d256/*": "head_dim 256 (no shipped family): the f32[64, 256] accumulator alone is 128 of a "

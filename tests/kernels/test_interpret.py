@@ -7,6 +7,7 @@ the interpreters fill freshly allocated buffers (the output too) with NaN, so an
 row fails the finiteness check.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -150,10 +151,14 @@ def test_tpu_shapes(shape):
 
 
 @pytest.mark.parametrize("case", ["chunked", "decode"])
-def test_tpu_block_tables_in_hbm(case):
-    """Tables too large for SMEM stay in HBM (forced here with a 0-byte SMEM budget)."""
+def test_tpu_block_tables_split_over_calls(case):
+    """Tables over the SMEM budget split the sequences over several kernel calls (forced here with
+    a budget of one sequence's row), the outputs summed; no table ever leaves SMEM."""
     b = make_batch(np.random.default_rng(30), *CASES[case], num_q_heads=6, num_kv_heads=2)
-    kernel = functools.partial(tpu_kernel, table_smem_bytes=0)
+    tables = jnp.pad(b.args[5], ((0, 0), (0, 128 - b.args[5].shape[1])))  # one 512-B SMEM row each
+    b = dataclasses.replace(b, args=(*b.args[:5], tables, b.args[6]))
+    assert tpu.table_rows(tables.shape[0], 128, 512) == 1 < tables.shape[0]
+    kernel = functools.partial(tpu_kernel, table_smem_bytes=512)
     _check(kernel, b, rtol=1e-5, atol=1e-5, sliding_window=7)
 
 

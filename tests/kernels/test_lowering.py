@@ -134,14 +134,19 @@ def test_quantized_kv_block_sizes_lower_for_cuda(name, head_dim, block_size, dec
     assert "mosaic_gpu_v2" in _custom_calls(fn, "cuda", shapes)
 
 
-def test_tpu_long_block_tables_stay_in_hbm():
-    """256 sequences x 8192 pages (128k tokens of 16) is 8 MiB of table: no scalar prefetch of it."""
+def test_tpu_long_block_tables_split_over_calls():
+    """256 sequences x 8192 pages (128k tokens of 16) is 8 MiB of table: SMEM holds 512 KiB of it
+    per call, so the sequences split over 16 calls of 16 sequences each."""
+    from pallas_kernels import tpu
+
+    assert tpu.table_rows(256, 8192) == 16
     shapes = list(_model_shapes(jnp.bfloat16, (32, 8, 128)))
     shapes[3] = jax.ShapeDtypeStruct((256,), jnp.int32)
     shapes[4] = jax.ShapeDtypeStruct((257,), jnp.int32)
     shapes[5] = jax.ShapeDtypeStruct((256, 8192), jnp.int32)
     fn = functools.partial(ragged_paged_attention, sm_scale=0.1, backend="tpu")
-    assert "tpu_custom_call" in _custom_calls(fn, "tpu", shapes)
+    text = compat.export(jax.jit(fn), platforms=["tpu"])(*shapes).mlir_module()
+    assert text.count("tpu_custom_call") == 16
 
 
 @pytest.mark.parametrize("decode_only", [True, False])

@@ -105,6 +105,24 @@ def test_fused_write_matches_reference(heads, head_dim, dtype):
     np.testing.assert_array_equal(np.asarray(got[..., head_dim:], np.float32), 0.0)
 
 
+def test_fused_write_pages_held_across_steps():
+    """The write reads a page into VMEM once and writes it back when the next token goes
+    elsewhere: a 20-token prefill (a page filled over two 8-token grid steps, then the next page),
+    a token into a page written before, and padding rows into the null block 0."""
+    rng = np.random.default_rng(7)
+    nb, bs, heads, d = 6, 16, 2, 64
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((nb, bs, heads, d)), jnp.bfloat16) for _ in range(2))
+    # page 3 over steps 0-1, page 1, page 2, page 1 again, then two padding rows into block 0
+    slots = [3 * bs + i for i in range(16)] + [bs + i for i in range(4)] + [2 * bs + 7, bs + 4, 0, 0]
+    slots = jnp.asarray(slots, jnp.int32)
+    k, v = (jnp.asarray(rng.standard_normal((slots.shape[0], heads, d)), jnp.float32) for _ in range(2))
+    got, _ = pallas_kernels.write_kv(tpu.fuse_pages(k_pages, v_pages), None, k, v, slots, backend="tpu",
+                                     interpret=True)
+    want = reference.write_kv(k_pages, v_pages, k, v, slots)
+    for g, w in zip(tpu.unfuse_pages(got, d), want):
+        np.testing.assert_array_equal(np.asarray(g[1:], np.float32), np.asarray(w[1:], np.float32))
+
+
 # ---- quantized pages (--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2) ---------------------------
 # The kernel widens the int8/fp8 tile (exact) and applies the K scales to the scores and the V
 # scales to the probabilities; the oracle is the reference on the dequantized float32 pages.
@@ -135,14 +153,14 @@ def _run_quantized(b, name, *, decode_only=False, **kw):
 ])
 def test_quantized_pages_match_the_oracle(name, kind, heads, window, dtype):
     """GQA 4, 4, 3 and 3 (two of them one kv head), head_dim 64 and 128, decode and mixed/chunked
-    prefill, sliding windows; the chunked case keeps its block table in HBM and caps the scores."""
+    prefill, sliding windows; the chunked case caps the scores."""
     hq, hkv, d = heads
     q_lens, kv_lens = {"decode": ([1, 1, 1], [1, 33, 70]), "mixed": ([1, 1, 9, 4], [40, 2, 9, 70]),
                        "chunked": ([6, 3], [70, 3])}[kind]
     b = make_batch(np.random.default_rng(hq + d), q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv,
                    head_dim=d, block_size=32, dtype=dtype, pad_tokens=0 if kind == "decode" else 3)
     # two pages per chunk: sequences span several chunks, and a chunk holds pages not fetched
-    extra = {"table_smem_bytes": 0, "soft_cap": 20.0} if kind == "chunked" else {}
+    extra = {"soft_cap": 20.0} if kind == "chunked" else {}
     _run_quantized(b, name, decode_only=kind == "decode", sliding_window=window, pages_per_chunk=2, **extra)
 
 
