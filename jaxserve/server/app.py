@@ -36,7 +36,7 @@ from jaxserve.server.errors import (
     http_error,
     internal_error,
 )
-from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics, cache_config_info
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.serving import OpenAIServing, served_names
 
@@ -71,7 +71,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
 
     cfg = cfg or ServerConfig()
     names = served_names(engine.loaded.name, cfg)
-    metrics = ServerMetrics(lambda: aengine.stats, names[0])
+    metrics = ServerMetrics(lambda: aengine.stats, names[0],
+                            cache_config_info(engine.config, engine.scheduler.config.num_blocks))
     aengine = AsyncEngine(
         engine, on_output=metrics.observe, on_abort=metrics.aborted, hang_timeout=cfg.hang_timeout
     )
