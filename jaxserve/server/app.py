@@ -36,6 +36,7 @@ from jaxserve.server.errors import (
     http_error,
     internal_error,
 )
+from jaxserve.server.kv_events import attach_kv_events
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics, cache_config_info
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.serving import OpenAIServing, served_names
@@ -162,6 +163,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         log.exception("Unhandled error on %s", request.url.path)  # outside a route: middleware
         return error_response(internal_error())
 
+    kv_events = attach_kv_events(engine, cfg.kv_events_config)  # before the engine thread starts
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         aengine.start()
@@ -169,6 +172,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             yield
         finally:
             await aengine.shutdown()
+            if kv_events is not None:
+                kv_events.shutdown()
 
     routes = [
         Route("/v1/completions", guarded(serving.completions), methods=["POST"]),

@@ -37,6 +37,7 @@ class ServerConfig:
     enable_request_id_headers: bool = False  # echo X-Request-Id, or make one
     tool_call_parser: str | None = None  # how tool_choice "auto" reads calls (tool_parsers.py)
     reasoning_parser: str | None = None  # splits <think> blocks into reasoning_content
+    kv_events_config: str | None = None  # vLLM's JSON: publish KV events over ZMQ (kv_events.py)
 
     def __post_init__(self) -> None:
         for name, known in (
@@ -101,6 +102,7 @@ class ServerConfig:
             enable_request_id_headers=args.enable_request_id_headers,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            kv_events_config=args.kv_events_config,
         )
 
 
@@ -218,4 +220,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(REASONING_PARSERS),
         help="put <think>...</think> in reasoning_content (qwen3: when the answer opens with "
         "<think>; deepseek_r1: the prompt opened it) (default: off)",
+    )
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-event publisher as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+        "\"kv-events\"}' (BlockStored/BlockRemoved/AllBlocksCleared for prefix-aware routers; "
+        "needs jaxserve[kv-events])",
     )
