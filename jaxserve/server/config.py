@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from jaxserve.config import parse_bytes
 from jaxserve.errors import UserError
 from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.replicas import add_replica_args
 from jaxserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/load")
@@ -229,3 +230,4 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "\"kv-events\"}' (BlockStored/BlockRemoved/AllBlocksCleared for prefix-aware routers; "
         "needs jaxserve[kv-events])",
     )
+    add_replica_args(p.add_argument_group("replicas (data parallel)"))
