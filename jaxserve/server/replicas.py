@@ -12,11 +12,13 @@ says so; one that keeps dying is reported dead, never dropped silently, and the 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,6 +106,7 @@ class Replica:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     healthy: bool = False
+    started_once: bool = False  # was healthy at least once (a failure before that is a start-up error)
     dead: bool = False
     log_tail: list[str] = field(default_factory=list)
 
@@ -121,7 +124,7 @@ class Replica:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                 return r.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # refused, reset, or not HTTP at all
             return False
 
 
@@ -131,6 +134,13 @@ def run_replicas(args: argparse.Namespace, argv: list[str]) -> int:
         raise UserError(f"Invalid --data-parallel-size {n}: must be >= 1.", param="data_parallel_size")
     if args.port + n >= 65536:
         raise UserError(f"--port {args.port} leaves no room for {n} replica ports above it.", param="port")
+    for p in range(args.port + 1, args.port + 1 + n):
+        with socket.socket() as s:
+            try:
+                s.bind((args.host, p))
+            except OSError:
+                raise UserError(f"Replica port {p} (--port {args.port} + rank + 1) is in use: choose another "
+                                "--port.", param="port") from None
     base = [sys.executable, "-m", "jaxserve.cli", *replica_argv(argv)]
     kv_cfg = json.loads(args.kv_events_config) if args.kv_events_config else None
     replicas = []
@@ -197,6 +207,8 @@ def supervise(replicas: list[Replica], max_restarts: int) -> None:
             continue
         code = r.proc.poll()
         if code is not None:
+            if code == 2 and not r.started_once:  # a UserError (bad flag, missing model): fatal for all
+                raise UserError(f"replica {r.rank} could not start (exit code 2, its error is above).")
             if r.restarts >= max_restarts:
                 r.dead = True
                 log.error("replica %d (%s) exited with code %s and was restarted %d times: reported "
@@ -211,3 +223,6 @@ def supervise(replicas: list[Replica], max_restarts: int) -> None:
         if ok != r.healthy:
             log.info("replica %d (%s) is %s", r.rank, r.url, "healthy" if ok else "unhealthy")
             r.healthy = ok
+            r.started_once |= ok
+    if all(r.dead for r in replicas):
+        raise UserError("every replica died; see their errors above.")
