@@ -152,7 +152,7 @@ def predict(prompt_tokens: list[list[int]], n: int, policy: str, answer_len: int
 
 def run(model_args: list[str], n: int = 3, num_conversations: int = 6, turns: int = 5, system_words: int = 300,
         user_words: int = 12, max_tokens: int = 8, num_blocks: int = 512, log_path: str = "/tmp/replicas.log",
-        seed: int = 0) -> dict:
+        seed: int = 0, kill: bool = True) -> dict:
     proc, urls, startup_s = launch_fleet(model_args, n, log_path)
     out = {"replicas": n, "startup_s": startup_s, "policies": {}}
     try:
@@ -169,7 +169,7 @@ def run(model_args: list[str], n: int = 3, num_conversations: int = 6, turns: in
                 res["seconds"] = time.monotonic() - t0
                 sim = predict(res["prompt_tokens"], n, policy, max_tokens, num_blocks)
                 res["predicted_hit_ratio"] = sim["hit_ratio"]
-                if policy == "cache_aware":  # kill the replica holding conversation 0, mid-run
+                if policy == "cache_aware" and kill:  # kill the replica holding conversation 0, mid-run
                     victim = urls[res["landed"][0][-1]]
                     port = int(victim.rsplit(":", 1)[1])
                     old = replica_pids(proc.pid)[port]
@@ -204,18 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--user-words", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per replica, for the simulator")
+    p.add_argument("--no-kill", action="store_true", help="skip killing a replica")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     res = run(shlex.split(args.server_args), args.replicas, args.conversations, args.turns, args.system_words,
-              args.user_words, args.max_tokens, args.num_blocks)
+              args.user_words, args.max_tokens, args.num_blocks, kill=not args.no_kill)
     print(f"{args.replicas} replicas up in {res['startup_s']:.0f} s")
     print(f"{'policy':12} {'hit tokens':>10} {'hit ratio':>9} {'predicted':>9} {'failed':>6} {'seconds':>7}")
     for policy, r in res["policies"].items():
         print(f"{policy:12} {r['hit_tokens']:10.0f} {r['hit_ratio']:9.1%} {r['predicted_hit_ratio']:9.1%} "
               f"{r['failed']:6d} {r['seconds']:7.1f}")
     ca = res["policies"]["cache_aware"]
-    print(f"after killing a replica: {ca['after_kill_failed']} of {ca['after_kill_requests']} requests failed; "
-          f"restarted: {ca['restarted']}")
+    if "after_kill_failed" in ca:
+        print(f"after killing a replica: {ca['after_kill_failed']} of {ca['after_kill_requests']} requests failed; "
+              f"restarted: {ca['restarted']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
