@@ -264,7 +264,7 @@ def print_level(name: str, s: dict) -> None:
 def load_dataset(args) -> tuple[list[tuple[object, int, float]], dict]:
     if args.dataset in conversations.KINDS:  # multi-turn: prompts depend on earlier answers
         convs = conversations.make(args.dataset, args.num_conversations, args.turns, args.system_words,
-                                   seed=args.seed)
+                                   args.user_words, seed=args.seed)
         return convs, {"dataset": args.dataset, "conversations": len(convs), "turns": args.turns,
                        "system_words": args.system_words}
     if os.path.isfile(args.dataset) or args.dataset.endswith(".jsonl"):
@@ -364,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--turns", type=int, default=5, help="conversation traces: turns each (default 5)")
     d.add_argument("--system-words", type=int, default=300,
                    help="conversation traces: system prompt words (~400 tokens at 300) (default 300)")
+    d.add_argument("--user-words", type=int, default=12, help="conversation traces: words per user turn")
     d.add_argument("--vocab-size", type=int, default=None, help="token ids below this (default: the tokenizer's)")
     d.add_argument("--max-model-len", type=int, default=None, help="clip prompts to fit this context")
     d.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
