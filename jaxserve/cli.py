@@ -206,7 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.server.app import serve
 
-    if getattr(args, "data_parallel_size", 1) > 1:
+    if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "router", "auto") != "auto":
         from jaxserve.server.replicas import run_replicas
 
         return run_replicas(args, args.argv)

@@ -39,8 +39,8 @@ def add_replica_args(g: argparse._ArgumentGroup) -> None:
                    help="serve N replicas (N processes on disjoint devices; ports --port+1..--port+N) "
                    "behind SMG on --port (default %(default)s: one server on --port)")
     g.add_argument("--router", choices=("auto", "smg", "none"), default="auto",
-                   help="with --data-parallel-size > 1: start SMG in front (auto: when installed, else "
-                   "print its command)")
+                   help="start SMG in front of the replicas (auto: when installed and N > 1; smg/none "
+                   "also launch a single replica behind the router or its printed command)")
     g.add_argument("--router-policy", choices=POLICIES, default="cache_aware",
                    help="SMG's routing policy (default %(default)s: longest prefix match, then load)")
     g.add_argument("--replica-max-restarts", type=int, default=3,
