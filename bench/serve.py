@@ -39,7 +39,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from bench import common
+from bench import common, conversations
 
 
 @dataclass
@@ -61,8 +61,17 @@ class RequestResult:
 
 
 # ---- one request --------------------------------------------------------------------------------
-async def send_request(client, url: str, payload: dict, headers: dict, t_level: float) -> RequestResult:
+async def send_request(client, url: str, payload: dict, headers: dict, t_level: float, keep_text: bool = False):
+    """One streamed request -> RequestResult (and, with keep_text, the text it streamed)."""
     r = RequestResult(start=time.perf_counter() - t_level)
+    pieces: list[str] = []
+    if keep_text:
+        return r, await _stream(client, url, payload, headers, r, pieces) or "".join(pieces)
+    await _stream(client, url, payload, headers, r, pieces)
+    return r
+
+
+async def _stream(client, url: str, payload: dict, headers: dict, r: RequestResult, pieces: list[str]) -> None:
     prompt = payload["prompt"]
     r.prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
     chunks = 0
@@ -73,7 +82,7 @@ async def send_request(client, url: str, payload: dict, headers: dict, t_level: 
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 r.error = f"HTTP {resp.status_code}: {body[:200]}"
-                return r
+                return
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -83,13 +92,14 @@ async def send_request(client, url: str, payload: dict, headers: dict, t_level: 
                 msg = json.loads(data)
                 if "error" in msg:
                     r.error = str(msg["error"])[:200]
-                    return r
+                    return
                 now = time.perf_counter()
                 for ch in msg.get("choices") or ():
                     text = ch.get("text")
                     if text is None:
                         text = (ch.get("delta") or {}).get("content")
                     if text:
+                        pieces.append(text)
                         chunks += 1
                         if last is None:
                             r.ttft = now - t0
@@ -105,11 +115,11 @@ async def send_request(client, url: str, payload: dict, headers: dict, t_level: 
             r.output_tokens = chunks
         if last is None:
             r.error = "no text in the stream"
-            return r
+            return
         r.ok = True
     except Exception as e:  # noqa: BLE001 - any transport failure counts as a failed request
         r.error = f"{type(e).__name__}: {e}"[:200]
-    return r
+    return
 
 
 # ---- one load level -----------------------------------------------------------------------------
@@ -252,6 +262,11 @@ def print_level(name: str, s: dict) -> None:
 
 # ---- datasets -----------------------------------------------------------------------------------
 def load_dataset(args) -> tuple[list[tuple[object, int, float]], dict]:
+    if args.dataset in conversations.KINDS:  # multi-turn: prompts depend on earlier answers
+        convs = conversations.make(args.dataset, args.num_conversations, args.turns, args.system_words,
+                                   args.user_words, seed=args.seed)
+        return convs, {"dataset": args.dataset, "conversations": len(convs), "turns": args.turns,
+                       "system_words": args.system_words}
     if os.path.isfile(args.dataset) or args.dataset.endswith(".jsonl"):
         items = []
         with open(args.dataset) as f:
@@ -343,7 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--prompt-len", default="20,400", help="mixed: min,max prompt tokens")
     d.add_argument("--output-len", default="16,256", help="mixed: min,max new tokens")
-    d.add_argument("--max-tokens", type=int, default=128, help="JSONL lines without max_tokens (default 128)")
+    d.add_argument("--max-tokens", type=int, default=128, help="JSONL lines without max_tokens; the answer "
+                   "length of conversation traces (default 128)")
+    d.add_argument("--num-conversations", type=int, default=6, help="conversation traces: how many (default 6)")
+    d.add_argument("--turns", type=int, default=5, help="conversation traces: turns each (default 5)")
+    d.add_argument("--system-words", type=int, default=300,
+                   help="conversation traces: system prompt words (~400 tokens at 300) (default 300)")
+    d.add_argument("--user-words", type=int, default=12, help="conversation traces: words per user turn")
     d.add_argument("--vocab-size", type=int, default=None, help="token ids below this (default: the tokenizer's)")
     d.add_argument("--max-model-len", type=int, default=None, help="clip prompts to fit this context")
     d.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
@@ -374,7 +395,7 @@ async def _model_name(base_url: str, headers: dict) -> str:
 
 async def _bench(base_url: str, args, items, headers) -> tuple[str, list]:
     model = args.served_model_name or await _model_name(base_url, headers)
-    if args.warmup:
+    if args.warmup and args.dataset not in conversations.KINDS:
         warm = [(p if not isinstance(p, list) else p[: max(8, len(p) // 4)], min(m, 8), 0.0)
                 for p, m, _ in items[: args.warmup]]
         wargs = argparse.Namespace(**{**vars(args), "num_requests": len(warm), "duration": None})
@@ -382,7 +403,11 @@ async def _bench(base_url: str, args, items, headers) -> tuple[str, list]:
     out = []
     for level in _levels(args):
         print(f"running {level.name} ...", flush=True)
-        res, dur = await run_level(base_url, model, items, level, args, headers)
+        if args.dataset in conversations.KINDS:
+            res, dur = await conversations.run(base_url, model, items, args.max_tokens, level.concurrency or 8,
+                                               headers, args.request_timeout)
+        else:
+            res, dur = await run_level(base_url, model, items, level, args, headers)
         s = summarize(res, dur, parse_slo(args.slo))
         print_level(level.name, s)
         out.append((level, s, res))

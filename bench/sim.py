@@ -203,7 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None,
                    help="write all rows as JSON here: workloads.NAME is one list of rows, each tagged "
                         "with its max_num_seqs and seed")
+    r = p.add_argument_group("replicas (bench/sim_replicas.py): N replicas behind a router, conversation trace")
+    r.add_argument("--replicas", type=int_list, default=None,
+                   help="comma-separated replica counts (e.g. 1,3): simulate them instead of the workload grid")
+    r.add_argument("--routers", default="round_robin,least_load,cache_aware", help="routing policies to compare")
+    r.add_argument("--conversations", type=int, default=6)
+    r.add_argument("--turns", type=int, default=5)
+    r.add_argument("--system-tokens", type=int, default=400)
+    r.add_argument("--user-tokens", type=int, default=20)
+    r.add_argument("--answer-tokens", type=int, default=16)
+    r.add_argument("--shared-system", action="store_true", help="one system prompt for all conversations")
+    r.add_argument("--concurrency", type=int, default=None, help="conversations in flight (default: all)")
+    r.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns (exponential)")
     args = p.parse_args(argv)
+    if args.replicas:
+        return replicas_main(args)
     seeds = args.seeds or [args.seed]
     caps = args.max_num_seqs
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -245,6 +259,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def replicas_main(args) -> int:
+    from bench import sim_replicas as sr
+
+    cost = CostModel(*(float(x) for x in args.cost.split(",")))
+    convs = sr.conversation_trace(args.conversations, args.turns, args.system_tokens, args.user_tokens,
+                                  args.answer_tokens, args.shared_system, args.seed)
+    rows = []
+    for n in args.replicas:
+        for policy in [x.strip() for x in args.routers.split(",") if x.strip()]:
+            rows.append(sr.simulate_replicas(
+                convs, n, policy, num_blocks=args.num_blocks, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs[0], max_num_batched_tokens=args.max_num_batched_tokens,
+                cost=cost, concurrency=args.concurrency, think_s=args.think_s, seed=args.seed))
+    print(f"cost model: {cost}; {args.conversations} conversations x {args.turns} turns, system "
+          f"{args.system_tokens} tokens{' (shared)' if args.shared_system else ''}, {args.num_blocks} blocks per replica\n")
+    print(sr.table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 

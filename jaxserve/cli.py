@@ -98,6 +98,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.server.app import serve
 
+    if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "router", "auto") != "auto":
+        from jaxserve.server.replicas import run_replicas
+
+        return run_replicas(args, args.argv)
+
     return serve(args)
 
 
@@ -195,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # `serve --data-parallel-size N` hands them on to its replicas
     verbose = getattr(args, "verbose", False) or args.command == "serve"
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not verbose:

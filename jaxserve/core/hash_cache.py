@@ -29,6 +29,7 @@ class HashPrefixCache(PrefixCache):
         self._heap: list[tuple[tuple[int, int, int], int, int]] = []  # (key, block, version)
         self._version: dict[int, int] = {}
         self._evictable: set[int] = set()
+        self._removed_hashes: list[bytes] = []  # of the evict call in progress (events)
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, keys: BlockKeys, max_blocks: int) -> list[int]:
@@ -49,9 +50,13 @@ class HashPrefixCache(PrefixCache):
     def insert(self, keys: BlockKeys, block_ids: list[int], start: int, end: int) -> list[int]:
         out = []
         t = self.now()
+        run = start  # first block of the current run of newly cached blocks (events)
         for i in range(start, end):
             h = keys.block_hash(i)
             b = self.table.get(h)
+            if b is not None:
+                self._emit_stored(keys, run, i)
+                run = i + 1
             if b is None:
                 b = block_ids[i]
                 assert b not in self.block_hash, f"block {b} cached under two hashes"
@@ -64,6 +69,7 @@ class HashPrefixCache(PrefixCache):
                 if parent is not None:
                     self.num_children[parent] = self.num_children.get(parent, 0) + 1
             out.append(b)
+        self._emit_stored(keys, run, end)
         return out
 
     def is_cached(self, block_id: int) -> bool:
@@ -113,12 +119,17 @@ class HashPrefixCache(PrefixCache):
                     continue
             self._remove(b)
             out.append(b)
+        if self.events is not None:
+            self.events.removed(self._removed_hashes)
+        self._removed_hashes = []
         return out
 
     def _remove(self, b: int) -> None:
         self._evictable.discard(b)
         h = self.block_hash.pop(b)
         del self.table[h]
+        if self.events is not None:
+            self._removed_hashes.append(h)
         parent = self.parent_hash.pop(b)
         del self.hits[b], self.last_access[b]
         self._version.pop(b, None)

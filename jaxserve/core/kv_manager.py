@@ -116,8 +116,13 @@ class KVManager:
         return len(evicted)
 
     def reset_cache(self) -> int:
-        """Drop every unreferenced cached block (blocks in use stay cached); returns how many."""
-        return self.evict(self.cache.num_evictable)
+        """Drop every unreferenced cached block (blocks in use stay cached); returns how many.
+
+        KV events: the dropped blocks' BlockRemoved, then AllBlocksCleared when nothing stays cached."""
+        n = self.evict(self.cache.num_evictable)
+        if self.cache.events is not None and self.cache.num_cached == 0:
+            self.cache.events.cleared()
+        return n
 
     def commit(self, req: Request) -> None:
         """Cache the request's newly full blocks whose K/V is written (after a step)."""

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from array import array
 
 from .block_pool import BlockPool
+from .kv_events import KVEventSink
 
 
 class BlockKeys:
@@ -68,6 +69,16 @@ class PrefixCache(ABC):
         self.block_size = block_size
         self.eviction = eviction
         self._tick = 0  # logical clock for recency
+        self.events: KVEventSink | None = None  # set to publish BlockStored/BlockRemoved (kv_events)
+
+    def _emit_stored(self, keys: BlockKeys, start: int, end: int) -> None:
+        """Report newly cached full blocks [start, end) of one request as one chained BlockStored."""
+        if self.events is None or end <= start:
+            return
+        bs = self.block_size
+        self.events.stored([keys.block_hash(i) for i in range(start, end)],
+                           keys.block_hash(start - 1) if start else None,
+                           list(keys.tokens[start * bs : end * bs]))
 
     def now(self) -> int:
         self._tick += 1

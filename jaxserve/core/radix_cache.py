@@ -41,6 +41,7 @@ class RadixPrefixCache(PrefixCache):
         self.protected = 0  # cached blocks with ref > 0
         self._heap: list[tuple[tuple[int, ...], int, Node]] = []
         self._seq = itertools.count()
+        self._hash_of: dict[int, bytes] = {}  # block -> chained hash, only while events are on
 
     def lock_ref(self, node: Node) -> int:
         return self.pool.ref_cnt[node.blocks[0]]
@@ -100,18 +101,23 @@ class RadixPrefixCache(PrefixCache):
             off = node.blocks.index(block_ids[start - 1]) + 1
         ours = start > 0  # node holds our last block; exclusive if its lock count is 1
         out: list[int] = []
+        run = start  # first block of the current run of newly cached blocks (events)
         for i in range(start, end):
             bt = keys.block_tokens(i)
             if off < len(node.blocks):
                 if node.keys[off] == bt:  # someone cached the same block meanwhile
                     out.append(node.blocks[off])
                     off += 1
+                    self._emit_stored(keys, run, i)
+                    run = i + 1
                     continue
                 node, off, ours = self._split(node, off), off, False
             child = node.children.get(bt)
             if child is not None:
                 out.append(child.blocks[0])
                 node, off, ours = child, 1, False
+                self._emit_stored(keys, run, i)
+                run = i + 1
                 continue
             own = block_ids[i]
             assert own not in self.node_of and self.pool.ref_cnt[own] == 1
@@ -127,6 +133,9 @@ class RadixPrefixCache(PrefixCache):
             self.node_of[own] = node
             self.protected += 1
             out.append(own)
+            if self.events is not None:
+                self._hash_of[own] = keys.block_hash(i)
+        self._emit_stored(keys, run, end)
         if 0 < off < len(node.blocks):
             self._split(node, off)
         return out
@@ -173,6 +182,7 @@ class RadixPrefixCache(PrefixCache):
 
     def evict(self, n: int) -> list[int]:
         out: list[int] = []
+        removed: list[bytes] = []
         while len(out) < n and self._heap:
             key, _, node = heapq.heappop(self._heap)
             if not self._evictable_leaf(node):
@@ -186,6 +196,9 @@ class RadixPrefixCache(PrefixCache):
                 node.keys.pop()
                 del self.node_of[b]
                 out.append(b)
+                h = self._hash_of.pop(b, None)
+                if h is not None:
+                    removed.append(h)
             if node.blocks:
                 self._push(node)
                 continue
@@ -195,6 +208,8 @@ class RadixPrefixCache(PrefixCache):
             if parent.parent is not None and self._evictable_leaf(parent):
                 self._push(parent)
         self.evictable -= len(out)
+        if self.events is not None:
+            self.events.removed(removed)
         return out
 
     # ---- checks -------------------------------------------------------------------------------

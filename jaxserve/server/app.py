@@ -38,7 +38,8 @@ from jaxserve.server.errors import (
     http_error,
     internal_error,
 )
-from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.kv_events import attach_kv_events
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics, cache_config_info
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.openai_responses import OpenAIResponses
 from jaxserve.server.responses_input import ResponseStore
@@ -75,7 +76,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
 
     cfg = cfg or ServerConfig()
     names = served_names(engine.loaded.name, cfg)
-    metrics = ServerMetrics(lambda: aengine.stats, names[0])
+    metrics = ServerMetrics(lambda: aengine.stats, names[0],
+                            cache_config_info(engine.config, engine.scheduler.config.num_blocks))
     aengine = AsyncEngine(
         engine, on_output=metrics.observe, on_abort=metrics.aborted, hang_timeout=cfg.hang_timeout
     )
@@ -170,6 +172,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         log.exception("Unhandled error on %s", request.url.path)  # outside a route: middleware
         return error_response(internal_error(), request.url.path)
 
+    kv_events = attach_kv_events(engine, cfg.kv_events_config)  # before the engine thread starts
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         aengine.start()
@@ -177,6 +181,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             yield
         finally:
             await aengine.shutdown()
+            if kv_events is not None:
+                kv_events.shutdown()
 
     routes = [
         Route("/v1/completions", guarded(serving.completions), methods=["POST"]),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from jaxserve.config import parse_bytes
 from jaxserve.errors import UserError
 from jaxserve.server.reasoning import REASONING_PARSERS
+from jaxserve.server.replicas import add_replica_args
 from jaxserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/load")
@@ -39,6 +40,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # splits <think> blocks into reasoning_content
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id and GET
     responses_store_ttl: float = 3600.0  # seconds a stored response is kept
+    kv_events_config: str | None = None  # vLLM's JSON: publish KV events over ZMQ (kv_events.py)
 
     def __post_init__(self) -> None:
         for name, known in (
@@ -116,6 +118,7 @@ class ServerConfig:
             reasoning_parser=args.reasoning_parser,
             responses_store_size=args.responses_store_size,
             responses_store_ttl=args.responses_store_ttl,
+            kv_events_config=args.kv_events_config,
         )
 
 
@@ -247,3 +250,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=ServerConfig.responses_store_ttl,
         help="seconds a stored /v1/responses answer is kept (default %(default)s)",
     )
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-event publisher as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+        "\"kv-events\"}' (BlockStored/BlockRemoved/AllBlocksCleared for prefix-aware routers; "
+        "needs jaxserve[kv-events])",
+    )
+    add_replica_args(p.add_argument_group("replicas (data parallel)"))

@@ -61,3 +61,26 @@ def test_unreachable_server_counts_failures(tiny_model, tmp_path):
     port = serve.free_port()
     assert serve.main(["--base-url", f"http://127.0.0.1:{port}", "--served-model-name", "m", "--dataset", str(ds),
                        "--num-requests", "2", "--warmup", "0", "--concurrency", "2"]) == 1
+
+
+@pytest.mark.parametrize("kind", ["conversations", "agent_session"])
+def test_conversation_traces_feed_answers_back(bench_server, tmp_path, kind):
+    from bench import conversations
+
+    convs = conversations.make(kind, 3, 2, system_words=6, user_words=2, seed=1)
+    assert len({c.prefix + c.system for c in convs}) == (3 if kind == "conversations" else 1)
+    out = tmp_path / "c.json"
+    assert serve.main(["--base-url", bench_server, "--dataset", kind, "--num-conversations", "3", "--turns", "2",
+                       "--system-words", "6", "--user-words", "2", "--max-tokens", "3", "--concurrency", "2", "--slo", "ttft:30s",
+                       "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["results"]["levels"][0]["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0 and s["goodput_fraction"] == 1.0
+    assert s["output_tokens"] == 6 * 3
+
+
+def test_conversation_prompt_is_the_history():
+    from bench.conversations import Conversation
+
+    c = Conversation("S.", ["hi", "more"], answers=["yo"])
+    assert c.prompt(0) == "S.\nUser: hi\nAssistant:"
+    assert c.prompt(1) == "S.\nUser: hi\nAssistant: yo\nUser: more\nAssistant:"
