@@ -280,8 +280,7 @@ class AsyncEngine:
             if self._on_output is not None:
                 self._on_output(out)
             stream, tag, _ = route
-            if out.error is not None:  # the stream ends with this request's error
-                stream.pending.discard(out.request_id)
+            if out.error is not None:  # the stream ends with this request's error (raised when read)
                 stream._put(RequestFailedError(out.error))
                 continue
             stream._put((out.request_id, tag, out))
