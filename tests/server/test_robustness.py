@@ -166,3 +166,37 @@ def test_socket_stopped_mid_headers_is_closed(server, monkeypatch):
                 break
         else:
             pytest.fail("the server kept a half-sent request open")
+
+
+def test_unknown_engine_state_exits_nonzero(tiny_llama, tmp_path):
+    """A fault that leaves the engine's state unknown (here a step "hangs" past --hang-timeout 0)
+    turns /health to 503, then the process exits with code 70 so a supervisor restarts it."""
+    import subprocess
+
+    import httpx
+
+    from jaxserve.server.app import FATAL_EXIT_CODE
+    from tests.server.conftest import free_port
+    from tests.server.test_shutdown import LAZY, start_serve
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "w+") as log:
+        proc = start_serve(tiny_llama, port, url, log, "--hang-timeout", "0", *LAZY)
+        try:
+            with httpx.Client(base_url=url, timeout=60) as h:
+                def long_request():
+                    try:
+                        h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True})
+                    except httpx.HTTPError:
+                        pass  # the server goes away under it
+                threading.Thread(target=long_request, daemon=True).start()
+                assert proc.wait(240) == FATAL_EXIT_CODE
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log.seek(0)
+        assert "the engine's state is unknown" in log.read()
