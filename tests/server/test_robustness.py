@@ -168,35 +168,40 @@ def test_socket_stopped_mid_headers_is_closed(server, monkeypatch):
             pytest.fail("the server kept a half-sent request open")
 
 
-def test_unknown_engine_state_exits_nonzero(tiny_llama, tmp_path):
-    """A fault that leaves the engine's state unknown (here a step "hangs" past --hang-timeout 0)
-    turns /health to 503, then the process exits with code 70 so a supervisor restarts it."""
-    import subprocess
-
+def test_unknown_engine_state_exits_nonzero(tiny_llama, monkeypatch):
+    """A fault that leaves the engine's state unknown (the device step itself raising, traced to
+    no request) turns /health to 503, then the server exits with code 70 so a supervisor
+    restarts it. The server is the CLI's (_Server), run in a thread."""
     import httpx
+    import uvicorn
 
-    from jaxserve.server.app import FATAL_EXIT_CODE
-    from tests.server.conftest import free_port
-    from tests.server.test_shutdown import LAZY, start_serve
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+    from jaxserve.server import app as app_mod
+    from tests.server.conftest import ENGINE, free_port
 
+    monkeypatch.setattr(app_mod, "FATAL_GRACE_S", 1.0)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), **ENGINE))
+
+    def broken_execute(batch, key):
+        raise RuntimeError("injected device fault")
+
+    engine.runner.execute = broken_execute
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with open(tmp_path / "serve.log", "w+") as log:
-        proc = start_serve(tiny_llama, port, url, log, "--hang-timeout", "0", *LAZY)
-        try:
-            with httpx.Client(base_url=url, timeout=60) as h:
-                def long_request():
-                    try:
-                        h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400, "ignore_eos": True})
-                    except httpx.HTTPError:
-                        pass  # the server goes away under it
-                threading.Thread(target=long_request, daemon=True).start()
-                assert proc.wait(240) == FATAL_EXIT_CODE
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        log.seek(0)
-        assert "the engine's state is unknown" in log.read()
+    app = app_mod.build_app(engine)
+    server = app_mod._Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                             app, url, engine.kv_capacity_tokens)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    with httpx.Client(base_url=url, timeout=60) as h:
+        assert h.get("/health").status_code == 200
+        r = h.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert h.get("/health").status_code == 503
+    thread.join(60)
+    assert not thread.is_alive() and server.exit_code == app_mod.FATAL_EXIT_CODE
