@@ -473,7 +473,8 @@ class LLMEngine:
             for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids):
                 bias[t] = -np.inf
         return Sampling(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+            temperature=p.temperature, top_k=p.top_k if p.top_k < self.model_config.vocab_size else 0,  # all: off
+            top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
             step=n_out, num_logprobs=-1 if p.logprobs is None else p.logprobs,
             presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
             bias=bias, prompt_tokens=seq.prompt_set if p.uses_penalties else frozenset(),
