@@ -12,6 +12,7 @@ engine idle with every KV block free (/metrics).
 
     jaxserve bench health_load --launch [--num-streams 256] [--out bench/out/health_load.json]
     jaxserve bench health_load --base-url http://127.0.0.1:8000
+    jaxserve bench health_load --launch --stall-cases   # issue 31: one hostile request at a time
 """
 
 from __future__ import annotations
@@ -176,6 +177,51 @@ def run(url: str, args) -> dict:
     }
 
 
+def run_stall_cases(url: str, args) -> dict:
+    """Issue 31: each stall case alone (bench/stall_cases.py) with /health probed meanwhile."""
+    import httpx
+
+    from bench.stall_cases import cases
+
+    ctx = mp.get_context("spawn")
+    ready, stop, (recv, send) = ctx.Event(), ctx.Event(), ctx.Pipe(duplex=False)
+    prober = ctx.Process(target=probe, args=(url, args.probe_interval, ready, stop, send), daemon=True)
+    prober.start()
+    if not ready.wait(120):
+        raise RuntimeError(f"the /health prober could not reach {url}")
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    windows = []
+    with httpx.Client(base_url=url, timeout=600) as h:
+        for name, path, body in cases(model.get("max_model_len") or 2048):
+            t0 = time.time()
+            try:
+                status = h.post(path, content=body, headers={"content-type": "application/json"}).status_code
+            except httpx.HTTPError as e:
+                status = f"{type(e).__name__}"
+            windows.append((name, status, t0, time.time()))
+            time.sleep(args.idle_seconds)
+    stop.set()
+    rows = recv.recv()
+    prober.join(30)
+    out = []
+    for name, status, t0, t1 in windows:
+        ms = [r[1] * 1e3 for r in rows if t0 <= r[0] <= t1 + 0.1]
+        out.append({"case": name, "status": status, "wall_s": round(t1 - t0, 3), "probes": len(ms),
+                    "health_max_ms": round(max(ms), 1) if ms else None,
+                    "over_100ms": sum(v >= SLOW_MS for v in ms),
+                    "non_200": sum(r[2] != 200 for r in rows if t0 <= r[0] <= t1)})
+    return {"model": model["id"], "cases": out,
+            "failures": sum(c["over_100ms"] > 0 or c["non_200"] > 0 or not (isinstance(c["status"], int)
+                                                                           and c["status"] < 500) for c in out)}
+
+
+def print_stall_results(res: dict) -> None:
+    rows = [[c["case"], c["status"], f"{c['wall_s']:.2f}", c["probes"], common.fmt(c["health_max_ms"]),
+             c["over_100ms"], c["non_200"]] for c in res["cases"]]
+    print(common.table(rows, ["case", "status", "wall s", "probes", "/health max ms", ">=100 ms", "non-200"],
+                       title="/health during each stall case (issue 31)"))
+
+
 def print_results(res: dict) -> None:
     rows = [
         [
@@ -237,19 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-streams", action="store_true", help="write every stream's timings to --out"
     )
+    p.add_argument("--stall-cases", action="store_true",
+                   help="send issue 31's stall cases one at a time instead of the stream burst")
     p.add_argument("--out", default=None, help="write the JSON document here")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    go = run_stall_cases if args.stall_cases else run
     if args.base_url:
-        res = run(args.base_url.rstrip("/"), args)
+        res = go(args.base_url.rstrip("/"), args)
         server = {"base_url": args.base_url}
     else:
         with launched_server(args) as (url, server):
-            res = run(url, args)
-    print_results(res)
+            res = go(url, args)
+    (print_stall_results if args.stall_cases else print_results)(res)
     common.report(
         "health_load",
         argv,

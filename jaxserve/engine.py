@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve import limits
 from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey, RowSpec, Sampling
 from jaxserve.core.request import Request, RequestStatus
@@ -129,6 +130,7 @@ class LLMEngine:
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._bitmask_filler = BitmaskFiller()
         self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
+        self._failed: dict[str, Group] = {}  # aborted this step over an error in their own data
 
     def _plan_device_memory(self, kv_dtype: str) -> int:
         import jax
@@ -204,6 +206,7 @@ class LLMEngine:
                                 param="stop_token_ids" if t in params.stop_token_ids else "logit_bias")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self._check_row_width(params, len(prompt_token_ids), max_tokens)
         now = time.time() if arrival_time is None else arrival_time
         group = Group(request_id, prompt, prompt_token_ids, params, metrics=RequestMetrics(arrival_time=now),
                        priority=priority, cache_salt=cache_salt)
@@ -245,6 +248,19 @@ class LLMEngine:
         for s in group.seqs:
             self._seqs[s.req.request_id] = s
         self.counters["prompt_tokens"] += len(prompt_token_ids)
+
+    def _check_row_width(self, params: SamplingParams, prompt_len: int, max_tokens: int) -> None:
+        """Admission: the widest sampling row this request can ever need fits the executable's
+        adjustment width, so no later step can fail for its size (limits.py)."""
+        bans = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids) \
+            if params.min_tokens else set()
+        lookahead = self.config.speculative.num_speculative_tokens if self.config.speculative else 0
+        worst = limits.worst_row_adjustments(
+            bias_and_bans=len(set(params.logit_bias or ()) | bans), prompt_len=prompt_len,
+            max_tokens=max_tokens, penalties=params.uses_penalties,
+            repetition=params.repetition_penalty != 1.0, vocab_size=self.model_config.vocab_size,
+            lookahead=lookahead)
+        limits.check_row_width(worst, self.runner.builder.max_adjustments, penalties=params.uses_penalties)
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -328,6 +344,9 @@ class LLMEngine:
             self._inflight = None
         elif new is not None and all(sr.request.is_finished for sr in new.sched.scheduled):
             self._inflight = None  # every row already stopped: nothing of it will be read
+        if self._failed:
+            outputs.update(self._failed)
+            self._failed = {}
         result = [self._output(g) for g in outputs.values()]
         t = self.timing
         t["host_s"] += time.perf_counter() - t0 - (t["device_wait_s"] - wait0)
@@ -341,31 +360,75 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.draft_tokens(scheduled, self._seqs)
         prev = self._inflight.row_of if self._inflight is not None else {}
-        rows, seqs = [], []
+        rows, seqs, kept = [], [], []
         for sr in scheduled:
-            req = sr.request
-            seq = self._seqs[req.request_id]
-            group = self._groups[seq.group_id]
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
-            if sr.num_draft:  # verify the drafts: a logits row at the last token and at each draft
-                drafts = req.spec_token_ids[:sr.num_draft]
-                row = RowSpec(req.token_ids + drafts, sr.start, sr.num_new_tokens, req.block_ids,
-                              self._sampling(group.params, seq, drafts), -1,
-                              extra=[(j, self._sampling(group.params, seq, drafts[:j])) for j in range(len(drafts))])
-                rows.append(row)
-                seqs.append(seq)
+            try:
+                row, seq = self._row(sr, prev, now)
+            except Exception as e:  # noqa: BLE001 - this request's data: it fails alone
+                self._fail(self._seqs[sr.request.request_id].group_id, e, "building its step row")
                 continue
-            sampling = self._sampling(group.params, seq) if sr.samples else None
-            row = RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
-                          prev.get(req.request_id, -1))
-            if req.score_prompt:  # a logits row at each prompt token that predicts the next one
-                score = Sampling(num_logprobs=group.params.prompt_logprobs)
-                end = min(sr.start + sr.num_new_tokens, len(req.prompt_token_ids) - 1)
-                row.extra = [(p - sr.start, score) for p in range(sr.start, end)]
             rows.append(row)
             seqs.append(seq)
-        batch, key = self.runner.builder.build(rows)
+            kept.append(sr)
+        scheduled = [sr for sr in kept if not sr.request.is_finished]  # a failed group's siblings too
+        rows = [r for r, sr in zip(rows, kept) if not sr.request.is_finished]
+        seqs = [q for q, sr in zip(seqs, kept) if not sr.request.is_finished]
+        if not rows:
+            return None
+        batch, key = self._build(rows, seqs, scheduled)
+        if not rows:
+            return None
+        return self._launch(sched, scheduled, rows, seqs, batch, key)
+
+    def _row(self, sr, prev: dict, now: float) -> tuple[RowSpec, Seq]:
+        """One scheduled request's row of the step."""
+        req = sr.request
+        seq = self._seqs[req.request_id]
+        group = self._groups[seq.group_id]
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = now
+        if sr.num_draft:  # verify the drafts: a logits row at the last token and at each draft
+            drafts = req.spec_token_ids[:sr.num_draft]
+            row = RowSpec(req.token_ids + drafts, sr.start, sr.num_new_tokens, req.block_ids,
+                          self._sampling(group.params, seq, drafts), -1,
+                          extra=[(j, self._sampling(group.params, seq, drafts[:j])) for j in range(len(drafts))])
+            return row, seq
+        sampling = self._sampling(group.params, seq) if sr.samples else None
+        row = RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
+                      prev.get(req.request_id, -1))
+        if req.score_prompt:  # a logits row at each prompt token that predicts the next one
+            score = Sampling(num_logprobs=group.params.prompt_logprobs)
+            end = min(sr.start + sr.num_new_tokens, len(req.prompt_token_ids) - 1)
+            row.extra = [(p - sr.start, score) for p in range(sr.start, end)]
+        width = self.runner.builder.max_adjustments
+        for _, smp in [(0, row.sampling), *row.extra]:
+            if smp is not None and smp.adjusts and smp.num_adjustments() > width:
+                raise ValueError(f"{smp.num_adjustments()} logit adjustments exceed the widest row ({width})")
+        return row, seq
+
+    def _build(self, rows: list[RowSpec], seqs: list[Seq], scheduled: list) -> tuple:
+        """The padded batch; a row that cannot be built alone fails its request, the rest go on
+        (rows, seqs and scheduled are edited in place)."""
+        try:
+            return self.runner.builder.build(rows)
+        except Exception as first:  # noqa: BLE001 - find the row(s) at fault
+            bad = []
+            for i, row in enumerate(rows):
+                try:
+                    self.runner.builder.build([row])
+                except Exception as e:  # noqa: BLE001
+                    bad.append(i)
+                    self._fail(seqs[i].group_id, e, "building its step")
+            if not bad:
+                raise first  # not one request's data: the engine's own state is at fault
+            keep = [i for i in range(len(rows)) if not scheduled[i].request.is_finished]
+            rows[:] = [rows[i] for i in keep]
+            seqs[:] = [seqs[i] for i in keep]
+            scheduled[:] = [scheduled[i] for i in keep]
+            return self.runner.builder.build(rows) if rows else (None, None)
+
+    def _launch(self, sched: SchedulerOutput, scheduled: list, rows: list[RowSpec], seqs: list[Seq],
+                batch, key) -> _Inflight:
         constrained = [None] * key.s
         verifying = {}
         for seq, r, sr in zip(seqs, rows, scheduled):
@@ -410,7 +473,8 @@ class LLMEngine:
             for t in set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids):
                 bias[t] = -np.inf
         return Sampling(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+            temperature=p.temperature, top_k=p.top_k if p.top_k < self.model_config.vocab_size else 0,  # all: off
+            top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
             step=n_out, num_logprobs=-1 if p.logprobs is None else p.logprobs,
             presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
             bias=bias, prompt_tokens=seq.prompt_set if p.uses_penalties else frozenset(),
@@ -433,7 +497,10 @@ class LLMEngine:
         self.timing["device_wait_s"] += time.perf_counter() - t0
         tokens = got.tokens
         for i, first, pos, count in step.scored:
-            self._score_prompt(step.seqs[i], got, first, pos, count)
+            try:
+                self._score_prompt(step.seqs[i], got, first, pos, count)
+            except Exception as e:  # noqa: BLE001 - this request's data: it fails alone
+                self._fail(step.seqs[i].group_id, e, "scoring its prompt")
         emitted: dict[int, list[int]] = {}  # row -> logits rows of the tokens it emits, in order
         for i, sr in enumerate(step.sched.scheduled):
             if not sr.samples or sr.request.is_finished:
@@ -456,16 +523,40 @@ class LLMEngine:
             if group is None or seq.out.finished:
                 continue
             kept = landed[seq.req.request_id]
-            for m, (j, tok) in enumerate(zip(rs, kept.tokens)):
-                lp = None
-                if seq.out.logprobs is not None:
-                    n = group.params.logprobs
-                    lp = TokenLogprob(tok, float(got.logprobs[j]),
-                                      [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
-                self._append(group, seq, tok, lp, kept.stop if m == len(kept.tokens) - 1 else None)
-                if seq.out.finished:
-                    break
+            try:
+                for m, (j, tok) in enumerate(zip(rs, kept.tokens)):
+                    lp = None
+                    if seq.out.logprobs is not None:
+                        n = group.params.logprobs
+                        lp = TokenLogprob(tok, float(got.logprobs[j]),
+                                          [(int(a), float(b)) for a, b in zip(got.top_ids[j, :n], got.top_logprobs[j, :n])])
+                    self._append(group, seq, tok, lp, kept.stop if m == len(kept.tokens) - 1 else None)
+                    if seq.out.finished:
+                        break
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop strings, its grammar: it fails alone
+                self._fail(group.request_id, e, "reading back its tokens")
+                continue
             outputs[group.request_id] = group
+
+    def _fail(self, group_id: str, error: BaseException, where: str) -> None:
+        """Abort one request over an error in its own data: its choices finish ("abort"), its
+        blocks are freed, its output carries the error; every other request goes on."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return
+        log.error("request %s failed while %s; it is aborted, the engine goes on", group_id, where,
+                  exc_info=error)
+        group.error = f"The request failed while {where}: {type(error).__name__}: {str(error)[:300]}"
+        for seq in group.seqs:
+            if not seq.out.finished:
+                try:
+                    seq.finish(RequestStatus.FINISHED_ABORTED, None)
+                except Exception:  # noqa: BLE001 - its detokenizer may be what failed
+                    seq.out.finish_reason = "abort"
+            if not seq.req.is_finished:
+                self.scheduler.finish_request(seq.req, RequestStatus.FINISHED_ABORTED)
+        group.metrics.finished_time = time.time()
+        self._failed[group_id] = group
 
     def _score_prompt(self, seq: Seq, got, first: int, pos: int, count: int) -> None:
         """Prompt logprobs from logits rows first.. (positions pos..: each scores the next token)."""

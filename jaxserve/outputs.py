@@ -55,6 +55,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # with SamplingParams.prompt_logprobs, once computed: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # set when the engine aborted this request over an error in its own data (its choices end
+    # with finish_reason "abort"); the engine itself serves on
+    error: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

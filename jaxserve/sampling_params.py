@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve import limits
 from jaxserve.errors import UserError
 from jaxserve.structured.spec import StructuredOutputs
 
@@ -90,6 +91,12 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > limits.MAX_STOP_STRINGS or any(len(s) > limits.MAX_STOP_CHARS for s in self.stop):
+            raise UserError(f"Invalid stop: at most {limits.MAX_STOP_STRINGS} strings of at most "
+                            f"{limits.MAX_STOP_CHARS} characters each.", param="stop")
+        if len(self.stop_token_ids) > limits.MAX_STOP_TOKEN_IDS:
+            raise UserError(f"Invalid stop_token_ids: at most {limits.MAX_STOP_TOKEN_IDS} ids.",
+                            param="stop_token_ids")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids >= 0")
         if self.logprobs is not None and (

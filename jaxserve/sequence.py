@@ -86,6 +86,7 @@ class Group:
     cache_salt: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prefill runs
     prompt_logprobs_missing: int = 0  # prompt tokens whose logprob is still to come
+    error: str | None = None  # why the engine aborted this request (an error in its own data)
 
     @property
     def finished(self) -> bool:
@@ -113,4 +114,4 @@ class Group:
             cached = max(cached, s.req.num_cached_tokens)
         prompt_lps = self.prompt_logprobs if self.prompt_logprobs_missing == 0 else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             cached, self.metrics.copy(), prompt_lps)
+                             cached, self.metrics.copy(), prompt_lps, self.error)

@@ -49,7 +49,9 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, max_pos: int = 512, seed: int = 0, std: float = 0.08) -> Path:
+                    kv_heads: int = 2, max_pos: int = 512, seed: int = 0, std: float = 0.08,
+                    vocab_size: int | None = None) -> Path:
+    """vocab_size: the model's rows (default the tokenizer's; larger = a padded vocabulary)."""
     import torch
     import transformers
 
@@ -59,7 +61,7 @@ def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden:
     tok = build_tokenizer()
     spec = ARCH[arch]
     cfg = getattr(transformers, spec["cls"])(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **spec["extra"],
     )

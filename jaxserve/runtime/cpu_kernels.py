@@ -22,10 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -38,6 +40,7 @@ from jaxserve.model.default_model import cache_dir
 from jaxserve.runtime.compat import ffi
 from pallas_kernels.kv_quant import QuantPages
 
+logger = logging.getLogger("jaxserve")
 CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
            "jaxserve_paged_attention_quant": "JaxservePagedAttentionQuant",
@@ -162,7 +165,10 @@ def _build() -> Path:
         key.update(part)
     out = cache_dir() / "kernels" / f"jaxserve_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
-        return out
+        if _verified(out):
+            return out
+        logger.warning("The cached CPU kernel library %s is damaged (truncated or changed): rebuilding it", out)
+        out.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         # One compiler process per source, side by side (the attention source alone takes ~10 s).
@@ -183,7 +189,41 @@ def _build() -> Path:
             if rc != 0:
                 raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
         os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
+    _write_digest(out)
     return out
+
+
+def _digest_path(so: Path) -> Path:
+    return so.with_suffix(".so.sha256")
+
+
+def _write_digest(so: Path) -> None:
+    """The library's size and sha256 beside it (written atomically after it), checked before
+    every load: loading a truncated library kills the process with SIGBUS."""
+    data = so.read_bytes()
+    tmp = so.with_suffix(f".so.sha256.{os.getpid()}.tmp")
+    tmp.write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
+    os.replace(tmp, _digest_path(so))
+
+
+def _verified(so: Path) -> bool:
+    """Whether `so` is whole: its digest matches, or (a library cached before digests were
+    written) a child process loads it without dying, and then the digest is written."""
+    try:
+        data = so.read_bytes()
+        want = _digest_path(so).read_text().split()
+    except FileNotFoundError:
+        want = None
+    except OSError:
+        return False
+    if want is not None:
+        return want == [str(len(data)), hashlib.sha256(data).hexdigest()]
+    probe = subprocess.run([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1])", str(so)],
+                           capture_output=True, check=False, timeout=120)
+    if probe.returncode != 0:
+        return False
+    _write_digest(so)
+    return True
 
 
 def available() -> str | None:

@@ -42,8 +42,19 @@ from pallas_kernels import kv_quant
 log = logging.getLogger("jaxserve")
 
 
+CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": 0, "/jax/compilation_cache/cache_misses": 0}
+
+
+def _count_cache_event(event: str, **kw) -> None:
+    if event in CACHE_EVENTS:
+        CACHE_EVENTS[event] += 1
+
+
 def enable_compilation_cache(path: str | None = None) -> str:
     path = path or os.environ.get("JAXSERVE_COMPILATION_CACHE") or str(cache_dir() / "xla")
+    if not getattr(enable_compilation_cache, "listening", False):
+        jax.monitoring.register_event_listener(_count_cache_event)  # see precompile's log line
+        enable_compilation_cache.listening = True
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -262,6 +273,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         keys = self.all_buckets() if keys is None else keys
         todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
+        hits0, misses0 = CACHE_EVENTS.values()
         total, done = len(keys), len(keys) - len(todo)
         with ThreadPoolExecutor(max_workers=workers or min(len(todo) or 1, os.cpu_count() or 1)) as pool:
             futures = {pool.submit(self._compile, k): k for k in todo}
@@ -272,6 +284,11 @@ class ModelRunner:
                 done += 1
                 if progress:
                     progress(done, total, key)
+        hits, misses = (n - n0 for n, n0 in zip(CACHE_EVENTS.values(), (hits0, misses0)))
+        cache = jax.config.jax_compilation_cache_dir
+        if cache and misses and hits + misses:  # a cold or damaged cache costs minutes: say so
+            log.warning("%d of %d step executables were compiled (not found in, or not readable from, the "
+                        "XLA compilation cache at %s); %d were loaded from it", misses, hits + misses, cache, hits)
         return time.perf_counter() - t0
 
     def execute(self, batch: StepBatch | np.ndarray, key: BucketKey) -> StepResult:

@@ -31,6 +31,7 @@ from jaxserve.server import protocol as P
 from jaxserve.server.anthropic_messages import AnthropicMessages
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
+from jaxserve.server.http_protocol import HeaderTimeoutProtocol
 from jaxserve.server.errors import (
     APIError,
     bad_request,
@@ -256,6 +257,9 @@ async def drain(app: Starlette, timeout: float) -> None:
 # closed it ("Server disconnected without sending a response"); outliving the client's expiry
 # leaves closing idle connections to the client.
 KEEP_ALIVE_S = 65
+WATCHDOG_S = 1.0  # how often the server checks the engine's health
+FATAL_GRACE_S = 2.0  # after the engine died: /health says 503 this long, then the process exits
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE: the engine failed; restart the server
 
 
 class _Server(uvicorn.Server):
@@ -266,10 +270,12 @@ class _Server(uvicorn.Server):
         self.app, self.url, self.capacity = app, url, capacity
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.exit_code = 0
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        self._watchdog = asyncio.ensure_future(self._watch_engine())
         if self.started:
             log.info(
                 "Ready: %s serving %s on %s (KV cache %d tokens)",
@@ -278,6 +284,25 @@ class _Server(uvicorn.Server):
                 self.url,
                 self.capacity,
             )
+
+    async def _watch_engine(self) -> None:
+        """A fault that leaves the engine's state unknown (the loop died, a step hangs past
+        --hang-timeout) turns /health to 503; a moment later the process exits with
+        FATAL_EXIT_CODE so a supervisor restarts it. A request's own bad data never gets here:
+        the engine aborts that request alone (engine.LLMEngine._fail)."""
+        aengine = self.app.state.engine
+        while not self.should_exit:
+            await asyncio.sleep(WATCHDOG_S)
+            reason = aengine.health()
+            if reason is None or self._draining:
+                continue
+            log.critical("%s: the engine's state is unknown; exiting with code %d in %.0f s so a "
+                         "supervisor restarts the server", reason, FATAL_EXIT_CODE, FATAL_GRACE_S)
+            self.app.state.serving.draining = True
+            await asyncio.sleep(FATAL_GRACE_S)  # /health answers 503 meanwhile, streams get their error
+            self.exit_code = FATAL_EXIT_CODE
+            self.should_exit = True
+            return
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._loop is None:
@@ -333,9 +358,10 @@ def serve(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=max(cfg.shutdown_timeout, 1.0),
         timeout_keep_alive=KEEP_ALIVE_S,
+        http=HeaderTimeoutProtocol,
         access_log=False,
     )
     server = _Server(config, app, url, engine.kv_capacity_tokens)
     freeze_startup_heap()
     server.run()
-    return 0
+    return server.exit_code

@@ -37,6 +37,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The engine aborted this request over an error in its own data; it serves on."""
+
+
 class RequestStream:
     """The outputs of one API call's engine requests, as (tag, RequestOutput) in arrival order."""
 
@@ -276,6 +280,9 @@ class AsyncEngine:
             if self._on_output is not None:
                 self._on_output(out)
             stream, tag, _ = route
+            if out.error is not None:  # the stream ends with this request's error (raised when read)
+                stream._put(RequestFailedError(out.error))
+                continue
             stream._put((out.request_id, tag, out))
 
     def _fail(self, error: BaseException) -> None:

@@ -13,6 +13,7 @@ from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import bad_request
+from jaxserve import limits
 from jaxserve.server.offload import run_bounded
 
 # apply_chat_template's own arguments: the server sets them, a request may not.
@@ -81,8 +82,14 @@ class ChatTemplate:
                 "'continue_final_message' needs 'add_generation_prompt' set to false.",
                 "continue_final_message",
             )
+        if len(messages) > limits.MAX_MESSAGES:
+            raise bad_request(f"The request has {len(messages)} messages, more than the limit of "
+                              f"{limits.MAX_MESSAGES}.", "messages")
+        parts = sum(len(m.content) for m in messages if isinstance(m.content, list))
+        if parts > limits.MAX_CONTENT_PARTS:
+            raise bad_request(f"The messages have {parts} content parts, more than the limit of "
+                              f"{limits.MAX_CONTENT_PARTS}.", "messages")
         self.check_chars(sum(m.num_chars for m in messages), "messages")
-        msgs = [m.to_template(i) for i, m in enumerate(messages)]
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         if continue_final_message:
@@ -91,6 +98,7 @@ class ChatTemplate:
             kwargs["tools"] = tools
 
         def render() -> list[int]:
+            msgs = [m.to_template(i) for i, m in enumerate(messages)]  # off the loop: O(body)
             text = self.tok.apply_chat_template(
                 msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )

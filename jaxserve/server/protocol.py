@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from jaxserve import limits
 from jaxserve.errors import UserError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError, bad_request, from_user_error, from_validation_error
@@ -53,6 +54,10 @@ UNSUPPORTED: dict[str, tuple] = {
     "documents": (),
     "mm_processor_kwargs": (),
     "min_characters": (),
+    # vLLM's, not implemented here: a 400 rather than output that silently differs
+    "echo": (False,),  # on chat (completions declares its own)
+    "return_tokens_as_token_ids": (False,),
+    "logprob_token_ids": (),
 }
 
 
@@ -105,8 +110,8 @@ class SamplingRequest(_Model, StructuredFields):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for k in v or {}:
-            if not k.isdigit():
+        for k in v or {}:  # ASCII digits only ('²' passes str.isdigit, not int), and short
+            if not (k.isascii() and k.isdigit()) or len(k) > limits.MAX_LOGIT_BIAS_KEY_DIGITS:
                 raise ValueError(f"keys must be token ids (got {k[:20]!r})")
         return v
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from jaxserve.server import protocol as P
-from jaxserve.server.async_engine import EngineDeadError, RequestStream
+from jaxserve.server.async_engine import EngineDeadError, RequestFailedError, RequestStream
 from jaxserve.server.errors import APIError, error_body, internal_error
 from jaxserve.server.output_parser import Delta, OutputParser, Parsed, delta_json, message_json
 from jaxserve.server.output_parser import finish_reason as agent_finish_reason
@@ -259,7 +259,9 @@ class ResponseBuilder:
                     parsed=parsed, made_calls=bool(parsed and parsed.calls),
                 )
                 if not self.chat and self.kind.params.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+                    # once per prompt (its first choice), not n times: n=16 over a long prompt
+                    # was 45 MB of repeats
+                    choice["prompt_logprobs"] = self._vllm_prompt_logprobs(out) if o.index == 0 else None
                 choices.append(choice)
         body = {**self._head(self.kind.object), "choices": choices, "usage": self._usage(finals)}
         if self.chat and self.kind.params.prompt_logprobs is not None:
@@ -345,7 +347,7 @@ class ResponseBuilder:
                     choice = self._choice(index, text, lps, o, delta=True, parsed=parsed,
                                           made_calls=bool(index in incs and incs[index].sent.calls))
                     chunk = {**head, "choices": [choice]}
-                    if first and self.kind.params.prompt_logprobs is not None:
+                    if first and self.kind.params.prompt_logprobs is not None and o.index == 0:
                         where = chunk if self.chat else choice
                         where["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
                     if continuous:
@@ -364,6 +366,8 @@ class ResponseBuilder:
                 yield sse({**head, "choices": [], "usage": self._usage(latest)})
         except EngineDeadError as e:
             yield sse(error_body(APIError(503, str(e), code="engine_unavailable")))
+        except RequestFailedError as e:  # this request alone failed; the server serves on
+            yield sse(error_body(APIError(500, str(e), code="request_failed")))
         except Exception:  # a bug: this stream ends with an error event, the server serves on
             log.exception("Unhandled error while streaming")
             yield sse(error_body(internal_error()))

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import protocol as P
 from jaxserve.server import tools as T
-from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxserve.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from jaxserve.server.chat_template import ChatTemplate
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request
@@ -68,6 +68,7 @@ class OpenAIServing:
         # than max_model_len * that is too long without tokenizing it.
         longest = max((len(p) for p in tokenizer.hf.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
+        self.longest_token_chars = max(longest, 1)
         self.chat_template = ChatTemplate(tokenizer, cfg, self.check_chars)
         self.grammar = getattr(engine, "grammar_compiler", None)  # structured outputs, if wired
         self.tool_parser = cfg.tool_call_parser or detect_tool_parser(tokenizer.chat_template)
@@ -182,6 +183,19 @@ class OpenAIServing:
                     code="context_length_exceeded",
                 )
 
+    def truncation_keep(self, req: P.SamplingRequest, max_tokens: int | None) -> tuple[int, str] | None:
+        """(tokens kept, side) of truncate_prompt_tokens; a 400 past max_model_len (vLLM's rule)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k > self.max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                f"({self.max_model_len}): select a smaller truncation size.", "truncate_prompt_tokens")
+        if k == -1:
+            k = max(self.max_model_len - (max_tokens or 1), 0)
+        return k, req.truncation_side
+
     def truncate(self, ids: list[int], req: P.SamplingRequest, max_tokens: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens; -1 keeps as much as leaves room for max_tokens."""
         k = req.truncate_prompt_tokens
@@ -194,10 +208,19 @@ class OpenAIServing:
         return ids[-k:] if req.truncation_side == "left" else ids[:k]
 
     async def encode(
-        self, text: str, param: str, truncating: bool = False, add_special_tokens: bool = True
+        self, text: str, param: str, truncating: bool = False, add_special_tokens: bool = True,
+        keep: tuple[int, str] | None = None,
     ) -> list[int]:
-        """Token ids of a prompt; only long texts pay for a thread (short ones take microseconds)."""
-        if not truncating:
+        """Token ids of a prompt; only long texts pay for a thread (short ones take microseconds).
+        `keep` = (k, side): only k tokens at that end are kept (truncate_prompt_tokens), so only
+        the characters k tokens can span are tokenized: the work is bounded by k, not by the
+        text (the far edge of the cut may split a word differently; the kept end is exact)."""
+        if keep is not None:
+            k, side = keep
+            span = (k + 1) * self.longest_token_chars + 64
+            if len(text) > span:
+                text = text[-span:] if side == "left" else text[:span]
+        elif not truncating:
             self.check_chars(len(text), param)
 
         def encode() -> list[int]:
@@ -228,10 +251,11 @@ class OpenAIServing:
             raw = [raw]
         self.admit(len(raw) * req.n, len(raw))
         truncating = req.truncate_prompt_tokens is not None
+        keep = self.truncation_keep(req, req.max_tokens)
         prompts = []
         for p in raw:
             if isinstance(p, str):
-                ids = await self.encode(p, "prompt", truncating)
+                ids = await self.encode(p, "prompt", truncating, keep=keep)
                 prompts.append(
                     Prompt(self.truncate(ids, req, req.max_tokens), None if truncating else p)
                 )
@@ -266,6 +290,7 @@ class OpenAIServing:
         req.check()
         model = self.check_model(req.model)
         self.admit(req.n, 1)
+        self.truncation_keep(req, None)  # a 400 before the template runs
         plan = T.plan(req, self.tool_parser, self.cfg.reasoning_parser)
         ids = await self.chat_template.render(
             req.messages,
@@ -340,8 +365,8 @@ class OpenAIServing:
         body = await self.read_body(request)
         try:
             is_chat = isinstance(doc := json.loads(body), dict) and "messages" in doc
-        except ValueError:
-            is_chat = False  # the typed parse below names the JSON error
+        except (ValueError, RecursionError):
+            is_chat = False  # the typed parse below names the JSON error (or its depth)
         return await (self._chat if is_chat else self._completions)(request, body)
 
     # ---- the shared generation path --------------------------------------------------------------
@@ -389,6 +414,8 @@ class OpenAIServing:
             finals = await until_disconnect(request, collect, client_gone)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
+        except RequestFailedError as e:
+            raise APIError(500, str(e), code="request_failed") from None
         finally:
             stream.abort()  # no-op once finished
         if finals is None:

@@ -14,12 +14,12 @@ Request fields (mixed into protocol.py's models):
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve import limits
 from jaxserve.errors import UserError
 from jaxserve.server.errors import bad_request
 from jaxserve.server.output_parser import OutputParser
@@ -109,8 +109,13 @@ class AssistantToolCall(BaseModel):
 
     def to_template(self, param: str) -> dict[str, Any]:
         """The call as chat templates read it: arguments parsed (they index or iterate them)."""
+        text = self.function.arguments
+        if not text.strip():  # vLLM accepts an empty string: a call without arguments
+            text = "{}"
         try:
-            args = json.loads(self.function.arguments)
+            args = limits.loads_bounded(text, f"{param}.function.arguments", "The tool call arguments")
+        except UserError as e:
+            raise bad_request(e.message, e.param) from None
         except ValueError:
             raise bad_request("Tool call arguments must be a JSON object (as text).",
                               f"{param}.function.arguments") from None
@@ -203,11 +208,14 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
     choice = req.tool_choice
     reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
     if not tools:
-        if choice not in (None, "none", "auto"):
-            raise bad_request("'tool_choice' needs 'tools'.", "tool_choice")
+        if choice not in (None, "none"):  # vLLM's rule and wording
+            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
         return ToolPlan(None, None, OutputParser(reasoning) if reasoning else None)
+    if len(tools) > limits.MAX_TOOLS:
+        raise bad_request(f"'tools' has {len(tools)} entries, more than the limit of {limits.MAX_TOOLS}.",
+                          "tools")
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
-    functions = {t.function.name: t.function.parameters for t in tools}
+    functions = {t.function.name: (t.function.parameters, t.function.strict) for t in tools}
     if len(functions) != len(tools):
         raise bad_request("Each tool needs a distinct function name.", "tools")
     if choice is None:

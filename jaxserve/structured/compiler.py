@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import queue
 import threading
 from collections import OrderedDict
 
@@ -32,6 +33,53 @@ from jaxserve.structured.spec import StructuredOutputs
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no runaway whitespace
 MAX_CACHED = 512
+SMALL_SPEC_CHARS = 2048  # specs up to this size compile in their own lane
+# llguidance recurses on the C stack (a 5,000-rule chain overflows 8 MiB); its threads get this
+# much (virtual memory: only the pages touched are backed), behind the bounds of limits.py.
+COMPILE_STACK_BYTES = 256 << 20
+
+
+class StackPool:
+    """A fixed pool of daemon threads with a large stack (ThreadPoolExecutor cannot set one).
+    A job whose future was cancelled while queued is skipped."""
+
+    _stack_lock = threading.Lock()
+
+    def __init__(self, workers: int, name: str, stack_bytes: int = COMPILE_STACK_BYTES):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        with StackPool._stack_lock:
+            old = threading.stack_size(stack_bytes)
+            try:
+                for i in range(workers):
+                    threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+            finally:
+                threading.stack_size(old)
+
+    def submit(self, fn, *args) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting request
+                fut.set_exception(e)
+
+
+def _spec_chars(spec: StructuredOutputs) -> int:
+    value = spec.key[1]
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, tuple):
+        return sum(len(c) for c in value)
+    if spec.kind == "tool_call":
+        return sum(len(s) for _, s in spec.tool_call.functions)
+    return 0
 
 
 class CompiledGrammar:
@@ -59,7 +107,9 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
-        self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        # Small specs get a lane of their own, so slow big ones cannot starve them.
+        self._pool = StackPool(max_workers, "grammar")
+        self._small_pool = StackPool(1, "grammar-small")
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
@@ -89,8 +139,9 @@ class GrammarCompiler:
             fut = self._cache[spec.key] = cf.Future()
             while len(self._cache) > MAX_CACHED:
                 self._cache.popitem(last=False)
-        work = self._pool.submit(self._compile, spec)
-        timer = threading.Timer(self.timeout_s, self._expire, (spec, fut))
+        pool = self._small_pool if _spec_chars(spec) <= SMALL_SPEC_CHARS else self._pool
+        work = pool.submit(self._compile, spec)
+        timer = threading.Timer(self.timeout_s, self._expire, (spec, fut, work))
         timer.daemon = True
         timer.start()
 
@@ -110,7 +161,9 @@ class GrammarCompiler:
         """Blocking; raises UserError for an invalid spec or a timeout."""
         return self.submit(spec).result()
 
-    def _expire(self, spec: StructuredOutputs, fut: cf.Future) -> None:
+    def _expire(self, spec: StructuredOutputs, fut: cf.Future, work: cf.Future | None = None) -> None:
+        if work is not None:
+            work.cancel()  # still queued: it never runs (a running native compile cannot be stopped)
         try:
             fut.set_exception(UserError(
                 f"The grammar of {spec.param} took longer than {self.timeout_s:g} s to compile: "

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve import limits
 from jaxserve.errors import UserError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "tool_call")
@@ -29,25 +30,46 @@ class ToolCallSpec:
     parallel: bool = True
 
     @classmethod
-    def build(cls, functions: dict[str, dict], name: str | None = None,
+    def build(cls, functions: dict[str, tuple[dict | None, bool | None]], name: str | None = None,
               parallel: bool = True) -> ToolCallSpec:
+        """functions: name -> (parameters schema, the function's `strict`). Objects of a schema
+        are closed to their declared properties unless strict is False (OpenAI's strict calls):
+        a model then cannot ramble on in an undeclared property until max_tokens."""
         if not functions:
             raise UserError("tool_choice needs at least one tool in 'tools'.", param="tools")
         if name is not None and name not in functions:
             raise UserError(
                 f"tool_choice names the function {name[:60]!r}, which is not in 'tools' "
                 f"({', '.join(map(repr, functions))}).", param="tool_choice")
-        return cls(tuple((n, _canonical(s or {"type": "object"})) for n, s in functions.items()),
-                   name, parallel)
+        out = []
+        for n, fn in functions.items():
+            schema, strict = fn if isinstance(fn, tuple) else (fn, None)
+            schema = schema or {"type": "object"}
+            limits.check_json_value(schema, "tools", "A tool's parameters schema")
+            if strict is not False:
+                schema = closed_objects(schema)
+            out.append((n, _canonical(schema)))
+        limits.check_schema_size("".join(s for _, s in out), "tools")
+        return cls(tuple(out), name, parallel)
 
     def schema(self) -> dict:
-        fns = [(n, json.loads(s)) for n, s in self.functions if self.name in (None, n)]
-        one = [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for n, s in fns]
+        """One schema for the calls. Each function's `$defs`/`definitions` move to the root
+        (renamed per function) and its local `$ref`s follow them, so refs still resolve once the
+        parameters sit under `arguments`."""
+        defs: dict = {}
+        one = []
+        for i, (n, s) in enumerate(self.functions):
+            if self.name not in (None, n):
+                continue
+            args = _hoist_defs(json.loads(s), f"f{i}_", defs)
+            one.append({"type": "object", "properties": {"name": {"const": n}, "arguments": args},
+                        "required": ["name", "arguments"], "additionalProperties": False})
         item = one[0] if len(one) == 1 else {"anyOf": one}
-        return {"type": "array", "items": item, "minItems": 1,
-                **({} if self.parallel and self.name is None else {"maxItems": 1})}
+        out = {"type": "array", "items": item, "minItems": 1,
+               **({} if self.parallel and self.name is None else {"maxItems": 1})}
+        if defs:
+            out["$defs"] = defs
+        return out
 
 
 @dataclass(slots=True)
@@ -71,19 +93,28 @@ class StructuredOutputs:
         kind = set_[0]
         if kind == "json":
             if isinstance(self.json, str):
+                limits.check_schema_size(self.json, "structured_outputs.json")
                 try:
-                    self.json = json.loads(self.json)
+                    self.json = limits.loads_bounded(self.json, "structured_outputs.json", "The JSON schema")
+                except UserError:
+                    raise
                 except ValueError as e:
                     raise UserError(f"The JSON schema is not valid JSON: {e}.",
                                     param="structured_outputs.json") from None
             if not isinstance(self.json, (dict, bool)):
                 raise UserError("The JSON schema must be a JSON object.",
                                 param="structured_outputs.json")
+            limits.check_json_value(self.json, "structured_outputs.json")
             value: Any = _canonical(self.json)
+            limits.check_schema_size(value, "structured_outputs.json")
         elif kind == "choice":
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise UserError("choice must be a non-empty list of non-empty strings.",
+                                param="structured_outputs.choice")
+            if len(self.choice) > limits.MAX_CHOICES or sum(map(len, self.choice)) > limits.MAX_GRAMMAR_BYTES:
+                raise UserError(f"choice has more than {limits.MAX_CHOICES} entries or "
+                                f"{limits.MAX_GRAMMAR_BYTES} characters: shorten it.",
                                 param="structured_outputs.choice")
             self.choice = list(self.choice)
             value = tuple(self.choice)
@@ -92,6 +123,7 @@ class StructuredOutputs:
             if not isinstance(value, str) or not value:
                 raise UserError(f"{kind} must be a non-empty string.",
                                 param=f"structured_outputs.{kind}")
+            limits.check_grammar_text(value, f"structured_outputs.{kind}", kind)
         elif kind == "json_object":
             if self.json_object is not True:
                 raise UserError("json_object must be true.", param="structured_outputs")
@@ -114,6 +146,71 @@ class StructuredOutputs:
     def param(self) -> str:
         """The request field an error in this spec names."""
         return "tool_choice" if self.kind == "tool_call" else f"structured_outputs.{self.kind}"
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy where every object schema with `properties` and no `additionalProperties` (nor
+    patternProperties) gets `additionalProperties: false`. Iterative (depth is bounded earlier)."""
+    root = json.loads(json.dumps(schema))
+    todo = [root]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            if ("properties" in v and isinstance(v["properties"], dict)
+                    and "additionalProperties" not in v and "patternProperties" not in v
+                    and "unevaluatedProperties" not in v):
+                v["additionalProperties"] = False
+            for k, x in v.items():
+                if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas") \
+                        and isinstance(x, dict):
+                    todo.extend(x.values())  # keys here are names, values schemas
+                elif k not in ("const", "enum", "default", "examples"):
+                    todo.append(x)
+    return root
+
+
+def _hoist_defs(schema: Any, prefix: str, defs: dict) -> Any:
+    """Move a schema's `$defs`/`definitions` into `defs` (names prefixed) and rewrite its local
+    refs (`#/$defs/X`, `#/definitions/X`, `#`) to match."""
+    if not isinstance(schema, dict):
+        return schema
+    schema = dict(schema)
+    local = {}
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.pop(key, None) or {}).items():
+            local[f"#/{key}/{name}"] = f"#/$defs/{prefix}{name}"
+            defs[f"{prefix}{name}"] = sub
+    root_name = f"{prefix}root"
+    uses_root = False
+
+    def fix(v):
+        nonlocal uses_root
+        todo = [v]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, list):
+                todo.extend(x)
+            elif isinstance(x, dict):
+                ref = x.get("$ref")
+                if isinstance(ref, str):
+                    if ref == "#":
+                        x["$ref"], uses_root = f"#/$defs/{root_name}", True
+                    else:
+                        for old, new in local.items():
+                            if ref == old or ref.startswith(old + "/"):
+                                x["$ref"] = new + ref[len(old):]
+                                break
+                todo.extend(v2 for k2, v2 in x.items() if k2 not in ("const", "enum", "default", "examples"))
+
+    fix(schema)
+    for name in [n for n in defs if n.startswith(prefix)]:
+        fix(defs[name])
+    if uses_root:
+        defs[root_name] = schema
+        return {"$ref": f"#/$defs/{root_name}"}
+    return schema
 
 
 def _canonical(schema: Any) -> str:

@@ -38,6 +38,7 @@ class ServerThread:
         from jaxserve.engine import LLMEngine
         from jaxserve.server.app import KEEP_ALIVE_S, build_app
         from jaxserve.server.config import ServerConfig
+        from jaxserve.server.http_protocol import HeaderTimeoutProtocol
 
         self.engine = LLMEngine(
             EngineConfig(model=str(model_dir), **{**ENGINE, **(engine_kw or {})})
@@ -51,7 +52,7 @@ class ServerThread:
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                           timeout_keep_alive=KEEP_ALIVE_S)
+                           timeout_keep_alive=KEEP_ALIVE_S, http=HeaderTimeoutProtocol)
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

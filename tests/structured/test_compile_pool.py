@@ -1,0 +1,60 @@
+"""The grammar compile pool cannot be monopolised (issue 31): small specs have a lane of their
+own, a compile still queued at its timeout is cancelled, and deep grammars are bounded before
+llguidance sees them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from jaxserve.errors import UserError
+from jaxserve.structured import StructuredOutputs
+from jaxserve.structured.compiler import GrammarCompiler, StackPool
+from tests.tiny_models import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(build_tokenizer(), 512, [2], max_workers=2, timeout_s=5.0)
+
+
+def test_small_spec_is_not_starved_by_slow_ones(compiler, monkeypatch):
+    gate = threading.Event()
+    real = GrammarCompiler._compile
+
+    def compile_(self, spec):
+        if spec.kind == "regex":  # the slow ones: held until the small one is done
+            assert gate.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", compile_)
+    slow = [compiler.submit(StructuredOutputs(regex=f"a{{{i}}}" + "b" * 2100)) for i in range(4)]
+    small = compiler.submit(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    small.result(60)
+    assert not any(f.done() for f in slow)
+    gate.set()
+    for f in slow:
+        f.result(60)
+
+
+def test_queued_job_cancelled_at_timeout_never_runs():
+    pool = StackPool(1, "t")
+    gate, ran = threading.Event(), []
+    first = pool.submit(gate.wait, 60)
+    second = pool.submit(ran.append, 1)
+    assert second.cancel()
+    gate.set()
+    assert first.result(60) is True
+    pool.submit(lambda: None).result(60)  # the queue moved past the cancelled job
+    assert ran == []
+
+
+def test_deep_grammar_is_400_not_a_crash(compiler):
+    chain = "\n".join(["start: r0"] + [f'r{i}: r{i + 1} "a"' for i in range(5000)] + ['r5000: "b"'])
+    with pytest.raises(UserError) as e:
+        compiler.compile(StructuredOutputs(grammar=chain))
+    assert e.value.param == "structured_outputs.grammar"
+    # near the bound: compiles on the pool's large stack (2,000 chained rules)
+    ok = "\n".join(["start: r0"] + [f'r{i}: r{i + 1} "a"' for i in range(1990)] + ['r1990: "b"'])
+    assert compiler.compile(StructuredOutputs(grammar=ok)) is not None
