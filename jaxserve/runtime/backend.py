@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.errors import UserError
+from jaxserve.runtime.moe import grouped_experts
 
 log = logging.getLogger("jaxserve")
 
@@ -57,13 +58,15 @@ class ModelOps:
     """What the model calls. `linear(x, w, num_rows)`: num_rows (i32[1]) are the step's real
     rows, all that a native kernel computes; `lm_head(x, table, num_rows)` is a tied embedding's
     transpose product; `attention(q, k, v, k_pages, v_pages, md, **kw) -> (out, k_pages, v_pages)`
-    writes this step's K/V and attends."""
+    writes this step's K/V and attends; `moe(x, ids, weights, w_gate, w_up, w_down, num_rows)` runs
+    the routed experts (runtime/moe.py), wrapped per device under tensor / expert parallelism."""
 
     linear: Callable
     gated: Callable  # silu(x @ W_gate) * (x @ W_up)
     embed: Callable
     lm_head: Callable
     attention: Callable
+    moe: Callable = grouped_experts
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,11 @@ def load_model_config(path: str) -> ModelConfig:
 
 def param_shapes(mc: ModelConfig) -> dict:
     """{path: shape} of the model's parameters, from the model's own init (traced, not run)."""
-    from jaxserve.model.llama import LlamaForCausalLM
+    from jaxserve.model.decoder import CausalLM
     from jaxserve.runtime.attention import AttentionMetadata
 
     ops = Backend("cpu", "xla", "paged", False, False, "shapes").ops()
-    model = LlamaForCausalLM(mc, ops, jnp.float32)
+    model = CausalLM(mc, ops, jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     pages = jax.ShapeDtypeStruct((2, 16, mc.num_kv_heads, mc.head_dim), jnp.float32)
     md = AttentionMetadata(i32(1), i32(1), i32(2), i32(1, 1), i32(1))
