@@ -51,6 +51,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x W)
+    partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first head_dim * factor dims only
     expert_parallel: bool = False  # how it runs: experts split over the model axis (runtime/mesh.py)
 
     @classmethod
@@ -102,9 +103,14 @@ class ModelConfig:
         """float32 K and V for every layer (the engine multiplies by dtype size / 4)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies with the config's RoPE scaling applied (float64 on host)."""
-        d = self.head_dim
+        """Inverse frequencies with the config's RoPE scaling applied (float64 on host), over the
+        rotary dims (all of head_dim unless partial_rotary_factor < 1)."""
+        d = self.rotary_dim
         inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         rs = self.rope_scaling
         if not rs:

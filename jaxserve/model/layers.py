@@ -31,7 +31,11 @@ def rope_tables(positions, inv_freq):
 def apply_rope(x, cos, sin):
     """HF's rotate-half convention, [x1 c - x2 s, x2 c + x1 s], as x * cos + [x2, x1] * sin over the
     full width (XLA:CPU runs this form ~4x faster than concatenating the two halves' results).
-    x: [T, H, D]; cos/sin: [T, D] from `rope_tables`."""
+    x: [T, H, D]; cos/sin: [T, R] from `rope_tables`; R < D (partial rotary): only the first R dims
+    rotate, the rest pass through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = x * cos[:, None, :] + jnp.concatenate([x2, x1], axis=-1) * sin[:, None, :]
     return out.astype(x.dtype)

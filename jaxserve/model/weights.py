@@ -60,6 +60,8 @@ def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
         if found is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         path, expert = found
+        if path[0].startswith("layers_") and int(path[0][7:]) >= cfg.num_layers:
+            continue  # a multi-token-prediction layer past the decoder (GLM-4.5, DeepSeek-V3): unused
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from jaxserve.model.families import llama, mixtral, qwen2_moe, qwen3_moe
+from jaxserve.model.families import glm4_moe, llama, mixtral, qwen2_moe, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen2_moe, mixtral)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen2_moe, mixtral, glm4_moe)
 BY_MODEL_TYPE: dict[str, ModuleType] = {t: f for f in FAMILIES for t in f.MODEL_TYPES}
 ARCHITECTURES: dict[str, str] = {t: a for f in FAMILIES for t, a in f.MODEL_TYPES.items()}
 
