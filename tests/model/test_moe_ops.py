@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runtime.moe import grouped_experts, route_sigmoid, route_softmax
+import functools
+
+import jax
+
+from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts, route_sigmoid, route_softmax
 
 H, I, E, K = 16, 8, 8, 2
 
@@ -34,14 +38,20 @@ def experts():
     return [rng.normal(0, 0.3, s).astype(np.float32) for s in ((E, H, I), (E, H, I), (E, I, H))]
 
 
-def run(x, ids, w, experts, num_rows=None, **kw):
+@pytest.fixture(params=["ragged_dot", "blocked"])
+def matmul(request):
+    """XLA's ragged_dot (GPU, TPU) and the tiled product the CPU backend uses."""
+    return jax.lax.ragged_dot if request.param == "ragged_dot" else blocked_ragged_dot
+
+
+def run(x, ids, w, experts, num_rows=None, matmul=jax.lax.ragged_dot, **kw):
     rows = None if num_rows is None else jnp.asarray([num_rows], jnp.int32)
-    return np.asarray(grouped_experts(jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32),
+    return np.asarray(functools.partial(grouped_experts, matmul=matmul)(jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32),
                                       *map(jnp.asarray, experts), rows, **kw))
 
 
 @pytest.mark.parametrize("case", ["random", "one_expert", "one_token", "two_experts_idle"])
-def test_grouped_matches_reference(experts, case):
+def test_grouped_matches_reference(experts, case, matmul):
     rng = np.random.default_rng(1)
     t = 1 if case == "one_token" else 13
     x = rng.normal(size=(t, H)).astype(np.float32)
@@ -51,28 +61,43 @@ def test_grouped_matches_reference(experts, case):
     if case == "two_experts_idle":
         ids = np.stack([rng.choice([0, 1, 2, 4, 6, 7], K, replace=False) for _ in range(t)])
     w = rng.random((t, K)).astype(np.float32)
-    np.testing.assert_allclose(run(x, ids, w, experts), reference(x, ids, w, *experts), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(x, ids, w, experts, matmul=matmul), reference(x, ids, w, *experts), rtol=1e-5,
+                               atol=1e-5)
 
 
-def test_padded_rows_never_routed(experts):
+def test_padded_rows_never_routed(experts, matmul):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(8, H)).astype(np.float32)
     x[5:] = np.nan  # bucket padding holding garbage
     ids = np.tile([0, 1], (8, 1))
     w = np.full((8, K), 0.5, np.float32)
-    got = run(x, ids, w, experts, num_rows=5)
+    got = run(x, ids, w, experts, num_rows=5, matmul=matmul)
     assert np.all(got[5:] == 0)
     np.testing.assert_allclose(got[:5], reference(x[:5], ids[:5], w[:5], *experts), rtol=1e-5, atol=1e-5)
 
 
-def test_expert_slices_sum_to_the_whole(experts):
+def test_expert_slices_sum_to_the_whole(experts, matmul):
     """Expert parallelism's per-device work: experts [0, 4) and [4, 8) with their offsets."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(9, H)).astype(np.float32)
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(9)])
     w = rng.random((9, K)).astype(np.float32)
-    halves = [run(x, ids, w, [a[lo:lo + 4] for a in experts], expert_offset=lo) for lo in (0, 4)]
-    np.testing.assert_allclose(halves[0] + halves[1], run(x, ids, w, experts), rtol=1e-5, atol=1e-6)
+    halves = [run(x, ids, w, [a[lo:lo + 4] for a in experts], matmul=matmul, expert_offset=lo) for lo in (0, 4)]
+    np.testing.assert_allclose(halves[0] + halves[1], run(x, ids, w, experts, matmul=matmul), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,sizes,block", [(7, [0, 3, 0, 4], None), (9, [9, 0, 0, 0], 4), (6, [1, 1, 1, 0], 2),
+                                           (5, [0, 0, 0, 0], None), (1, [0, 0, 1, 0], None)])
+def test_blocked_ragged_dot_is_ragged_dot(m, sizes, block):
+    """Empty groups, one group holding every row, rows past the groups' sum, tiles of 1..4 rows."""
+    rng = np.random.default_rng(5)
+    lhs = jnp.asarray(rng.normal(size=(m, 6)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(4, 6, 3)), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    want = np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes))
+    got = np.asarray(blocked_ragged_dot(lhs, rhs, sizes, block))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.all(got[int(sizes.sum()):] == 0)
 
 
 def test_softmax_router_ties_and_norm():
