@@ -114,7 +114,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # The engine settings that shape the lowered steps and the memory plan.
 LOWER_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
-                "attention_backend", "dtype", "kv_cache_dtype", "tensor_parallel_size", "quantization")
+                "attention_backend", "dtype", "kv_cache_dtype", "tensor_parallel_size", "quantization",
+                "enable_expert_parallel")
 
 
 def cmd_lower(args: argparse.Namespace) -> int:

@@ -80,6 +80,9 @@ class EngineConfig:
                                        "quantized with one float32 scale per token and kv head (~1.9x the "
                                        "blocks of bfloat16 at head_dim 64)", choices=DTYPES + KV_QUANT_DTYPES)
     tensor_parallel_size: int = _knob(1, "shard the model over N devices", aliases=("--tp",))
+    enable_expert_parallel: bool = _knob(False, "mixture-of-experts models: split whole experts over the "
+                                         "tensor-parallel devices (E / N experts each) instead of every expert's "
+                                         "intermediate axis; attention stays tensor-parallel")
     quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
                                      "q4_1, q4_k, q6_k (GGUF's blocks) made at load from any checkpoint; gguf: "
                                      "a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; bfloat16 (weights and "

@@ -84,6 +84,7 @@ class LLMEngine:
                 kv_cache_dtype=kv_dtype,
                 tensor_parallel_size=config.tensor_parallel_size,
                 quantization=config.quantization,
+                enable_expert_parallel=config.enable_expert_parallel,
             ),
         )
         self.loaded.params = None  # host copy no longer needed

@@ -24,6 +24,21 @@ ARCH = {
     "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=True)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=32)),
+    # mixture of experts: 8 experts, top-2, one dense layer in Qwen2-MoE's mix
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", extra=dict(tie_word_embeddings=False, head_dim=32, num_experts=8,
+                                                       num_experts_per_tok=2, moe_intermediate_size=32,
+                                                       norm_topk_prob=True)),
+    "qwen2_moe": dict(cls="Qwen2MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                       shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                                       mlp_only_layers=[1])),
+    # sigmoid routing over 8 experts in 4 groups (top 2 groups), a shared expert, layer 0 dense,
+    # RoPE on half of each head
+    "glm4_moe": dict(cls="Glm4MoeConfig", extra=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                                                     topk_group=2, routed_scaling_factor=2.0, head_dim=32,
+                                                     tie_word_embeddings=False)),
+    "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2,
+                                                    sliding_window=None)),
 }
 
 
@@ -69,10 +84,13 @@ def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden:
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # larger weights than the default init, so logits are not all ~0
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: stacked experts
                 p.normal_(0.0, std)
             elif "norm" in str(p.shape):
                 pass
+        for name, b in model.named_buffers():  # a sigmoid router's correction bias: not all zero
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path

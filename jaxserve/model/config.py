@@ -1,23 +1,21 @@
-"""ModelConfig: the few numbers the Llama-family model needs, read from an HF `config.json` dict.
+"""ModelConfig: the numbers a decoder needs, read from an HF `config.json` dict.
 
-GGUF files are first turned into such a dict by the GGUF loader, so there is one path from a
-config to a model.
+The fields every family shares are read here; each family module (model/families/) adds its own
+(q/k norm, biases, the MoE's experts and router). GGUF files are first turned into such a dict by
+the GGUF loader, so there is one path from a config to a model.
 """
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from jaxserve.errors import UserError
+from jaxserve.model import families
+
+SUPPORTED_ARCHITECTURES = families.ARCHITECTURES
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +39,26 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     checkpoint_dtype: str | None = None  # the weights' dtype as stored (config "torch_dtype"), if known
+    # mixture of experts (model/moe.py); num_experts 0: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (the others are dense)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3 / GLM-4.5: correction bias, grouped top-k)
+    n_group: int = 1  # sigmoid router: expert groups, of which topk_group are kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x W)
+    partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first head_dim * factor dims only
+    expert_parallel: bool = False  # how it runs: experts split over the model axis (runtime/mesh.py)
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
+        family = families.family(model_type)
+        if family is None:
             archs = hf.get("architectures") or [model_type]
             raise UserError(
                 f"Unsupported model architecture {archs[0]!r} (model_type={model_type!r}) in {source}. "
@@ -56,7 +69,6 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // num_heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -73,22 +85,32 @@ class ModelConfig:
             rope_scaling=_rope_scaling(hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias") or model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
-            sliding_window=int(sliding) if sliding and model_type == "mistral" else None,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(hf),
+            **family.config(hf),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i in self.moe_layers
 
     @property
     def kv_bytes_per_token(self) -> int:
         """float32 K and V for every layer (the engine multiplies by dtype size / 4)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies with the config's RoPE scaling applied (float64 on host)."""
-        d = self.head_dim
+        """Inverse frequencies with the config's RoPE scaling applied (float64 on host), over the
+        rotary dims (all of head_dim unless partial_rotary_factor < 1)."""
+        d = self.rotary_dim
         inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         rs = self.rope_scaling
         if not rs:

@@ -9,6 +9,7 @@ native CPU matmul), so each op dispatches on what it is given, not on a setting.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.errors import UserError
+from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
 
 log = logging.getLogger("jaxserve")
 
@@ -57,13 +59,15 @@ class ModelOps:
     """What the model calls. `linear(x, w, num_rows)`: num_rows (i32[1]) are the step's real
     rows, all that a native kernel computes; `lm_head(x, table, num_rows)` is a tied embedding's
     transpose product; `attention(q, k, v, k_pages, v_pages, md, **kw) -> (out, k_pages, v_pages)`
-    writes this step's K/V and attends."""
+    writes this step's K/V and attends; `moe(x, ids, weights, w_gate, w_up, w_down, num_rows)` runs
+    the routed experts (runtime/moe.py), wrapped per device under tensor / expert parallelism."""
 
     linear: Callable
     gated: Callable  # silu(x @ W_gate) * (x @ W_up)
     embed: Callable
     lm_head: Callable
     attention: Callable
+    moe: Callable = grouped_experts
 
 
 @dataclass(frozen=True)
@@ -105,9 +109,11 @@ class Backend:
         from jaxserve.runtime.attention import layer_attention
 
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
+        # XLA:CPU expands ragged_dot into a product over every expert: tiles there (runtime/moe.py)
+        moe = functools.partial(grouped_experts, matmul=blocked_ragged_dot) if self.platform == "cpu" else grouped_experts
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
-                            lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend)
+                            lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend, moe)
         from jaxserve.runtime import cpu_kernels as ck
 
         def linear(x, w, num_rows=None):
@@ -125,7 +131,7 @@ class Backend:
                 return ck.cpu_matmul(x.astype(jnp.float32), table.panels, num_rows)
             return jnp.dot(x, table.T.astype(x.dtype))
 
-        return ModelOps(linear, gated, _embed_lookup, lm_head, attend)
+        return ModelOps(linear, gated, _embed_lookup, lm_head, attend, moe)
 
     def argmax(self) -> Callable:
         from jaxserve.runtime.sampler import greedy_argmax

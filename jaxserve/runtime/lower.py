@@ -76,15 +76,15 @@ def load_model_config(path: str) -> ModelConfig:
 
 def param_shapes(mc: ModelConfig) -> dict:
     """{path: shape} of the model's parameters, from the model's own init (traced, not run)."""
-    from jaxserve.model.llama import LlamaForCausalLM
+    from jaxserve.model.decoder import CausalLM
     from jaxserve.runtime.attention import AttentionMetadata
 
     ops = Backend("cpu", "xla", "paged", False, False, "shapes").ops()
-    model = LlamaForCausalLM(mc, ops, jnp.float32)
+    model = CausalLM(mc, ops, jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     pages = jax.ShapeDtypeStruct((2, 16, mc.num_kv_heads, mc.head_dim), jnp.float32)
     md = AttentionMetadata(i32(1), i32(1), i32(2), i32(1, 1), i32(1))
-    inv_freq = jax.ShapeDtypeStruct((mc.head_dim // 2,), jnp.float32)
+    inv_freq = jax.ShapeDtypeStruct((mc.rotary_dim // 2,), jnp.float32)
     init = jax.eval_shape(model.init, jax.random.key(0), i32(1), i32(1), [(pages, pages)] * mc.num_layers,
                           md, i32(1), inv_freq)
     return meshlib.shape_tree(init["params"])
@@ -157,7 +157,7 @@ class Lowering:
         return [
             f"model: {mc.model_type}, {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_heads} q / "
             f"{mc.num_kv_heads} kv heads x {mc.head_dim}, vocab {mc.vocab_size}: "
-            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}",
+            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}" + _experts(r.model_cfg),
             f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} "
             f"({'abstract mesh' if isinstance(r.mesh, jax.sharding.AbstractMesh) else 'compile-only devices'}), "
             f"KV {r.kv_dtype.name}, {len(r.all_buckets())} buckets",
@@ -197,6 +197,14 @@ class Lowering:
         return LoweredStep(key, self.platform, exported.nr_devices, time.perf_counter() - t0, len(text), calls)
 
 
+def _experts(mc: ModelConfig) -> str:
+    if not mc.is_moe:
+        return ""
+    split = "whole experts split over the model axis" if mc.expert_parallel else "each expert split on its intermediate axis"
+    return (f"; {len(mc.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
+            f"({split})")
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -227,7 +235,7 @@ def prepare(
     if num_layers is not None:
         mc = dataclasses.replace(mc, num_layers=num_layers)
     tp = config.tensor_parallel_size
-    meshlib.check_layout(mc, tp)
+    meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
     kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
     shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
@@ -238,6 +246,7 @@ def prepare(
         block_size=config.block_size, num_blocks=2, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype, tensor_parallel_size=tp,
         kv_cache_dtype=kv_dtype, quantization=config.quantization,
+        enable_expert_parallel=config.enable_expert_parallel,
     )
     if devices is not None:
         mesh = jax.sharding.Mesh(np.array(devices[:tp]).reshape(1, tp), (meshlib.DATA, meshlib.MODEL))
@@ -252,7 +261,9 @@ def prepare(
         return memory.estimate_step_bytes(
             num_tokens=key.t, num_seqs=key.s, hidden_size=rc.hidden_size, intermediate_size=rc.intermediate_size,
             num_heads=rc.num_heads, num_kv_heads=rc.num_kv_heads, head_dim=rc.head_dim, vocab_size=rc.vocab_size,
-            dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp)
+            dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp,
+            num_experts_per_tok=rc.num_experts_per_tok if rc.is_moe else 0,
+            moe_intermediate_size=rc.moe_intermediate_size, expert_parallel=rc.expert_parallel)
 
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(

@@ -207,12 +207,18 @@ def estimate_step_bytes(
     vocab_size: int,
     dtype_bytes: int,
     tensor_parallel_size: int = 1,
+    num_experts_per_tok: int = 0,
+    moe_intermediate_size: int = 0,
+    expert_parallel: bool = False,
 ) -> int:
     """Peak temporary bytes of one step on one device, where no compiled executable can say
     (lowering for another platform): one layer's live activations - the residual stream and its
     normed copy, q/k/v and the attention output (f32 too), the gated MLP's three [T, I] arrays -
     plus the sampler's [S, V] float32 rows (the logits are gathered whole on every device).
-    Layers run one after another, so one layer's worth is live at a time."""
+    Layers run one after another, so one layer's worth is live at a time. A mixture-of-experts layer
+    (runtime/moe.py) holds T x k dispatched rows: the gathered input, the experts' three [I] arrays
+    (I / tp of each expert, or whole experts under expert parallelism) and a float32 output row;
+    dropless with static shapes, every device holds all T x k rows whatever the routing."""
     tp = tensor_parallel_size
     heads = max(num_heads // tp, 1)
     kv_heads = max(num_kv_heads // tp, 1)
@@ -223,6 +229,9 @@ def estimate_step_bytes(
         + 3 * (intermediate_size // tp) * dtype_bytes
         + 2 * head_dim * 4  # RoPE cos/sin
     )
+    if num_experts_per_tok:
+        inter = moe_intermediate_size if expert_parallel else moe_intermediate_size // tp
+        per_token += num_experts_per_tok * (hidden_size * dtype_bytes + 3 * inter * dtype_bytes + hidden_size * 4)
     return num_tokens * per_token + num_seqs * vocab_size * 4 * SAMPLER_ROW_COPIES
 
 

@@ -20,6 +20,17 @@ what a Pallas kernel needs).
 Weights are placed shard by shard: each device receives only its slice of the host array
 (`jax.make_array_from_callback`), never a full copy.
 
+Mixture-of-experts layers: the router and the shared expert's gate are replicated, a shared
+expert shards like a dense MLP, and the routed experts [E, H, I] / [E, I, H] either split their
+intermediate axis like a dense MLP (P(None, None, "model") / P(None, "model", None)) or, with
+expert parallelism (`--enable-expert-parallel`, EP size = TP size as in vLLM), split the expert
+axis (P("model", None, None)): each device holds E / tp whole experts. Either way `shard_moe` runs
+the grouped matmul per device under `shard_map`: the residual stream is replicated after the
+attention's all-reduce, so dispatch is local (each device takes the rows routed to its experts)
+and the combine is one all-reduce of [T, H] per MoE layer, the collective a row-parallel down_proj
+costs anyway. An all-to-all dispatch pays off only once tokens are sharded (data-parallel
+attention), which this mesh does not do.
+
 Quantized weights (runtime/quant.py: [N / 64, K-ish, ...] panels and their block scales) shard as
 their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
 with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
@@ -93,8 +104,16 @@ def _layout_problem(cfg: ModelConfig, tp: int) -> str | None:
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         return (f"num_key_value_heads={cfg.num_kv_heads} neither divides nor is divisible by {tp} "
                 "(kv heads are split, or replicated when tp > kv heads)")
-    if cfg.intermediate_size % tp:
+    if cfg.intermediate_size % tp and not (cfg.is_moe and len(cfg.moe_layers) == cfg.num_layers):
         return f"intermediate_size={cfg.intermediate_size} is not divisible by {tp}"
+    if cfg.is_moe:
+        if cfg.expert_parallel and cfg.num_experts % tp:
+            return f"num_experts={cfg.num_experts} is not divisible by {tp} (expert parallel)"
+        if not cfg.expert_parallel and cfg.moe_intermediate_size % tp:
+            return (f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by {tp} "
+                    "(--enable-expert-parallel splits whole experts instead)")
+        if cfg.shared_expert_intermediate_size % tp:
+            return f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size} is not divisible by {tp}"
     return None
 
 
@@ -118,6 +137,16 @@ def kv_replication(cfg: ModelConfig, tp: int) -> int:
     return tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
 
 
+def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:
+    """The config marked to run its experts expert-parallel; a UserError for a dense model."""
+    if not enable:
+        return cfg
+    if not cfg.is_moe:
+        raise UserError(f"enable_expert_parallel needs a mixture-of-experts model, but {cfg.model_type!r} has no "
+                        "experts: drop --enable-expert-parallel.", param="enable_expert_parallel")
+    return dataclasses.replace(cfg, expert_parallel=True)
+
+
 def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config the sharded model runs with (kv heads repeated when tp > num_kv_heads)."""
     check_layout(cfg, tp)
@@ -130,6 +159,10 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, 
     if tp == 1:
         return P()
     name, leaf = path[-2], path[-1]
+    if name == "experts":  # stacked routed experts [E, H, I] (gate/up) or [E, I, H] (down)
+        if cfg.expert_parallel:
+            return P(MODEL, None, None)
+        return P(None, MODEL, None) if leaf == "down_proj" else P(None, None, MODEL)
     if name in COLUMN:
         return P(None, MODEL) if leaf == "kernel" else P(MODEL)
     if name in ROW and leaf == "kernel":
@@ -345,6 +378,31 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
             in_specs=(heads, heads, heads, pages, v_spec, rep), out_specs=(heads, pages, v_spec), check_vma=False,
         )
         return f(q, k, v, k_pages, v_pages, md)
+
+    return sharded
+
+
+# ---- routed experts under shard_map ------------------------------------------------------------
+def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
+    """Run `ops.moe` (runtime/moe.py's signature) per device over its slice of the experts (whole
+    experts with expert parallelism, else every expert's slice of the intermediate axis), then sum
+    the partial outputs over the model axis (see the module docstring for why no all-to-all)."""
+    if tp_size(mesh) == 1:
+        return moe_fn
+    rep = P()
+    w_in, w_out = (P(MODEL, None, None),) * 2 if expert_parallel else (P(None, None, MODEL), P(None, MODEL, None))
+
+    def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows):
+        offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
+        y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset)
+        return jax.lax.psum(y, MODEL)
+
+    def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None):
+        if num_rows is None:
+            num_rows = jnp.full((1,), x.shape[0], jnp.int32)
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep), out_specs=rep,
+                          check_vma=False)
+        return f(x, ids, weights, w_gate, w_up, w_down, num_rows)
 
     return sharded
 

@@ -31,7 +31,7 @@ import numpy as np
 from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
-from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.decoder import CausalLM
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import quant
 from jaxserve.runtime.attention import AttentionMetadata
@@ -73,6 +73,7 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # default: dtype
     quantization: str | None = None  # int8, q8_0, ...: float weights quantized here (runtime/quant.py)
+    enable_expert_parallel: bool = False  # MoE: split whole experts over the model axis (runtime/mesh.py)
 
 
 class KVCaches(NamedTuple):
@@ -128,6 +129,7 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(self.kv_cache_dtype)
         self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
         tp = meshlib.tp_size(self.mesh)
+        model_cfg = meshlib.with_expert_parallel(model_cfg, cfg.enable_expert_parallel)
         shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
         self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
         log.info(self.backend.describe())
@@ -136,10 +138,7 @@ class ModelRunner:
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
         # one model per attention variant (same params): decode-only buckets get the decode kernel
-        self.models = {d: LlamaForCausalLM(model_cfg, self.backend.ops(
-            lambda attend: meshlib.shard_attention(attend, self.mesh, self.backend.kv_layout), decode_only=d),
-            self.dtype)
-            for d in (False, True)}
+        self.models = {d: CausalLM(model_cfg, self._ops(d), self.dtype) for d in (False, True)}
         self.model = self.models[False]
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
@@ -167,6 +166,11 @@ class ModelRunner:
         self._jitted: dict[BucketKey, object] = {}  # forward_logits
         self._compiled: dict[BucketKey, object] = {}
         self.num_compiles = 0
+
+    def _ops(self, decode_only: bool):
+        ops = self.backend.ops(lambda attend: meshlib.shard_attention(attend, self.mesh, self.backend.kv_layout),
+                               decode_only=decode_only)
+        return dataclasses.replace(ops, moe=meshlib.shard_moe(ops.moe, self.mesh, self.model_cfg.expert_parallel))
 
     def _put(self, x: np.ndarray):
         """A small host array, replicated over the mesh (lower.AbstractRunner keeps it on the host)."""

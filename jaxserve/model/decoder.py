@@ -1,0 +1,74 @@
+"""The decoder every family runs, composed from model/layers.py and model/moe.py over a paged KV cache.
+
+One forward serves a ragged batch: T new tokens from any mix of prefill chunks and decodes. Each
+layer writes its K/V into its own cache arrays (donated by the caller, so updated in place) and
+attends through `ops.attention`; its MLP is dense or the MoE block, as the config says per layer
+(`ModelConfig.is_moe_layer`). Only the rows in `logits_indices` reach the LM head. Every
+backend-specific operation comes in as a callable of `ModelOps` (runtime/backend.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.layers import MLP, Attention, Embed, Linear, RMSNorm, real_tokens, rope_tables
+from jaxserve.model.moe import MoE
+from jaxserve.runtime.backend import ModelOps
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    dtype: Any
+    ops: ModelOps
+    index: int = 0
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv, md, rows):
+        c = self.cfg
+        h, kv = Attention(c, self.dtype, self.ops, name="self_attn")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md, rows
+        )
+        x = x + h
+        mlp = MoE if c.is_moe_layer(self.index) else MLP
+        x = x + mlp(c, self.dtype, self.ops, name="mlp")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x), rows
+        )
+        return x, kv
+
+
+class CausalLM(nn.Module):
+    cfg: ModelConfig
+    ops: ModelOps  # from the backend (runtime/backend.py): linear, gated MLP, MoE, embed, LM head, attention
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids,  # i32[T]
+        positions,  # i32[T]
+        kv_caches,  # list of (k_pages, v_pages) per layer
+        md,  # AttentionMetadata
+        logits_indices,  # i32[S] rows that reach the LM head
+        inv_freq,  # f32[D/2]
+        num_logits=None,  # i32[1] of those in use (default: md.num_seqs)
+    ):
+        c = self.cfg
+        embed = Embed(c.vocab_size, c.hidden_size, self.dtype, self.ops, name="embed_tokens")
+        x = embed(input_ids)
+        cos, sin = rope_tables(positions, inv_freq)
+        rows = real_tokens(md)  # once per step, for every native matmul and the MoE routing
+        new_caches = []
+        for i in range(c.num_layers):
+            x, kv = DecoderLayer(c, self.dtype, self.ops, i, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md, rows)
+            new_caches.append(kv)
+        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
+        num_logits = md.num_seqs if num_logits is None else num_logits
+        if c.tie_word_embeddings:
+            logits = embed.attend(x, num_logits)
+        else:
+            logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.ops, name="lm_head")(x, num_logits)
+        return logits.astype(jnp.float32), new_caches

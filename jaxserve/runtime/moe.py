@@ -1,0 +1,111 @@
+"""Mixture-of-experts ops: routers (token -> top-k experts and weights) and the routed experts as a
+grouped matmul, dropless.
+
+`grouped_experts` sorts the T x k (token, expert) assignments by expert and runs each projection
+as one `jax.lax.ragged_dot` over the expert groups, so every expert multiplies exactly the rows
+routed to it (no capacity factor, nothing dropped, nothing computed for an expert with no tokens).
+Rows that must not be computed - bucket padding past `num_rows`, and under expert parallelism the
+assignments of experts another device holds - get the sentinel group E: sorted last, outside every
+group, their output is zero. The combine un-sorts and sums each token's k rows with their weights
+(a gather and a reduction, no scatter).
+
+Two implementations of the grouped product, same signature as `jax.lax.ragged_dot`: XLA's own
+(native on GPU and TPU), and `blocked_ragged_dot` for CPU, where `ragged_dot` is expanded into a
+dense product over every expert (E x the FLOPs, and a masked [E, M, K] copy of the rows): there the
+rows are laid out in tiles of B rows, each tile one expert's (groups padded to whole tiles, at most
+M / B + min(E, M) tiles), and a loop multiplies each tile by its expert's matrix, read in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route_softmax(logits, k: int, norm_topk_prob: bool):
+    """Softmax over all experts, top k (ties: the lower expert id first, as `lax.top_k`), optionally
+    renormalised over the k (Qwen3-MoE, Mixtral) or not (Qwen2-MoE).
+    logits: f32[T, E] -> (weights f32[T, k], ids i32[T, k])."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids
+
+
+def route_sigmoid(logits, bias, k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scale: float):
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores; the choice adds a per-expert correction bias
+    and keeps only the `topk_group` groups (of `n_group`) whose two best biased scores sum highest;
+    the weights are the unbiased scores of the chosen experts, optionally renormalised, times
+    `scale` (routed_scaling_factor). logits f32[T, E], bias f32[E]."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + bias.astype(jnp.float32)[None, :]
+    t, e = choice.shape
+    if n_group > 1:
+        groups = choice.reshape(t, n_group, e // n_group)
+        group_score = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)  # [T, n_group]
+        _, keep = jax.lax.top_k(group_score, topk_group)
+        mask = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(mask, e // n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scale, ids
+
+
+def tile_rows(m: int, e: int) -> int:
+    """Rows per tile for M rows over E experts: about the mean group size, so padding at most
+    doubles the rows (1 when M <= E: no padding at all, decode's case)."""
+    return max(1, -(-m // e))
+
+
+def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None):
+    """`jax.lax.ragged_dot` as tiles: lhs [M, K] rows sorted by group, rhs [E, K, N], group_sizes
+    i32[E] (summing to at most M; rows past the sum come out zero) -> [M, N]."""
+    m, e = lhs.shape[0], rhs.shape[0]
+    b = block or tile_rows(m, e)
+    tiles = (m + min(e, m) * (b - 1)) // b  # an upper bound on sum(ceil(size / b))
+    sizes = group_sizes.astype(jnp.int32)
+    per_group = (sizes + b - 1) // b
+    tile_end = jnp.cumsum(per_group)
+    row_end = jnp.cumsum(sizes)
+    r = jnp.arange(m)
+    g = jnp.searchsorted(row_end, r, side="right")  # each row's group; e past the last
+    gc = jnp.minimum(g, e - 1)
+    pos = (tile_end[gc] - per_group[gc]) * b + r - (row_end[gc] - sizes[gc])
+    pos = jnp.where(g < e, pos, tiles * b)  # out of range: dropped
+    x = jnp.zeros((tiles * b, lhs.shape[1]), lhs.dtype).at[pos].set(lhs, mode="drop")
+    expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), e - 1)
+    # one tile at a time: each reads its expert's matrix in place (a gathered [tiles, K, N] copy of
+    # the weights is ~20x slower on XLA:CPU)
+    y = jax.lax.map(lambda a: a[0] @ jax.lax.dynamic_index_in_dim(rhs, a[1], keepdims=False),
+                    (x.reshape(tiles, b, -1), expert)).reshape(tiles * b, -1)
+    return jnp.where((g < e)[:, None], y[jnp.minimum(pos, tiles * b - 1)], 0).astype(lhs.dtype)
+
+
+def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
+                    matmul=jax.lax.ragged_dot):
+    """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = (silu(x Wg_e) * x Wu_e) Wd_e.
+
+    x: [T, H]; ids: i32[T, k] (global expert ids); weights: f32[T, k];
+    w_gate / w_up: [E, H, I]; w_down: [E, I, H] - the E experts this device holds, global ids
+    expert_offset .. expert_offset + E - 1 (expert parallelism; 0 otherwise);
+    num_rows: i32[1] real tokens (rows past them are never routed); matmul: `jax.lax.ragged_dot` or
+    `blocked_ragged_dot`. -> [T, H] in x's dtype."""
+    t, k = ids.shape
+    e = w_gate.shape[0]
+    local = ids - expert_offset
+    valid = (local >= 0) & (local < e)
+    if num_rows is not None:
+        valid &= (jnp.arange(t) < num_rows[0])[:, None]
+    group = jnp.where(valid, local, e).reshape(-1)  # [T*k], sentinel e: not computed
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.zeros((e + 1,), jnp.int32).at[group].add(1)[:e]
+    xs = x[order // k].astype(w_gate.dtype)  # [T*k, H] rows grouped by expert
+    h = jax.nn.silu(matmul(xs, w_gate, sizes)) * matmul(xs, w_up, sizes)
+    y = matmul(h.astype(w_down.dtype), w_down, sizes)  # [T*k, H]
+    y = jnp.where(group[order][:, None] < e, y, 0)  # rows outside every group: exactly zero
+    y = y[jnp.argsort(order)].reshape(t, k, -1)  # back to (token, slot) order
+    w = jnp.where(valid, weights, 0).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), w).astype(x.dtype)

@@ -1,0 +1,55 @@
+"""Mixture-of-experts under tensor and expert parallelism (8 forced CPU devices: see conftest.py):
+experts split on their intermediate axis (TP) or whole experts per device (EP = TP size, attention
+tensor-parallel alongside) give EP=1's greedy tokens and logits; each device holds E / N experts;
+impossible layouts and EP on a dense model are clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve.errors import UserError
+from jaxserve.model.loader import load_model
+from jaxserve.runtime import mesh as ml
+from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from tests.parallel.test_tensor_parallel import BS, greedy_run
+
+CFG = RunnerConfig(block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
+
+
+@pytest.mark.parametrize("arch,layouts", [
+    ("qwen3_moe", [(2, False), (2, True), (4, True)]),  # 8 experts: 4 / 2 per device under EP
+    ("qwen2_moe", [(2, True)]),  # shared expert (column/row-parallel) and a dense layer beside EP
+])
+def test_ep_same_greedy_tokens(tiny_model, arch, layouts):
+    lm = load_model(tiny_model(arch))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, lm.config.vocab_size, n).tolist() for n in (19, 11)]
+    ref_logits, ref_tokens = greedy_run(ModelRunner(lm.config, lm.params, CFG), prompts, steps=4)
+    for tp, ep in layouts:
+        runner = ModelRunner(lm.config, lm.params, dataclasses.replace(
+            CFG, tensor_parallel_size=tp, enable_expert_parallel=ep))
+        experts = runner.params["layers_0"]["mlp"]["experts"]["gate_proj"]
+        e, h, i = experts.shape
+        shard = experts.sharding.shard_shape(experts.shape)
+        assert shard == ((e // tp, h, i) if ep else (e, h, i // tp)), (tp, ep, shard)
+        logits, tokens = greedy_run(runner, prompts, steps=4)
+        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{arch} tp={tp} ep={ep}: greedy tokens differ")
+        err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+        assert err < 1e-5, f"{arch} tp={tp} ep={ep}: logits differ by {err:.2e} of their scale"
+
+
+def test_ep_layout_errors(tiny_model):
+    lm = load_model(tiny_model("qwen3_moe"))
+    six = dataclasses.replace(lm.config, num_experts=6, expert_parallel=True)
+    with pytest.raises(UserError, match=r"num_experts=6 is not divisible by 4 \(expert parallel\)"):
+        ml.check_layout(six, 4)
+    odd = dataclasses.replace(lm.config, moe_intermediate_size=30)
+    with pytest.raises(UserError, match=r"moe_intermediate_size=30 is not divisible by 4.*--enable-expert-parallel"):
+        ml.check_layout(odd, 4)
+    ml.check_layout(dataclasses.replace(odd, expert_parallel=True), 4)  # whole experts: fine
+    dense = load_model(tiny_model("llama"))
+    with pytest.raises(UserError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        ModelRunner(dense.config, dense.params, dataclasses.replace(CFG, enable_expert_parallel=True))

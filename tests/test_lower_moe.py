@@ -1,0 +1,68 @@
+"""Mixture-of-experts presets (configs/models): parameter counts against the published sizes, the
+memory plan counting every expert (split over devices under expert parallelism), and the step
+lowering for cuda and tpu with experts sharded 8 ways (test_lower.py lowers every preset's one-layer
+cut at TP 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.batch import BucketKey
+from jaxserve.errors import UserError
+from jaxserve.runtime.lower import AbstractCheckpoint, load_model_config, prepare
+from tests.test_lower import _one_layer
+
+MODELS = Path(__file__).parents[1] / "configs" / "models"
+GiB = 1 << 30
+
+
+def _count(tree) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+
+
+@pytest.mark.parametrize("preset,billions", [
+    ("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.1), ("mixtral-8x7b", 46.7), ("qwen1.5-moe-a2.7b", 14.3),
+    ("qwen2-57b-a14b", 57.4), ("glm-4.5-air", 106.0),  # GLM: without its MTP layer (not loaded either)
+])
+def test_moe_presets_are_the_models_they_name(preset, billions):
+    mc = load_model_config(str(MODELS / f"{preset}.json"))
+    assert mc.is_moe
+    two = AbstractCheckpoint(dataclasses.replace(mc, num_layers=2, moe_layers=(1,))).shapes()  # a dense + a MoE layer
+    dense, moe = _count(two.pop("layers_0")), _count(two.pop("layers_1"))
+    n_moe = len(mc.moe_layers)
+    got = (_count(two) + n_moe * moe + (mc.num_layers - n_moe) * dense) / 1e9
+    assert abs(got - billions) / billions < 0.02, (preset, got, billions)
+
+
+def test_memory_plan_counts_the_experts():
+    """Qwen3-30B-A3B in bfloat16: ~61 GB of weights, nearly all experts. One 16 GiB TPU v5e chip
+    cannot hold it (a clear error); eight with expert parallelism hold 1/8 of the experts each."""
+    model = str(MODELS / "qwen3-30b-a3b.json")
+    engine = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=4096)
+    with pytest.raises(UserError, match="out of device memory"):
+        prepare(model, "tpu", EngineConfig(**engine), device_memory=16 * GiB)
+    lowering = prepare(model, "tpu", EngineConfig(**engine, tensor_parallel_size=8, enable_expert_parallel=True),
+                       device_memory=16 * GiB)
+    assert 60e9 < lowering.total_weight_bytes < 62e9
+    experts = lowering.runner.params["layers_0"]["mlp"]["experts"]["down_proj"]
+    assert experts.sharding.shard_shape(experts.shape) == (128 // 8, 768, 2048)
+    assert lowering.total_weight_bytes / 8 < lowering.plan.weight_bytes < lowering.total_weight_bytes / 7
+    assert lowering.plan.num_blocks * 16 >= 4096
+    assert any("48 MoE layers of 128 experts, top 8 (whole experts" in line for line in lowering.describe())
+
+
+@pytest.mark.parametrize("platform,ep", [("cuda", True), ("tpu", True), ("cuda", False)])
+def test_qwen3_235b_lowers_at_8_devices(tmp_path, platform, ep):
+    lowering = prepare(_one_layer(tmp_path, "qwen3-235b-a22b"), platform,
+                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096,
+                                    tensor_parallel_size=8, enable_expert_parallel=ep))
+    step = lowering.lower(BucketKey(16, 8, 0))
+    assert step.num_devices == 8 and step.kernel_calls >= 1, step.describe()
+    text = lowering.export(BucketKey(16, 8, 0)).mlir_module()
+    assert "ragged_dot" in text  # the grouped matmul, not a dense loop over experts
