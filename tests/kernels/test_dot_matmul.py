@@ -313,7 +313,7 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
 @pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
                     reason="needs an x86 C++ compiler")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
-@pytest.mark.parametrize("source", ["dot_matmul.cc", "quant_matmul.cc"])
+@pytest.mark.parametrize("source", sorted(p.name for p in cpu_kernels.CSRC.glob("*.cc")))
 def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
     """The portable paths compile for an AVX2 (haswell) and a baseline x86-64 CPU: the library is
     built -march=native on the machine that runs it, so these are what such machines get."""

@@ -235,11 +235,18 @@ inline i32x16 WidenBytes(const void* src) {
   const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(src));
   const __m512i w = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   std::memcpy(&out, &w, sizeof(out));
-#else
-  using b16 = std::conditional_t<Signed, int8_t, uint8_t> __attribute__((vector_size(16)));
-  b16 b;
-  std::memcpy(&b, src, sizeof(b));
-  out = __builtin_convertvector(b, i32x16);
+#else  // GCC drops vector_size on a dependent alias (std::conditional_t): spell out both types
+  using s16 = int8_t __attribute__((vector_size(16)));
+  using u16 = uint8_t __attribute__((vector_size(16)));
+  if constexpr (Signed) {
+    s16 b;
+    std::memcpy(&b, src, sizeof(b));
+    out = __builtin_convertvector(b, i32x16);
+  } else {
+    u16 b;
+    std::memcpy(&b, src, sizeof(b));
+    out = __builtin_convertvector(b, i32x16);
+  }
 #endif
   return out;
 }
