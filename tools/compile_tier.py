@@ -182,6 +182,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write every case's figures here")
     p.add_argument("--only", default="*", help="shell pattern over case ids, e.g. 'cuda/*/kernel/*'")
+    p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                   help="shell pattern over case ids to leave out (repeatable), e.g. 'tpu/*/step/*'")
     p.add_argument("--platforms", default="cuda,tpu")
     args = p.parse_args(argv)
     platforms = tuple(x for x in args.platforms.split(",") if x)
@@ -202,7 +204,8 @@ def main(argv=None) -> int:
     for t in targets.values():
         cases += kernel_cases(t.platform, t)
         cases += step_cases(t.platform, t) if t.name in (GPU_TARGET, TPU_TARGETS[0]) else []
-    cases = [c for c in cases if fnmatch.fnmatch(c.id, args.only)]
+    cases = [c for c in cases if fnmatch.fnmatch(c.id, args.only)
+             and not any(fnmatch.fnmatch(c.id, pat) for pat in args.skip)]
     print(f"compile tier: jax {jax.__version__}, {len(cases)} cases on {', '.join(targets)}")
     rows = run_cases(cases, targets)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "XFAIL", "XPASS")}
