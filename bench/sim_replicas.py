@@ -75,7 +75,9 @@ class SimReplica:
             if s.samples and r.request_id not in self._first:
                 self._first.add(r.request_id)
                 self.ttft.append(self.t - r.arrival_time)
-        done = [r for r, _, _ in self.sched.update_from_output(out, sampled)]
+        landed = self.sched.update_from_output(out, sampled)
+        done = [s.request for s in out.scheduled if s.request.request_id in landed
+                and landed[s.request.request_id].finished]
         return done + list(out.finished)
 
 

@@ -228,7 +228,7 @@ def aborted(srv) -> float:
     """Requests the server counted as aborted (/metrics)."""
     with srv.http() as h:
         lines = h.get("/metrics").text.splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "request_success_total{" in ln
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("jaxserve:request_success_total{")
                and 'finished_reason="abort"' in ln)
 
 
