@@ -3,6 +3,7 @@ mistyped field) and carry no field the type does not declare (the SDKs keep extr
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
@@ -31,3 +32,29 @@ def exact(type_: Any, data: dict) -> Any:
     bad = extras(value)
     assert not bad, f"fields {type_} does not declare: {bad}"
     return value
+
+
+def sse_events(srv, path: str, body: dict, event_type: Any) -> list[dict]:
+    """The raw typed SSE stream of `path`: each event's data, in order, after checking that its
+    `type` equals the `event:` line before it and that it is exactly the SDK's `event_type`."""
+    out = []
+    with srv.http() as h, h.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert data["type"] == name
+                exact(event_type, data)
+                out.append(data)
+    return out
+
+
+def aborted(srv) -> float:
+    """Requests the server counted as aborted (/metrics, jaxserve's own counter)."""
+    with srv.http() as h:
+        lines = h.get("/metrics").text.splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("jaxserve:request_success_total{")
+               and 'finished_reason="abort"' in ln)

@@ -13,7 +13,7 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 
 from tests.server.agent_models import AGENT_ENGINE, WEATHER, with_tool_template
 from tests.server.conftest import ServerThread
-from tests.server.sdk_types import exact
+from tests.server.sdk_types import aborted, exact, sse_events
 
 TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
         "input_schema": WEATHER["function"]["parameters"]}
@@ -45,23 +45,6 @@ def chat_twin(srv, max_tokens=8, **kw):
         max_tokens=max_tokens, extra_body=GREEDY, **kw)
 
 
-def sse_events(srv, body: dict) -> list[dict]:
-    """The raw stream: (event name, data) pairs, each data checked against the SDK's event type."""
-    out = []
-    with srv.http() as h, h.stream("POST", "/v1/messages", json=body) as r:
-        assert r.status_code == 200, r.read()
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert data["type"] == name
-                exact(RawMessageStreamEvent, data)
-                out.append(data)
-    return out
-
-
 def test_text_answer_is_the_chat_paths_answer(srv, client):
     raw = client.messages.with_raw_response.create(
         model=srv.model, system=SYSTEM, messages=USER, max_tokens=8, extra_body=GREEDY)
@@ -79,8 +62,8 @@ def test_text_answer_is_the_chat_paths_answer(srv, client):
 def test_stream_events_add_up_to_the_whole_answer(srv, client):
     whole = client.messages.create(model=srv.model, system=SYSTEM, messages=USER, max_tokens=8,
                                    extra_body=GREEDY)
-    events = sse_events(srv, {"model": srv.model, "system": SYSTEM, "messages": USER,
-                              "max_tokens": 8, "temperature": 0, "stream": True})
+    events = sse_events(srv, "/v1/messages", {"model": srv.model, "system": SYSTEM, "messages": USER,
+                              "max_tokens": 8, "temperature": 0, "stream": True}, RawMessageStreamEvent)
     types = [e["type"] for e in events]
     assert types[:2] == ["message_start", "content_block_start"]
     assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -222,14 +205,6 @@ def test_thinking_blocks_where_a_reasoning_parser_is_set(srv, client, monkeypatc
         thinking = "".join(e.thinking for e in s if e.type == "thinking")
         final = s.get_final_message()
     assert thinking == whole.content[0].thinking == final.content[0].thinking
-
-
-def aborted(srv) -> float:
-    """Requests the server counted as aborted (/metrics)."""
-    with srv.http() as h:
-        lines = h.get("/metrics").text.splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("jaxserve:request_success_total{")
-               and 'finished_reason="abort"' in ln)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(srv):

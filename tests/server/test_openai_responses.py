@@ -15,7 +15,7 @@ from jaxserve.server.responses_input import ResponseStore
 from tests.server.agent_models import AGENT_ENGINE, WEATHER, with_tool_template
 from tests.server.conftest import ServerThread
 from tests.server.schemas import SCHEMAS
-from tests.server.sdk_types import exact
+from tests.server.sdk_types import aborted, exact, sse_events
 
 TOOL = {"type": "function", **WEATHER["function"]}
 SYSTEM = "You are terse."
@@ -45,22 +45,12 @@ def create(srv, client, **kw) -> Response:
     return raw.parse()
 
 
-def sse_events(srv, body: dict) -> list[dict]:
-    """The raw stream, each event checked against the SDK's event types."""
-    out = []
-    with srv.http() as h, h.stream("POST", "/v1/responses", json=body) as r:
-        assert r.status_code == 200, r.read()
-        name = None
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert data["type"] == name and data["sequence_number"] == len(out)
-                exact(ResponseStreamEvent, data)
-                out.append(data)
-    return out
 
+def responses_events(srv, body: dict) -> list[dict]:
+    """The raw stream, each event checked against the SDK's event types and numbered in order."""
+    events = sse_events(srv, "/v1/responses", body, ResponseStreamEvent)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
 
 def test_text_answer_is_the_chat_paths_answer(srv, client):
     r = create(srv, client, instructions=SYSTEM, input=QUESTION, max_output_tokens=8,
@@ -82,7 +72,7 @@ def test_text_answer_is_the_chat_paths_answer(srv, client):
 def test_stream_events_add_up_to_the_whole_answer(srv, client):
     kw = {"instructions": SYSTEM, "input": QUESTION, "max_output_tokens": 8, "temperature": 0}
     whole = create(srv, client, **kw)
-    events = sse_events(srv, {"model": srv.model, "stream": True, **kw})
+    events = responses_events(srv, {"model": srv.model, "stream": True, **kw})
     types = [e["type"] for e in events]
     assert types[:5] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added",
@@ -101,7 +91,7 @@ def test_forced_function_call(srv, client, stream):
     kw = {"input": QUESTION, "tools": [TOOL], "max_output_tokens": 400, "temperature": 0,
           "tool_choice": {"type": "function", "name": "get_weather"}}
     if stream:
-        events = sse_events(srv, {"model": srv.model, "stream": True, **kw})
+        events = responses_events(srv, {"model": srv.model, "stream": True, **kw})
         pieces = [e["delta"] for e in events
                   if e["type"] == "response.function_call_arguments.delta"]
         r = Response.model_validate(events[-1]["response"])
@@ -238,17 +228,9 @@ def test_reasoning_items_where_a_reasoning_parser_is_set(srv, client, monkeypatc
     assert [o.type for o in r.output] == ["reasoning"]
     assert r.output[0].content[0].text == want
     assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
-    events = sse_events(srv, {"model": srv.model, "stream": True, **kw})
+    events = responses_events(srv, {"model": srv.model, "stream": True, **kw})
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == want
-
-
-def aborted(srv) -> float:
-    """Requests the server counted as aborted (/metrics)."""
-    with srv.http() as h:
-        lines = h.get("/metrics").text.splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("jaxserve:request_success_total{")
-               and 'finished_reason="abort"' in ln)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(srv):
