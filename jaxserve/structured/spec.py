@@ -148,26 +148,37 @@ class StructuredOutputs:
         return "tool_choice" if self.kind == "tool_call" else f"structured_outputs.{self.kind}"
 
 
-def closed_objects(schema: Any) -> Any:
-    """A copy where every object schema with `properties` and no `additionalProperties` (nor
-    patternProperties) gets `additionalProperties: false`. Iterative (depth is bounded earlier)."""
-    root = json.loads(json.dumps(schema))
-    todo = [root]
+_LITERAL_KEYS = ("const", "enum", "default", "examples")  # values, not schemas
+_NAME_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+
+
+def _schema_nodes(value: Any):
+    """Every object schema inside a JSON-schema value, walked iteratively (depth is bounded
+    earlier); literal values are not entered, maps of names give their values. A caller may edit a
+    node before the walk enters its children."""
+    todo = [value]
     while todo:
         v = todo.pop()
         if isinstance(v, list):
             todo.extend(v)
         elif isinstance(v, dict):
-            if ("properties" in v and isinstance(v["properties"], dict)
-                    and "additionalProperties" not in v and "patternProperties" not in v
-                    and "unevaluatedProperties" not in v):
-                v["additionalProperties"] = False
+            yield v
             for k, x in v.items():
-                if k in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas") \
-                        and isinstance(x, dict):
-                    todo.extend(x.values())  # keys here are names, values schemas
-                elif k not in ("const", "enum", "default", "examples"):
+                if k in _NAME_MAPS and isinstance(x, dict):
+                    todo.extend(x.values())
+                elif k not in _LITERAL_KEYS:
                     todo.append(x)
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy where every object schema with `properties` and no `additionalProperties` (nor
+    patternProperties) gets `additionalProperties: false`."""
+    root = json.loads(json.dumps(schema))
+    for v in _schema_nodes(root):
+        if ("properties" in v and isinstance(v["properties"], dict)
+                and "additionalProperties" not in v and "patternProperties" not in v
+                and "unevaluatedProperties" not in v):
+            v["additionalProperties"] = False
     return root
 
 
@@ -187,22 +198,17 @@ def _hoist_defs(schema: Any, prefix: str, defs: dict) -> Any:
 
     def fix(v):
         nonlocal uses_root
-        todo = [v]
-        while todo:
-            x = todo.pop()
-            if isinstance(x, list):
-                todo.extend(x)
-            elif isinstance(x, dict):
-                ref = x.get("$ref")
-                if isinstance(ref, str):
-                    if ref == "#":
-                        x["$ref"], uses_root = f"#/$defs/{root_name}", True
-                    else:
-                        for old, new in local.items():
-                            if ref == old or ref.startswith(old + "/"):
-                                x["$ref"] = new + ref[len(old):]
-                                break
-                todo.extend(v2 for k2, v2 in x.items() if k2 not in ("const", "enum", "default", "examples"))
+        for x in _schema_nodes(v):
+            ref = x.get("$ref")
+            if not isinstance(ref, str):
+                continue
+            if ref == "#":
+                x["$ref"], uses_root = f"#/$defs/{root_name}", True
+                continue
+            for old, new in local.items():
+                if ref == old or ref.startswith(old + "/"):
+                    x["$ref"] = new + ref[len(old):]
+                    break
 
     fix(schema)
     for name in [n for n in defs if n.startswith(prefix)]:
