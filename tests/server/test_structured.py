@@ -177,8 +177,9 @@ def test_parse_with_pydantic_random_model(server):
 def default_server():
     from jaxserve.model.default_model import default_model_path
 
-    s = ServerThread(default_model_path(download=False), {"max_model_len": 1024,
-                                                            "num_blocks": 512})
+    # compiled on demand: these requests meet a few buckets of the default model's many
+    s = ServerThread(default_model_path(download=False), {"max_model_len": 1024, "num_blocks": 512},
+                     precompile=False)
     yield s
     s.stop()
 

@@ -40,7 +40,7 @@ def tool_model(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(tool_model):
-    s = ServerThread(tool_model, AGENT_ENGINE, tool_call_parser="hermes",
+    s = ServerThread(tool_model, AGENT_ENGINE, precompile=False, tool_call_parser="hermes",
                      reasoning_parser="deepseek_r1")
     yield s
     s.stop()
@@ -49,7 +49,7 @@ def srv(tool_model):
 @pytest.fixture(scope="module")
 def plain(tool_model):
     """No parsers configured."""
-    s = ServerThread(tool_model, AGENT_ENGINE)
+    s = ServerThread(tool_model, AGENT_ENGINE, precompile=False)
     yield s
     s.stop()
 
@@ -391,7 +391,7 @@ MISTRAL_CALLS = (r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city
 def test_other_parsers_stream_arguments_piecewise(tool_model, parser, regex):
     """The llama3 and mistral formats under 'auto': two calls, index 0 and 1, arguments in
     pieces that add up to the non-streamed answer's."""
-    s = ServerThread(tool_model, AGENT_ENGINE, tool_call_parser=parser)
+    s = ServerThread(tool_model, AGENT_ENGINE, precompile=False, tool_call_parser=parser)
     try:
         kw = {"model": s.model, "messages": USER, "tools": TOOLS, "max_tokens": 300, "seed": 0,
               "temperature": 1.0, "extra_body": {"structured_outputs": {"regex": regex}}}
