@@ -78,6 +78,9 @@ class Backend:
     native_linear: bool  # packed float32 matmul (csrc/matmul.cc)
     native_argmax: bool
     reason: str  # why this was chosen (logged once)
+    # the attention backend to serve with if this one's kernels fail to compile on the device
+    # (runtime/fallback.py): `xla` for the default Pallas on GPU/TPU; None where it was requested
+    fallback: str | None = None
 
     def describe(self) -> str:
         linear = "XLA dot"
@@ -218,7 +221,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                 log.warning("Pallas attention unavailable (%s); using the portable 'xla' backend.", why)
                 name, reason = "xla", f"pallas unavailable: {why}"
         layout = "tpu-fused" if (name, platform) == ("pallas", "tpu") else "paged"
-        return Backend(platform, name, layout, False, False, reason)
+        return Backend(platform, name, layout, False, False, reason,
+                       fallback="xla" if name == "pallas" and not requested else None)
     native_dtypes = dtype == "float32" and (kv_dtype in ("float32", "bfloat16") or kv_quant.is_quantized(kv_dtype))
     if requested in (None, "cpu"):
         from jaxserve.runtime import cpu_kernels

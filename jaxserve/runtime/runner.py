@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +33,7 @@ from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.decoder import CausalLM
+from jaxserve.runtime import fallback
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import quant
 from jaxserve.runtime.attention import AttentionMetadata
@@ -137,23 +139,13 @@ class ModelRunner:
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
         self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
-        # one model per attention variant (same params): decode-only buckets get the decode kernel
-        self.models = {d: CausalLM(model_cfg, self._ops(d), self.dtype) for d in (False, True)}
-        self.model = self.models[False]
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
         if self.backend.native_linear:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
-        quantized = kv_quant.is_quantized(self.kv_cache_dtype)
-        self.page_sharding = meshlib.kv_cache_sharding(self.mesh, self.backend.kv_layout, quantized)
-        # quantized pages are (data, scale) pytrees: their two shardings per array (tpu-fused: one
-        # array, (pages, None)); else one for all
-        v_sharding = None if self.backend.kv_layout == "tpu-fused" else self.page_sharding
-        self.kv_sharding = ([(self.page_sharding, v_sharding)] * model_cfg.num_layers if quantized
-                            else self.page_sharding)
-        self.kv = self._allocate_kv(cfg.num_blocks)
+        self._use_backend(self.backend)
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, vocab_size=model_cfg.vocab_size,
@@ -166,6 +158,25 @@ class ModelRunner:
         self._jitted: dict[BucketKey, object] = {}  # forward_logits
         self._compiled: dict[BucketKey, object] = {}
         self.num_compiles = 0
+        self.steps_run = 0  # steps dispatched: the KV cache holds data once one has run
+        self._generation = 0  # bumped when the attention backend falls back (fallback.py)
+        self._fallback_lock = threading.Lock()
+
+    def _use_backend(self, backend: Backend) -> None:
+        """The attention backend's models (one per attention variant, same params: decode-only
+        buckets get the decode kernel), KV layout and shardings, and a KV cache in that layout."""
+        self.backend = backend
+        self.models = {d: CausalLM(self.model_cfg, self._ops(d), self.dtype) for d in (False, True)}
+        self.model = self.models[False]
+        quantized = kv_quant.is_quantized(self.kv_cache_dtype)
+        self.page_sharding = meshlib.kv_cache_sharding(self.mesh, backend.kv_layout, quantized)
+        # quantized pages are (data, scale) pytrees: their two shardings per array (tpu-fused: one
+        # array, (pages, None)); else one for all
+        v_sharding = None if backend.kv_layout == "tpu-fused" else self.page_sharding
+        self.kv_sharding = ([(self.page_sharding, v_sharding)] * self.model_cfg.num_layers if quantized
+                            else self.page_sharding)
+        self.kv = None  # free the old arrays first
+        self.kv = self._allocate_kv(self.cfg.num_blocks)
 
     def _ops(self, decode_only: bool):
         ops = self.backend.ops(lambda attend: meshlib.shard_attention(attend, self.mesh, self.backend.kv_layout),
@@ -259,8 +270,16 @@ class ModelRunner:
         return jitted, (self.params, self.kv.layers, flat, self.last_tokens)
 
     def _compile(self, key: BucketKey):
+        """The bucket's executable; a default Pallas backend the compiler rejects falls back to
+        `xla` once (warned) and the bucket compiles again."""
+        generation = self._generation
         jitted, args = self.step_function(key)
-        return jitted.lower(*args).compile()
+        try:
+            return jitted.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - any compiler error; re-raised unless we fall back
+            if not fallback.fall_back(self, generation, e):
+                raise
+        return self._compile(key)
 
     def executable(self, key: BucketKey):
         fn = self._compiled.get(key)
@@ -276,18 +295,19 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         keys = self.all_buckets() if keys is None else keys
-        todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
         hits0, misses0 = CACHE_EVENTS.values()
-        total, done = len(keys), len(keys) - len(todo)
-        with ThreadPoolExecutor(max_workers=workers or min(len(todo) or 1, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(self._compile, k): k for k in todo}
-            for f in as_completed(futures):
-                key = futures[f]
-                self._compiled[key] = f.result()
-                self.num_compiles += 1
-                done += 1
-                if progress:
-                    progress(done, total, key)
+        # a backend fallback drops what was compiled before it: the loop compiles what is missing
+        while todo := [k for k in sorted(keys, reverse=True) if k not in self._compiled]:
+            generation = self._generation
+            with ThreadPoolExecutor(max_workers=workers or min(len(todo), os.cpu_count() or 1)) as pool:
+                futures = {pool.submit(self._compile, k): k for k in todo}
+                for f in as_completed(futures):
+                    exe = f.result()
+                    if self._generation == generation:
+                        self._compiled[futures[f]] = exe
+                        self.num_compiles += 1
+                        if progress:
+                            progress(sum(k in self._compiled for k in keys), len(keys), futures[f])
         hits, misses = (n - n0 for n, n0 in zip(CACHE_EVENTS.values(), (hits0, misses0)))
         cache = jax.config.jax_compilation_cache_dir
         if cache and misses and hits + misses:  # a cold or damaged cache costs minutes: say so
@@ -303,6 +323,7 @@ class ModelRunner:
         flat = meshlib.to_global(flat, self._replicated)  # no-op in one process
         result, layers = fn(self.params, self.kv.layers, flat, self.last_tokens)
         self.kv = KVCaches(layers, self.kv.layout)
+        self.steps_run += 1
         self.last_tokens = result.tokens
         return result
 
