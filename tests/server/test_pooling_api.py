@@ -9,11 +9,13 @@ import base64
 import json
 import shutil
 
+import httpx
 import numpy as np
 import openai
 import pytest
 
 from tests.server.conftest import ServerThread
+from tests.server.sdk_types import aborted
 from tests.test_pooling import SCORE_TOKENS, assert_close, reference_embedding, reference_score, with_pooling
 
 TEXTS = ["The capital of France is Paris.", "JAX is a library for array computation.", "a"]
@@ -137,6 +139,17 @@ def test_bad_input_is_one_400_naming_the_field(srv, path, body, param):
 def test_unknown_model_is_404(srv):
     with pytest.raises(openai.NotFoundError):
         srv.client().embeddings.create(model="nope", input="x")
+
+
+def test_a_client_that_leaves_aborts_every_input(srv):
+    """Queued behind a paused engine, the call's client gives up: its inputs are aborted."""
+    before = aborted(srv)
+    long_inputs = [[7 + (i + j) % 200 for j in range(240)] for i in range(3)]  # 4 chunks each
+    with srv.paused(), httpx.Client(base_url=srv.url, timeout=0.5) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post("/v1/embeddings", json={"input": long_inputs})
+    assert srv.wait_idle()["blocks_used"] == 0
+    assert aborted(srv) == before + 3
 
 
 def test_nothing_leaks(srv):
