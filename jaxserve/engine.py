@@ -454,17 +454,17 @@ class LLMEngine:
             if sr.num_draft and seq.matcher is not None:  # the grammar's state after each draft
                 self.speculator.fill_masks(seq.matcher, r.token_ids[-sr.num_draft:], batch.bitmask[r.first_row:])
         pooled = [(i, *self._pool_rows(r)) for i, (seq, r) in enumerate(zip(seqs, rows))
-                  if self._groups[seq.group_id].pooler is not None]
+                  if self._pooler(seq) is not None]
         if pooled:
             key = key._replace(pool=True)  # the executable also returns the rows' hidden states
         want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra
-                            for r, seq in zip(rows, seqs) if self._groups[seq.group_id].pooler is None)
+                            for r, seq in zip(rows, seqs) if self._pooler(seq) is None)
         result = self.runner.execute(batch, key)
         # Was the device still on the step before when this one was queued behind it?
         ahead = self._inflight
         self.timing["dispatch_busy" if ahead is not None and not ahead.result.tokens.is_ready() else "dispatch_idle"] += 1
         if self.drafter is not None:
-            self.drafter.mirror(batch, key)
+            self.drafter.mirror(batch, key._replace(pool=False))
         sched.scheduled = scheduled  # row order
         self.scheduler.dispatched(sched)
         self.counters["steps"] += 1
@@ -478,9 +478,13 @@ class LLMEngine:
             row_of={sr.request.request_id: r.out_row for sr, r in zip(scheduled, rows) if sr.samples},
             verifying=verifying,
             scored=[(i, r.first_row, r.start, len(r.extra)) for i, (r, seq) in enumerate(zip(rows, seqs))
-                    if r.extra and self._groups[seq.group_id].pooler is None],
+                    if r.extra and self._pooler(seq) is None],
             pooled=pooled,
         )
+
+    def _pooler(self, seq: Seq):
+        group = self._groups.get(seq.group_id)
+        return group.pooler if group is not None else None
 
     @staticmethod
     def _pool_rows(r: RowSpec) -> tuple[list[int], list[int]]:
@@ -529,8 +533,11 @@ class LLMEngine:
         tokens = got.tokens
         for i, rows, positions in step.pooled:
             group = self._groups.get(step.seqs[i].group_id)
-            if group is not None:
-                group.pooler.add(positions, got.hidden[rows])
+            try:
+                if group is not None:
+                    group.pooler.add(positions, got.hidden[rows])
+            except Exception as e:  # noqa: BLE001 - this request's data: it fails alone
+                self._fail(group.request_id, e, "pooling its hidden states")
         for i, first, pos, count in step.scored:
             try:
                 self._score_prompt(step.seqs[i], got, first, pos, count)
