@@ -176,6 +176,9 @@ class LLMEngine:
         from jaxserve.runtime import memory
 
         took = self.runner.precompile(progress)
+        if self.pooling_config.declared:  # an embedding model: the steps of its pooling requests too
+            took += self.runner.precompile(progress, keys=[k._replace(pool=True) for k in self.runner.all_buckets()
+                                                           if not k.w])
         if self.drafter is not None:
             took += self.drafter.precompile()
         maps = memory.memory_maps()

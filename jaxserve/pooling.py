@@ -58,6 +58,7 @@ class PoolingConfig:
     method: str = "last"
     normalize: bool = True
     matryoshka: bool = False  # trained so that any leading slice of the vector embeds (`dimensions`)
+    declared: bool = False  # from sentence-transformers files: an embedding model (its pool steps precompile)
 
     @classmethod
     def from_model(cls, path: str | Path) -> PoolingConfig:
@@ -66,6 +67,7 @@ class PoolingConfig:
             return cls()
         method, normalize = "last", True
         modules = _read_json(path / "modules.json")
+        declared = isinstance(modules, list)
         if isinstance(modules, list):
             kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
             normalize = "Normalize" in kinds
@@ -79,7 +81,7 @@ class PoolingConfig:
                                     "jaxserve pools by last token, mean or CLS.", param="model")
         hf = _read_json(path / "config.json") or {}
         matryoshka = bool(hf.get("is_matryoshka") or hf.get("matryoshka_dimensions"))
-        return cls(method, normalize, matryoshka)
+        return cls(method, normalize, matryoshka, declared)
 
     def params(self, dimensions: int | None = None, hidden_size: int | None = None) -> PoolingParams:
         if dimensions is not None:

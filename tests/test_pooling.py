@@ -89,7 +89,7 @@ def llm(qwen3):
 def test_last_token_embedding_equals_transformers_batched_chunked_and_cached(llm, qwen3):
     tok = llm.get_tokenizer()
     ids = [tok.encode(t) for t in TEXTS]
-    assert llm.engine.pooling_config == PoolingConfig("last", True, False)  # no sentence-transformers files
+    assert llm.engine.pooling_config == PoolingConfig("last", True, False, False)  # no sentence-transformers files
     batched = llm.embed(TEXTS, use_tqdm=False)  # all at once, the long one in 16-token chunks
     hits0 = llm.engine.get_stats()["prefix_cache_hit_blocks"]
     alone = [llm.embed(p, use_tqdm=False)[0] for p in ids]  # one by one, as token ids: cache hits
@@ -106,7 +106,7 @@ def test_last_token_embedding_equals_transformers_batched_chunked_and_cached(llm
 def test_mean_and_cls_pooling_from_sentence_transformers_files(qwen3, tmp_path, mode, method):
     path = with_pooling(qwen3, tmp_path / "st", mode)
     llm = LLM(path, use_tqdm=False, **{**ENGINE_KW, "max_num_batched_tokens": 16, "max_num_seqs": 4})
-    assert llm.engine.pooling_config == PoolingConfig(method, True, False)
+    assert llm.engine.pooling_config == PoolingConfig(method, True, False, True)
     tok = llm.get_tokenizer()
     first = llm.embed(TEXTS, use_tqdm=False)
     again = llm.embed(TEXTS, use_tqdm=False)  # every row is needed: never from the prefix cache
@@ -115,6 +115,18 @@ def test_mean_and_cls_pooling_from_sentence_transformers_files(qwen3, tmp_path, 
         assert_close(first[i], want)
         assert_close(again[i], want)
     assert_all_blocks_free(llm)
+
+
+def test_an_embedding_model_precompiles_its_pool_steps(qwen3, tmp_path, monkeypatch):
+    """A model with sentence-transformers files is an embedding model: start-up compiles the pool
+    variant of every bucket its pooling rows can use (W = 0), so no request waits on a compile."""
+    llm = LLM(with_pooling(qwen3, tmp_path / "st", "lasttoken"), use_tqdm=False, **ENGINE_KW)
+    asked = []
+    monkeypatch.setattr(llm.engine.runner, "precompile", lambda progress=None, keys=None: asked.append(keys) or 0.0)
+    llm.engine.precompile()
+    buckets = llm.engine.runner.all_buckets()
+    assert asked[0] is None  # every plain bucket
+    assert sorted(asked[1]) == sorted(k._replace(pool=True) for k in buckets if not k.w) and asked[1]
 
 
 def test_unnormalised_and_dimensions(llm, qwen3, tmp_path):
