@@ -158,6 +158,23 @@ def test_rerank_scores_equal_transformers(llm, qwen3):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # an LM head of its own; tied to the embeddings
+def test_score_head_is_the_lm_head_columns_of_the_answer_tokens(tiny_model, arch):
+    from jaxserve.model.loader import load_model
+    from jaxserve.pooling import score_head
+    from jaxserve.tokenizer import Tokenizer
+
+    path = tiny_model(arch)
+    lm = load_model(path)
+    tok = Tokenizer.from_pretrained(path)
+    head = score_head(lm.params, lm.config, tok, SCORE_TOKENS)
+    ids = [tok.encode(t, add_special_tokens=False)[0] for t in SCORE_TOKENS.split(",")]
+    want = _hf_model(path).get_output_embeddings().weight.detach().numpy()[ids].T
+    assert lm.config.tie_word_embeddings == (arch == "qwen2")
+    np.testing.assert_array_equal(head, want)
+    assert "score-tokens" in score_head(lm.params, lm.config, tok, "no,yes")  # not single tokens here
+
+
 def test_rerank_needs_single_token_answers(tiny_llm):
     with pytest.raises(UserError, match="score-tokens"):
         tiny_llm.score("q", ["d"], use_tqdm=False)  # 'no' and 'yes' are not tokens of the tiny vocabulary
