@@ -100,6 +100,9 @@ class EngineConfig:
     precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")
     compilation_cache: bool = _knob(True, "use JAX's persistent compilation cache")
     seed: int = _knob(0, "seeds the per-request seeds of requests that bring none")
+    score_tokens: str | None = _knob(None, "rerank / score: the 'no' and 'yes' answer tokens whose last-position "
+                                     "logits score a document (Qwen3-Reranker's way; default: no,yes)",
+                                     metavar="NO,YES")
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> UserError:

@@ -25,6 +25,7 @@ from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.errors import UserError
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.pooling import Pooler, PoolingConfig, score_head
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
 from jaxserve.tokenizer import Tokenizer
@@ -45,6 +46,7 @@ class _Inflight:
     row_of: dict[str, int]  # request id -> logits row, for rows that sample
     verifying: dict[str, tuple[int, int]]  # request id -> (first logits row, drafts) of verifying rows
     scored: list[tuple[int, int, int, int]]  # prompt logprobs: (row, first logits row, position, count)
+    pooled: list[tuple[int, list[int], list[int]]] = ()  # pooling: (row, logits rows, their positions)
 
 
 class LLMEngine:
@@ -65,6 +67,9 @@ class LLMEngine:
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
+        self.pooling_config = PoolingConfig.from_model(self.loaded.path)
+        # rerank / score: the LM-head columns of the two score tokens, or why there are none
+        self.score_head = score_head(self.loaded.params, mc, self.tokenizer, config.score_tokens)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         # On an accelerator the KV cache is sized after the weights are placed and the largest
         # step is compiled (as vLLM and SGLang do); with an explicit budget, or on CPU, before.
@@ -171,6 +176,9 @@ class LLMEngine:
         from jaxserve.runtime import memory
 
         took = self.runner.precompile(progress)
+        if self.pooling_config.declared:  # an embedding model: the steps of its pooling requests too
+            took += self.runner.precompile(progress, keys=[k._replace(pool=True) for k in self.runner.all_buckets()
+                                                           if not k.w])
         if self.drafter is not None:
             took += self.drafter.precompile()
         maps = memory.memory_maps()
@@ -227,6 +235,12 @@ class LLMEngine:
                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
             group.seqs.append(Seq(request_id, req, i, seed, detok, out, prompt_set))
             reqs.append(req)
+        if params.pooling is not None:
+            head = self.score_head
+            if params.pooling.score and isinstance(head, str):
+                raise UserError(head, param="model")
+            group.pooler = Pooler(params.pooling, len(prompt_token_ids), head if params.pooling.score else None)
+            reqs[0].score_prompt = params.pooling.every_row and len(prompt_token_ids) > 1
         if params.prompt_logprobs is not None:  # computed once, by the first sequence's prefill
             group.prompt_logprobs = [None] * len(prompt_token_ids)
             group.prompt_logprobs_missing = len(prompt_token_ids) - 1
@@ -398,7 +412,7 @@ class LLMEngine:
         row = RowSpec(req.token_ids, sr.start, sr.num_new_tokens, req.block_ids, sampling,
                       prev.get(req.request_id, -1))
         if req.score_prompt:  # a logits row at each prompt token that predicts the next one
-            score = Sampling(num_logprobs=group.params.prompt_logprobs)
+            score = Sampling(num_logprobs=-1 if group.pooler is not None else group.params.prompt_logprobs)
             end = min(sr.start + sr.num_new_tokens, len(req.prompt_token_ids) - 1)
             row.extra = [(p - sr.start, score) for p in range(sr.start, end)]
         width = self.runner.builder.max_adjustments
@@ -442,13 +456,18 @@ class LLMEngine:
         for seq, r, sr in zip(seqs, rows, scheduled):
             if sr.num_draft and seq.matcher is not None:  # the grammar's state after each draft
                 self.speculator.fill_masks(seq.matcher, r.token_ids[-sr.num_draft:], batch.bitmask[r.first_row:])
-        want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra for r in rows)
+        pooled = [(i, *self._pool_rows(r)) for i, (seq, r) in enumerate(zip(seqs, rows))
+                  if self._pooler(seq) is not None]
+        if pooled:
+            key = key._replace(pool=True)  # the executable also returns the rows' hidden states
+        want_logprobs = any((r.sampling is not None and r.sampling.num_logprobs >= 0) or r.extra
+                            for r, seq in zip(rows, seqs) if self._pooler(seq) is None)
         result = self.runner.execute(batch, key)
         # Was the device still on the step before when this one was queued behind it?
         ahead = self._inflight
         self.timing["dispatch_busy" if ahead is not None and not ahead.result.tokens.is_ready() else "dispatch_idle"] += 1
         if self.drafter is not None:
-            self.drafter.mirror(batch, key)
+            self.drafter.mirror(batch, key._replace(pool=False))
         sched.scheduled = scheduled  # row order
         self.scheduler.dispatched(sched)
         self.counters["steps"] += 1
@@ -461,8 +480,25 @@ class LLMEngine:
                              for r, seq in zip(rows, seqs)),
             row_of={sr.request.request_id: r.out_row for sr, r in zip(scheduled, rows) if sr.samples},
             verifying=verifying,
-            scored=[(i, r.first_row, r.start, len(r.extra)) for i, r in enumerate(rows) if r.extra],
+            scored=[(i, r.first_row, r.start, len(r.extra)) for i, (r, seq) in enumerate(zip(rows, seqs))
+                    if r.extra and self._pooler(seq) is None],
+            pooled=pooled,
         )
+
+    def _pooler(self, seq: Seq):
+        group = self._groups.get(seq.group_id)
+        return group.pooler if group is not None else None
+
+    @staticmethod
+    def _pool_rows(r: RowSpec) -> tuple[list[int], list[int]]:
+        """A pooling row's logits rows and the prompt positions they read: its extra rows (every
+        token, for mean / CLS pooling), then its last token's when it samples."""
+        rows = list(range(r.first_row, r.first_row + len(r.extra)))
+        positions = [r.start + off for off, _ in r.extra]
+        if r.out_row >= 0:
+            rows.append(r.out_row)
+            positions.append(r.start + r.num_new - 1)
+        return rows, positions
 
     def _sampling(self, p: SamplingParams, seq: Seq, ahead: list[int] = ()) -> Sampling:
         """The row's sampling; `ahead`: drafted tokens before it (a verification row samples as
@@ -494,9 +530,17 @@ class LLMEngine:
         """Read a dispatched step's tokens and update its requests: token-level stops in the
         scheduler, then detokenization, stop strings and logprobs here."""
         t0 = time.perf_counter()
-        got = self.runner.fetch(step.result, step.key.s, step.want_logprobs, accepted=bool(step.verifying))
+        got = self.runner.fetch(step.result, step.key.s, step.want_logprobs, accepted=bool(step.verifying),
+                                hidden=bool(step.pooled))
         self.timing["device_wait_s"] += time.perf_counter() - t0
         tokens = got.tokens
+        for i, rows, positions in step.pooled:
+            group = self._groups.get(step.seqs[i].group_id)
+            try:
+                if group is not None:
+                    group.pooler.add(positions, got.hidden[rows])
+            except Exception as e:  # noqa: BLE001 - this request's data: it fails alone
+                self._fail(group.request_id, e, "pooling its hidden states")
         for i, first, pos, count in step.scored:
             try:
                 self._score_prompt(step.seqs[i], got, first, pos, count)

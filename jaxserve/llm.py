@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
+import dataclasses
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.progress import compile_progress
+from jaxserve.errors import UserError
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling import PoolingParams, pooling_request
+from jaxserve.progress import compile_progress
+from jaxserve.rerank import pair_prompt
 from jaxserve.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -67,6 +72,39 @@ class LLM:
         tok = self.engine.tokenizer
         items = [(None, tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)) for c in convs]
         return self._run(items, sampling_params, use_tqdm, None)
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> np.ndarray:
+        """One embedding per prompt, f32[N, D], pooled as the model's pooling config says (its
+        sentence-transformers files, else last token + L2 norm); `dimensions`: the first D values
+        of a Matryoshka model's vector; `normalize` overrides the model's normalisation."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        p = self.engine.pooling_config.params(dimensions, self.engine.model_config.hidden_size)
+        if normalize is not None:
+            p = dataclasses.replace(p, normalize=bool(normalize))
+        items = [(None, list(q)) if not isinstance(q, str) else (q, None) for q in prompts]
+        return np.stack(self._pooled(items, p, use_tqdm))
+
+    def score(self, query: str, documents: Sequence[str], *, instruction: str | None = None,
+              use_tqdm: bool = True) -> list[float]:
+        """Qwen3-Reranker relevance of each document to the query: p(yes) in [0, 1]."""
+        tok = self.engine.tokenizer
+        items = [(None, pair_prompt(tok, query, d, instruction)) for d in documents]
+        return [float(v[0]) for v in self._pooled(items, PoolingParams(score=True, normalize=False), use_tqdm)]
+
+    def _pooled(self, items, p: PoolingParams, use_tqdm: bool) -> list[np.ndarray]:
+        outs = self._run(items, pooling_request(p), use_tqdm, None)
+        bad = next((o for o in outs if o.pooled is None), None)
+        if bad is not None:
+            raise RuntimeError(bad.error or f"request {bad.request_id} ended without its pooled output")
+        return [o.pooled for o in outs]
 
     def _run(self, items, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if sampling_params is None:

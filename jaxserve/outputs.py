@@ -58,6 +58,8 @@ class RequestOutput:
     # set when the engine aborted this request over an error in its own data (its choices end
     # with finish_reason "abort"); the engine itself serves on
     error: str | None = None
+    # a pooling request's vector (f32[D], numpy) or reranker score (f32[1]), once its prompt ran
+    pooled: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -40,6 +40,9 @@ class SamplingParams:
     # constrain the output to a JSON schema / regex / choice / grammar (a StructuredOutputs, or
     # a dict of its fields, e.g. {"json": schema})
     structured_outputs: StructuredOutputs | dict[str, Any] | None = None
+    # a pooling request (jaxserve.pooling.PoolingParams; build it with pooling.pooling_request):
+    # its prompt's hidden states pooled into RequestOutput.pooled; it samples one greedy token
+    pooling: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +102,10 @@ class SamplingParams:
                             param="stop_token_ids")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids >= 0")
+        if self.pooling is not None and (self.n != 1 or self.max_tokens != 1 or self.prompt_logprobs is not None
+                                         or self.structured_outputs is not None):
+            raise UserError("A pooling request has n=1, max_tokens=1 and no prompt_logprobs or structured "
+                            "outputs: build it with jaxserve.pooling.pooling_request.", param="pooling")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -87,6 +87,7 @@ class Group:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prefill runs
     prompt_logprobs_missing: int = 0  # prompt tokens whose logprob is still to come
     error: str | None = None  # why the engine aborted this request (an error in its own data)
+    pooler: object | None = None  # pooling.Pooler of a pooling request
 
     @property
     def finished(self) -> bool:
@@ -114,4 +115,5 @@ class Group:
             cached = max(cached, s.req.num_cached_tokens)
         prompt_lps = self.prompt_logprobs if self.prompt_logprobs_missing == 0 else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             cached, self.metrics.copy(), prompt_lps, self.error)
+                             cached, self.metrics.copy(), prompt_lps, self.error,
+                             self.pooler.value if self.pooler is not None else None)

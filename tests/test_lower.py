@@ -192,7 +192,8 @@ def test_presets_are_the_models_they_name():
     """Parameter counts of the presets against the published sizes (weights in bfloat16)."""
     billions = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.6, "llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21,
                 "qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.7, "qwen3-8b": 8.19,
-                "mistral-7b-v0.3": 7.25, "smollm2-135m": 0.135, "smollm2-1.7b": 1.71}
+                "mistral-7b-v0.3": 7.25, "smollm2-135m": 0.135, "smollm2-1.7b": 1.71,
+                "qwen3-embedding-0.6b": 0.596, "qwen3-reranker-0.6b": 0.596}
     def count(tree) -> int:
         return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
 

@@ -63,6 +63,9 @@ class BucketKey(NamedTuple):
     # every row is one token (token t is sequence t): a decode kernel runs (BatchBuilder's
     # decode_buckets, set where the attention backend has one: pallas on GPU)
     decode: bool = False
+    # the executable also returns each logits row's final-norm hidden state (pooling requests);
+    # compiled on first use, not by precompile
+    pool: bool = False
 
 
 class StepBatch(NamedTuple):

@@ -55,6 +55,7 @@ class CausalLM(nn.Module):
         logits_indices,  # i32[S] rows that reach the LM head
         inv_freq,  # f32[D/2]
         num_logits=None,  # i32[1] of those in use (default: md.num_seqs)
+        return_hidden: bool = False,  # also the rows' final-norm hidden states (pooling)
     ):
         c = self.cfg
         embed = Embed(c.vocab_size, c.hidden_size, self.dtype, self.ops, name="embed_tokens")
@@ -71,4 +72,6 @@ class CausalLM(nn.Module):
             logits = embed.attend(x, num_logits)
         else:
             logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.ops, name="lm_head")(x, num_logits)
+        if return_hidden:
+            return (logits.astype(jnp.float32), x.astype(jnp.float32)), new_caches
         return logits.astype(jnp.float32), new_caches

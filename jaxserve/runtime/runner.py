@@ -95,6 +95,7 @@ class StepResult(NamedTuple):
     verify_logprobs: jax.Array  # f32[S]
     top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
+    hidden: jax.Array | None = None  # f32[S, H] final-norm hidden state per logits row (pool buckets)
 
 
 def unpack_batch(flat, specs) -> StepBatch:
@@ -243,20 +244,21 @@ class ModelRunner:
         return self.builder.all_buckets()
 
     # ---- the step -----------------------------------------------------------------------------
-    def _forward(self, params, layers, b: StepBatch, last_tokens, decode: bool = False):
+    def _forward(self, params, layers, b: StepBatch, last_tokens, decode: bool = False, hidden: bool = False):
         ids = jnp.where(b.prev_index >= 0, last_tokens[jnp.maximum(b.prev_index, 0)], b.input_ids)
         md = AttentionMetadata(b.slot_mapping, b.seq_lens, b.query_start_loc, b.block_tables, b.num_seqs)
         return self.models[decode].apply({"params": params}, ids, b.positions, layers, md, b.logits_indices, self.inv_freq,
-                                b.num_logits)
+                                b.num_logits, return_hidden=hidden)
 
     def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
         b = unpack_batch(flat, self.builder.field_specs(key))
-        logits, layers = self._forward(params, layers, b, last_tokens, key.decode)
+        out, layers = self._forward(params, layers, b, last_tokens, key.decode, key.pool)
+        logits, hidden = out if key.pool else (out, None)
         if self.tensor_parallel_size > 1:  # sample on every device alike: no collectives in the sampler
             logits = jax.lax.with_sharding_constraint(logits, self._replicated)
         r = sample(logits, b, self._argmax, adjust=key.w > 0, keep_topk=self.tensor_parallel_size == 1)
         tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
-        return StepResult(tokens, *r[1:]), layers
+        return StepResult(tokens, *r[1:], hidden), layers
 
     def step_function(self, key: BucketKey) -> tuple[object, tuple]:
         """One bucket's jitted step and its arguments (the packed batch as a shape): compiled by
@@ -328,10 +330,10 @@ class ModelRunner:
         return result
 
     @staticmethod
-    def fetch(result: StepResult, s: int, logprobs: bool, accepted: bool = False) -> StepResult:
-        """The step's tokens on the host (and `accepted` / the logprobs when asked; None
-        otherwise); blocks until the step ran."""
-        want = [True, accepted, logprobs, logprobs, logprobs, logprobs]
+    def fetch(result: StepResult, s: int, logprobs: bool, accepted: bool = False, hidden: bool = False) -> StepResult:
+        """The step's tokens on the host (and `accepted` / the logprobs / the hidden rows of a
+        pool bucket when asked; None otherwise); blocks until the step ran."""
+        want = [True, accepted, logprobs, logprobs, logprobs, logprobs, hidden and result.hidden is not None]
         parts = tuple(x for x, w in zip(result, want) if w)
         if jax.process_count() > 1:  # replicated over processes: read the local copy
             host = iter([meshlib.to_host(x) for x in parts])

@@ -43,6 +43,7 @@ from jaxserve.server.kv_events import attach_kv_events
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics, cache_config_info
 from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.openai_responses import OpenAIResponses
+from jaxserve.server.pooling_api import PoolingAPI
 from jaxserve.server.responses_input import ResponseStore
 from jaxserve.server.serving import OpenAIServing, served_names
 
@@ -89,6 +90,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
     responses = OpenAIResponses(
         serving, ResponseStore(cfg.responses_store_size, cfg.responses_store_ttl)
     )
+    pooling = PoolingAPI(serving, engine)
     started = int(time.time())
 
     def model_card(name: str) -> dict:
@@ -194,6 +196,9 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/v1/responses/{response_id}", guarded(responses.delete), methods=["DELETE"]),
         Route("/v1/messages", guarded(anthropic.create), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(anthropic.count_tokens), methods=["POST"]),
+        Route("/v1/embeddings", guarded(pooling.embeddings), methods=["POST"]),
+        Route("/v1/rerank", guarded(pooling.rerank), methods=["POST"]),
+        Route("/v1/score", guarded(pooling.score), methods=["POST"]),
         Route("/load", guarded(load), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),

@@ -92,7 +92,7 @@ def test_decode_buckets_where_the_backend_has_a_decode_kernel():
     kw = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=4, max_model_len=64, vocab_size=100)
     on, off = BatchBuilder(**kw, decode_buckets=True), BatchBuilder(**kw)
     decodes = [RowSpec([1, 2, 3], 2, 1, [1], Sampling()) for _ in range(3)]
-    assert on.build(decodes)[1] == (4, 4, 0, True) and off.build(decodes)[1] == (4, 4, 0, False)
+    assert on.build(decodes)[1] == BucketKey(4, 4, 0, True) and off.build(decodes)[1] == BucketKey(4, 4, 0, False)
     mixed = decodes + [RowSpec([1, 2, 3], 0, 3, [2], Sampling())]
     assert not on.build(mixed)[1].decode  # a prefill row: the general kernel
     assert not on.build([RowSpec([5, 6, 7, 8], 2, 2, [3], Sampling(), extra=[(0, Sampling())])])[1].decode
