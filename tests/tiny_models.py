@@ -24,6 +24,9 @@ ARCH = {
     "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=True)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=32)),
+    # YaRN: 4x an original context of 32 tokens, so the tests' positions lie past it
+    "qwen3_yarn": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=32, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
     # mixture of experts: 8 experts, top-2, one dense layer in Qwen2-MoE's mix
     "qwen3_moe": dict(cls="Qwen3MoeConfig", extra=dict(tie_word_embeddings=False, head_dim=32, num_experts=8,
                                                        num_experts_per_tok=2, moe_intermediate_size=32,
