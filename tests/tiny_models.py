@@ -40,6 +40,13 @@ ARCH = {
                                                      n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                                                      topk_group=2, routed_scaling_factor=2.0, head_dim=32,
                                                      tie_word_embeddings=False)),
+    # Gemma 3: head_dim 256, layers sliding (window 20: straddles the 16-token KV blocks) / global /
+    # sliding / global, each kind its own RoPE, query_pre_attn_scalar != head_dim, a final soft cap
+    # that bites; norm weights perturbed too (Gemma's (1 + w))
+    "gemma3": dict(cls="Gemma3TextConfig", perturb_norms=True, extra=dict(
+        head_dim=256, sliding_window=20, query_pre_attn_scalar=144, final_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2,
                                                     sliding_window=None)),
 }
@@ -89,8 +96,8 @@ def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden:
         for p in model.parameters():
             if p.dim() >= 2:  # 3-D: stacked experts
                 p.normal_(0.0, std)
-            elif "norm" in str(p.shape):
-                pass
+            elif spec.get("perturb_norms"):
+                p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():  # a sigmoid router's correction bias: not all zero
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)

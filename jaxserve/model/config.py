@@ -74,6 +74,8 @@ class ModelConfig:
                 f"Unsupported model architecture {archs[0]!r} (model_type={model_type!r}) in {source}. "
                 f"jaxserve supports: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
             )
+        if hasattr(family, "text_config"):  # a multimodal checkpoint: its text tower's fields
+            hf = family.text_config(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
