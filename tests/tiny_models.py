@@ -44,7 +44,8 @@ ARCH = {
     # sliding / global, each kind its own RoPE, query_pre_attn_scalar != head_dim, a final soft cap
     # that bites; norm weights perturbed too (Gemma's (1 + w))
     "gemma3": dict(cls="Gemma3TextConfig", perturb_norms=True, extra=dict(
-        head_dim=256, sliding_window=20, query_pre_attn_scalar=144, final_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention"] * 2,
+        head_dim=256, sliding_window=20, query_pre_attn_scalar=144, final_logit_softcapping=2.0,
+        sliding_window_pattern=2,
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2,

@@ -42,24 +42,39 @@ def test_gemma3_config(gemma):
     assert c.head_dim == 256 and c.sm_scale == 144**-0.5 and c.final_soft_cap == 2.0 and c.tie_word_embeddings
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla"])
-def test_gemma3_logits_match_transformers(gemma, backend):
+def _logits_vs_transformers(path, backend, chunks, decodes):
+    """Chunked prefill of the first 40 tokens (`chunks`: their lengths), then `decodes` decode steps:
+    the max logit difference from transformers relative to the logit scale."""
     import torch
 
-    lm = load_model(gemma)
-    ids = np.random.default_rng(1).integers(3, lm.config.vocab_size, size=46).tolist()  # 40 prompt + 6 decodes
+    lm = load_model(path)
+    ids = np.random.default_rng(1).integers(3, lm.config.vocab_size, size=40 + decodes).tolist()
     with torch.no_grad():
-        ref = hf_model(gemma)(torch.tensor([ids])).logits[0].numpy()
+        ref = hf_model(path)(torch.tensor([ids])).logits[0].numpy()
     runner = ModelRunner(lm.config, lm.params, RunnerConfig(
         block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
         attention_backend=backend))
-    blocks = [7, 3, 11, 5]
-    got = [run_logits(runner, ids, 0, 24, blocks), run_logits(runner, ids, 24, 16, blocks)]  # chunked prefill
-    want = [ref[23], ref[39]]
-    for p in range(40, 46):
+    blocks, got, want, start = [7, 3, 11, 5], [], [], 0
+    for n in chunks:
+        got.append(run_logits(runner, ids, start, n, blocks))
+        want.append(ref[start + n - 1])
+        start += n
+    for p in range(40, 40 + decodes):
         got.append(run_logits(runner, ids, p, 1, blocks))
         want.append(ref[p])
-    err = np.abs(np.stack(got) - np.stack(want)).max() / np.abs(ref).max()
+    return np.abs(np.stack(got) - np.stack(want)).max() / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_gemma3_logits_match_transformers(gemma, backend):
+    err = _logits_vs_transformers(gemma, backend, [24, 16], 6)
+    assert err <= 1e-4, f"max abs logit diff {err:.2e} relative to logit scale"
+
+
+def test_gemma3_logits_pallas_interpreted(tiny_model):
+    """The TPU Pallas kernel (interpreted): a sliding layer and a global layer in one step, kept to
+    two layers and three steps (the interpreter is slow)."""
+    err = _logits_vs_transformers(tiny_model("gemma3", layers=2), "pallas", [32, 8], 1)
     assert err <= 1e-4, f"max abs logit diff {err:.2e} relative to logit scale"
 
 
