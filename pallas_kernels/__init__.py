@@ -115,6 +115,7 @@ def ragged_paged_attention(
     backend: Backend = "auto",
     interpret: bool = False,
     decode_only: bool = False,
+    sinks: jax.Array | None = None,
     **block_sizes: int,
 ) -> jax.Array:  # [T, Hq, D]
     """Attention of each new token over its own sequence's paged KV (see ``reference``).
@@ -125,6 +126,8 @@ def ragged_paged_attention(
     ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu
     (and ``num_splits`` for its decode kernel).
     """
+    if sinks is not None:  # never silently dropped
+        raise NotImplementedError("attention sinks are not in the Pallas kernels yet: use attention backend xla")
     args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
     kwargs = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
     name = resolve_backend(backend, interpret)

@@ -42,9 +42,12 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq] learned per-head logits in the softmax denominator
     interpret: bool = False,
     **unused_block_sizes,
 ) -> jax.Array:  # [T, Hq, D], padding rows zero
+    """``sinks`` (gpt-oss): each head's softmax runs over its scores plus one extra logit that
+    takes probability mass and contributes no value."""
     del interpret, unused_block_sizes
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
@@ -67,7 +70,11 @@ def ragged_paged_attention(
     if sliding_window is not None:
         mask &= kv_pos > pos[:, None] - sliding_window
     s = jnp.where(mask[:, None, :], s, MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (num_tokens, num_q_heads, 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
     # Slots past the context (block-table padding -> null block) may hold anything, even NaN.
     v = jnp.where((kv_pos < seq_lens[seq][:, None])[:, :, None, None], v, 0.0)
     out = jnp.einsum("thc,tchd->thd", p, v)

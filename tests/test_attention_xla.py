@@ -57,3 +57,33 @@ def test_xla_backend_loops_have_static_trip_counts():
     loops = [line for line in text.splitlines() if re.search(r"= .*\bwhile\(", line)]
     assert len(loops) >= 4  # decode blocks x chunks, (tile, sequence) pairs x chunks
     assert all("known_trip_count" in line for line in loops), [line[:120] for line in loops]
+
+
+def test_reference_sinks_are_an_extra_softmax_logit():
+    """One sequence of 5 tokens, one head: the reference's sink against softmax written out in numpy
+    (the sink takes probability mass and adds no value)."""
+    b = make_batch(np.random.default_rng(5), [5], [5], num_q_heads=2, num_kv_heads=1, block_size=8)
+    sinks = np.asarray([0.7, -1.5], np.float32)
+    got = np.asarray(reference.ragged_paged_attention(*b.args, sm_scale=0.3, sinks=sinks))
+    q, k_pages, v_pages, _, _, tables, _ = (np.asarray(a) for a in b.args)
+    k, v = k_pages[tables[0, 0], :5, 0], v_pages[tables[0, 0], :5, 0]  # [5, D]
+    for t in range(5):
+        for h in range(2):
+            s = np.concatenate([q[t, h] @ k[: t + 1].T * 0.3, [sinks[h]]])
+            p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            np.testing.assert_allclose(got[t, h], p[:-1] @ v[: t + 1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case,static", [("decode", False), ("chunked", True), ("mixed-long", False)])
+def test_xla_backend_sinks_match_reference(case, static):
+    q_lens, kv_lens = CASES[case]
+    b = make_batch(np.random.default_rng(9), q_lens, kv_lens, num_q_heads=8, num_kv_heads=2, block_size=8,
+                   pad_tokens=5)
+    sinks = np.random.default_rng(10).normal(0.0, 2.0, 8).astype(np.float32)
+    kw = dict(sm_scale=0.125, sliding_window=6 if case == "chunked" else None)
+    sizes = dict(decode_rows=4, decode_blocks_per_chunk=1, prefill_rows=4, blocks_per_chunk=2, static_bounds=static)
+    want = jax.jit(functools.partial(reference.ragged_paged_attention, **kw))(*b.args, sinks=sinks)
+    got = jax.jit(functools.partial(xla_ragged_paged_attention, **sizes, **kw))(*b.args, sinks=sinks)
+    assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+    plain = jax.jit(functools.partial(xla_ragged_paged_attention, **sizes, **kw))(*b.args)
+    assert not np.allclose(np.asarray(plain)[:b.num_real_tokens], np.asarray(got)[:b.num_real_tokens], atol=1e-3)

@@ -24,6 +24,9 @@ ARCH = {
     "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
     "qwen2": dict(cls="Qwen2Config", extra=dict(tie_word_embeddings=True)),
     "qwen3": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=32)),
+    # YaRN: 4x an original context of 32 tokens, so the tests' positions lie past it
+    "qwen3_yarn": dict(cls="Qwen3Config", extra=dict(tie_word_embeddings=False, head_dim=32, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0))),
     # mixture of experts: 8 experts, top-2, one dense layer in Qwen2-MoE's mix
     "qwen3_moe": dict(cls="Qwen3MoeConfig", extra=dict(tie_word_embeddings=False, head_dim=32, num_experts=8,
                                                        num_experts_per_tok=2, moe_intermediate_size=32,
@@ -37,6 +40,14 @@ ARCH = {
                                                      n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                                                      topk_group=2, routed_scaling_factor=2.0, head_dim=32,
                                                      tie_word_embeddings=False)),
+    # Gemma 3: head_dim 256, layers sliding (window 20: straddles the 16-token KV blocks) / global /
+    # sliding / global, each kind its own RoPE, query_pre_attn_scalar != head_dim, a final soft cap
+    # that bites; norm weights perturbed too (Gemma's (1 + w))
+    "gemma3": dict(cls="Gemma3TextConfig", perturb_norms=True, extra=dict(
+        head_dim=256, sliding_window=20, query_pre_attn_scalar=144, final_logit_softcapping=2.0,
+        sliding_window_pattern=2,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2,
                                                     sliding_window=None)),
 }
@@ -86,8 +97,8 @@ def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden:
         for p in model.parameters():
             if p.dim() >= 2:  # 3-D: stacked experts
                 p.normal_(0.0, std)
-            elif "norm" in str(p.shape):
-                pass
+            elif spec.get("perturb_norms"):
+                p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():  # a sigmoid router's correction bias: not all zero
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)

@@ -7,13 +7,12 @@ the GGUF loader, so there is one path from a config to a model.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxserve.errors import UserError
-from jaxserve.model import families
+from jaxserve.model import families, rope
 
 SUPPORTED_ARCHITECTURES = families.ARCHITECTURES
 
@@ -53,6 +52,17 @@ class ModelConfig:
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x W)
     partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first head_dim * factor dims only
     expert_parallel: bool = False  # how it runs: experts split over the model axis (runtime/mesh.py)
+    # per-layer attention pattern (Gemma 3, gpt-oss): empty = every layer alike (sliding_window if set)
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention" per layer
+    local_rope_theta: float | None = None  # the sliding layers' own RoPE base (None: the global one)
+    local_rope_scaling: dict | None = None
+    attn_soft_cap: float | None = None  # tanh soft cap on attention scores
+    final_soft_cap: float | None = None  # tanh soft cap on the logits
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (default head_dim)
+    # Gemma: RMSNorm scales by (1 + w), embeddings times sqrt(hidden), norms after attention and
+    # around the MLP, gelu-tanh MLP
+    gemma_norms: bool = False
+    hidden_act: str = "silu"  # silu | gelu_tanh
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -64,12 +74,14 @@ class ModelConfig:
                 f"Unsupported model architecture {archs[0]!r} (model_type={model_type!r}) in {source}. "
                 f"jaxserve supports: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}."
             )
+        if hasattr(family, "text_config"):  # a multimodal checkpoint: its text tower's fields
+            hf = family.text_config(hf)
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        common = dict(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -88,8 +100,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(hf),
-            **family.config(hf),
         )
+        return cls(**(common | family.config(hf)))  # a family may override a common field
 
     @property
     def is_moe(self) -> bool:
@@ -107,34 +119,38 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: global attention)."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+        return self.sliding_window
+
+    @property
+    def rope_kinds(self) -> tuple[tuple[float, dict | None], ...]:
+        """(theta, scaling) of each RoPE kind: the global one, then the local layers' if they differ."""
+        kinds = ((self.rope_theta, self.rope_scaling),)
+        if self.local_rope_theta is not None:
+            kinds += ((self.local_rope_theta, self.local_rope_scaling),)
+        return kinds
+
+    def layer_rope(self, i: int) -> int:
+        """Which row of `rope_inv_freq()` layer i rotates with."""
+        return int(len(self.rope_kinds) > 1 and self.layer_window(i) is not None)
+
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies with the config's RoPE scaling applied (float64 on host), over the
-        rotary dims (all of head_dim unless partial_rotary_factor < 1)."""
-        d = self.rotary_dim
-        inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        rs = self.rope_scaling
-        if not rs:
-            return inv_freq
-        kind = rs.get("rope_type") or rs.get("type")
-        if kind in (None, "default"):
-            return inv_freq
-        if kind == "linear":
-            return inv_freq / float(rs["factor"])
-        if kind == "llama3":
-            factor = float(rs["factor"])
-            low = float(rs.get("low_freq_factor", 1.0))
-            high = float(rs.get("high_freq_factor", 4.0))
-            old_ctx = float(rs["original_max_position_embeddings"])
-            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-            wavelen = 2 * math.pi / inv_freq
-            scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return np.where(medium, smoothed, scaled)
-        raise UserError(
-            f"Unsupported rope_scaling type {kind!r}: jaxserve supports default, linear and llama3."
-        )
+        """f64[K, R/2]: the inverse frequencies of each RoPE kind (`rope_kinds`), scaling applied, over
+        the rotary dims R (all of head_dim unless partial_rotary_factor < 1)."""
+        return np.stack([rope.inv_freq(t, self.rotary_dim, s, self.max_position_embeddings)[0]
+                         for t, s in self.rope_kinds])
+
+    def rope_attention_factors(self) -> tuple[float, ...]:
+        """Each RoPE kind's factor on cos and sin (YaRN's attention scaling; 1 otherwise)."""
+        return tuple(rope.inv_freq(t, self.rotary_dim, s, self.max_position_embeddings)[1]
+                     for t, s in self.rope_kinds)
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 def _rope_scaling(hf: dict) -> dict | None:

@@ -29,15 +29,16 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, kv, md, rows):
         c = self.cfg
-        h, kv = Attention(c, self.dtype, self.ops, name="self_attn")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(x), cos, sin, kv, md, rows
+        norm = lambda name: RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name=name)  # noqa: E731
+        h, kv = Attention(c, self.dtype, self.ops, self.index, name="self_attn")(
+            norm("input_layernorm")(x), cos, sin, kv, md, rows
         )
+        mlp = (MoE if c.is_moe_layer(self.index) else MLP)(c, self.dtype, self.ops, name="mlp")
+        if c.gemma_norms:  # Gemma: every sublayer's output normed before the residual add
+            x = x + norm("post_attention_layernorm")(h)
+            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x), rows)), kv
         x = x + h
-        mlp = MoE if c.is_moe_layer(self.index) else MLP
-        x = x + mlp(c, self.dtype, self.ops, name="mlp")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x), rows
-        )
-        return x, kv
+        return x + mlp(norm("post_attention_layernorm")(x), rows), kv
 
 
 class CausalLM(nn.Module):
@@ -53,25 +54,31 @@ class CausalLM(nn.Module):
         kv_caches,  # list of (k_pages, v_pages) per layer
         md,  # AttentionMetadata
         logits_indices,  # i32[S] rows that reach the LM head
-        inv_freq,  # f32[D/2]
+        inv_freq,  # f32[K, R/2] per RoPE kind (ModelConfig.rope_inv_freq)
         num_logits=None,  # i32[1] of those in use (default: md.num_seqs)
         return_hidden: bool = False,  # also the rows' final-norm hidden states (pooling)
     ):
         c = self.cfg
         embed = Embed(c.vocab_size, c.hidden_size, self.dtype, self.ops, name="embed_tokens")
         x = embed(input_ids)
-        cos, sin = rope_tables(positions, inv_freq)
+        if c.gemma_norms:
+            x = x * jnp.asarray(c.hidden_size**0.5, self.dtype)
+        tables = [rope_tables(positions, inv_freq[k], f) for k, f in enumerate(c.rope_attention_factors())]
         rows = real_tokens(md)  # once per step, for every native matmul and the MoE routing
         new_caches = []
         for i in range(c.num_layers):
+            cos, sin = tables[c.layer_rope(i)]
             x, kv = DecoderLayer(c, self.dtype, self.ops, i, name=f"layers_{i}")(x, cos, sin, kv_caches[i], md, rows)
             new_caches.append(kv)
-        x = RMSNorm(c.rms_norm_eps, self.dtype, name="norm")(x[logits_indices])
+        x = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="norm")(x[logits_indices])
         num_logits = md.num_seqs if num_logits is None else num_logits
         if c.tie_word_embeddings:
             logits = embed.attend(x, num_logits)
         else:
             logits = Linear(c.hidden_size, c.vocab_size, False, self.dtype, self.ops, name="lm_head")(x, num_logits)
+        logits = logits.astype(jnp.float32)
+        if c.final_soft_cap:
+            logits = c.final_soft_cap * jnp.tanh(logits / c.final_soft_cap)
         if return_hidden:
-            return (logits.astype(jnp.float32), x.astype(jnp.float32)), new_caches
-        return logits.astype(jnp.float32), new_caches
+            return (logits, x.astype(jnp.float32)), new_caches
+        return logits, new_caches

@@ -21,10 +21,13 @@ def real_tokens(md: AttentionMetadata):
     return md.query_start_loc[md.num_seqs]
 
 
-def rope_tables(positions, inv_freq):
-    """cos and signed sin at full head width for `apply_rope`: [T, D] each (computed once per step)."""
+def rope_tables(positions, inv_freq, attention_factor: float = 1.0):
+    """cos and signed sin at full head width for `apply_rope`: [T, D] each (computed once per step
+    and RoPE kind); YaRN's attention factor scales both."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     c, s = jnp.cos(freqs), jnp.sin(freqs)
+    if attention_factor != 1.0:
+        c, s = c * attention_factor, s * attention_factor
     return jnp.concatenate([c, c], axis=-1), jnp.concatenate([-s, s], axis=-1)
 
 
@@ -90,9 +93,12 @@ class Embed(nn.Module):
 
 
 class Attention(nn.Module):
+    """One layer's attention, with that layer's window, RoPE tables (cos/sin) and soft cap."""
+
     cfg: ModelConfig
     dtype: Any
     ops: ModelOps
+    index: int = 0
 
     @nn.compact
     def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows):
@@ -103,31 +109,36 @@ class Attention(nn.Module):
         k = dense(c.hidden_size, kv_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
         v = dense(c.hidden_size, kv_dim, "v_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o, k_pages, v_pages = self.ops.attention(
-            q, k, v, kv[0], kv[1], md, sm_scale=c.head_dim**-0.5, sliding_window=c.sliding_window
+            q, k, v, kv[0], kv[1], md, sm_scale=c.sm_scale, sliding_window=c.layer_window(self.index),
+            soft_cap=c.attn_soft_cap,
         )
         out = dense(q_dim, c.hidden_size, "o_proj", False)(o.reshape(t, q_dim), rows)
         return out, (k_pages, v_pages)
 
 
 class RMSNorm(nn.Module):
+    """offset (Gemma): the scale is 1 + weight, the weight stored as a difference from 1."""
+
     eps: float
     dtype: Any
+    offset: bool = False
 
     @nn.compact
     def __call__(self, x):
-        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        w = self.param("weight", init, (x.shape[-1],), self.dtype).astype(jnp.float32)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * w.astype(jnp.float32)).astype(self.dtype)
+        return (xf * (1.0 + w if self.offset else w)).astype(self.dtype)
 
 
 class MLP(nn.Module):
-    """silu(x W_gate) * (x W_up) W_down; `intermediate_size` 0 means the config's (a shared expert
-    passes its own)."""
+    """act(x W_gate) * (x W_up) W_down, act silu (one fused `ops.gated`) or Gemma's gelu-tanh;
+    `intermediate_size` 0 means the config's (a shared expert passes its own)."""
 
     cfg: ModelConfig
     dtype: Any
@@ -139,5 +150,8 @@ class MLP(nn.Module):
         dense = lambda k, n, name: Linear(k, n, False, self.dtype, self.ops, name=name)  # noqa: E731
         h, i = self.cfg.hidden_size, self.intermediate_size or self.cfg.intermediate_size
         gate, up = dense(h, i, "gate_proj"), dense(h, i, "up_proj")
-        act = self.ops.gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows).astype(self.dtype)
+        if self.cfg.hidden_act == "gelu_tanh":
+            act = jax.nn.gelu(gate(x, num_rows), approximate=True) * up(x, num_rows)
+        else:
+            act = self.ops.gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows).astype(self.dtype)
         return dense(i, h, "down_proj")(act, num_rows)

@@ -16,7 +16,8 @@ from jaxserve.model.config import ModelConfig
 from jaxserve.runtime.quant import is_quantized
 
 _ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
-_LAYER_NORM = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight$")
+_LAYER_NORM = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm"
+                         r"|post_feedforward_layernorm)\.weight$")
 _QK_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight$")
 
 
@@ -28,9 +29,11 @@ def param_path(name: str, model_type: str = "llama") -> tuple[str, ...] | None:
 
 def expert_param_path(name: str, model_type: str = "llama") -> tuple[tuple[str, ...], int | None] | None:
     """HF tensor name -> (path in the Flax tree, expert index or None); None for tensors not used."""
+    family = families.family(model_type)
+    if family is not None and hasattr(family, "canonical_name") and (name := family.canonical_name(name)) is None:
+        return None
     if (path := _common_path(name)) is not None:
         return path, None
-    family = families.family(model_type)
     return None if family is None else family.param_path(name)
 
 
@@ -93,6 +96,8 @@ def expected_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
     for i in range(cfg.num_layers):
         l = f"layers_{i}"
         paths += [(l, "input_layernorm", "weight"), (l, "post_attention_layernorm", "weight")]
+        if cfg.gemma_norms:
+            paths += [(l, "pre_feedforward_layernorm", "weight"), (l, "post_feedforward_layernorm", "weight")]
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
             paths.append((l, "self_attn", p, "kernel"))
         if cfg.attention_bias:

@@ -52,6 +52,7 @@ def xla_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks=None,  # f32[Hq] or None: per-head logits in the softmax denominator (gpt-oss)
     decode_rows: int = 16,
     decode_blocks_per_chunk: int = 8,
     prefill_rows: int = 128,
@@ -187,13 +188,17 @@ def xla_ragged_paged_attention(
 
     state = empty(num_tiles * rp)
     if num_pairs:
-        _, l_p, acc_p = jax.lax.fori_loop(0, bound(num_pairs, ends[-1]), prefill_pair, state)
+        m_p, l_p, acc_p = jax.lax.fori_loop(0, bound(num_pairs, ends[-1]), prefill_pair, state)
     else:
-        _, l_p, acc_p = state
+        m_p, l_p, acc_p = state
     pad_d = ((0, t - nd), (0, 0), (0, 0))
     dec = in_decode[:, None, None]
     l_all = jnp.where(dec, jnp.pad(l_d[:nd], pad_d), l_p[:t])
     acc_all = jnp.where(dec[..., None], jnp.pad(acc_d[:nd], pad_d + ((0, 0),)), acc_p[:t])
+    if sinks is not None:  # the sink's exp(logit - running max) joins the denominator
+        m_all = jnp.where(dec, jnp.pad(m_d[:nd], pad_d, constant_values=-jnp.inf), m_p[:t])
+        m_safe = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
+        l_all = l_all + jnp.exp(sinks.astype(jnp.float32).reshape(hkv, g)[None] - m_safe)
     out = acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(t, hq, d).astype(q.dtype)

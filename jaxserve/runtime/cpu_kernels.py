@@ -261,11 +261,13 @@ def to_cpu_layout(k_pages, v_pages):
 
 def cpu_ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
-    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, **unused,
+    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, sinks=None, **unused,
 ):
     """`xla_ragged_paged_attention` over pages written by `cpu_write_kv` (the `cpu-tiled` KV
     layout): float32 q, float32 or bfloat16 pages, or QuantPages (int8/fp8 and their scales). The
     backend checks dtypes once (backend.resolve_backend); this is the call itself."""
+    if sinks is not None:  # never silently dropped
+        raise NotImplementedError("attention sinks are not in the native CPU kernel yet: use attention backend xla")
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     target, pages = "jaxserve_paged_attention", (k_pages, v_pages)
     if isinstance(k_pages, QuantPages):

@@ -84,7 +84,7 @@ def param_shapes(mc: ModelConfig) -> dict:
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     pages = jax.ShapeDtypeStruct((2, 16, mc.num_kv_heads, mc.head_dim), jnp.float32)
     md = AttentionMetadata(i32(1), i32(1), i32(2), i32(1, 1), i32(1))
-    inv_freq = jax.ShapeDtypeStruct((mc.rotary_dim // 2,), jnp.float32)
+    inv_freq = jax.ShapeDtypeStruct(mc.rope_inv_freq().shape, jnp.float32)
     init = jax.eval_shape(model.init, jax.random.key(0), i32(1), i32(1), [(pages, pages)] * mc.num_layers,
                           md, i32(1), inv_freq)
     return meshlib.shape_tree(init["params"])

@@ -125,6 +125,7 @@ SHAPES = [
     (12, 2, 96, 32, jnp.bfloat16, None, 30.0),
     (14, 2, 128, 64, jnp.float16, 40, 20.0),
     (16, 1, 256, 32, jnp.bfloat16, None, None),
+    (8, 4, 256, 16, jnp.bfloat16, 20, None),  # Gemma 3 4B/12B's local layers (a small window)
 ]
 SHAPE_IDS = [f"g{s[0] // s[1]}-d{s[2]}-bs{s[3]}-{jnp.dtype(s[4]).name}" for s in SHAPES]
 

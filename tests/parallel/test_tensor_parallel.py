@@ -67,9 +67,11 @@ def check_weight_bytes(runner: ModelRunner, source_params: dict, tp: int):
     assert k.shape[2] == max(runner.source_config.num_kv_heads, tp)
 
 
-@pytest.mark.parametrize("arch,tps", [("llama", (1, 2, 4, 8)), ("qwen3", (1, 2, 4, 8)), ("qwen2", (1, 4))])
+@pytest.mark.parametrize("arch,tps", [("llama", (1, 2, 4, 8)), ("qwen3", (1, 2, 4, 8)), ("qwen2", (1, 4)),
+                                      ("gemma3", (1, 2))])
 def test_tp_same_tokens_and_logits(tiny_model, arch, tps):
-    """llama: untied lm head; qwen3: q/k norms, head_dim 32; qwen2: q/k/v biases, tied embeddings."""
+    """llama: untied lm head; qwen3: q/k norms, head_dim 32; qwen2: q/k/v biases, tied embeddings;
+    gemma3: sliding and global layers, head_dim 256, (1 + w) norms, final soft cap."""
     lm = load_model(tiny_model(arch, **TINY))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, lm.config.vocab_size, n).tolist() for n in (19, 11)]

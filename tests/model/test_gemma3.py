@@ -1,0 +1,147 @@
+"""Gemma 3 text against transformers (float32, eager attention): a tiny random Gemma3ForCausalLM with
+head_dim 256, sliding (window 20) and global layers alternating, each kind with its own RoPE (global
+linearly scaled), query_pre_attn_scalar, a final soft cap, and (1 + w) norms with non-zero weights.
+The 40-token prompt straddles the window and two 16-token KV blocks. Logits under chunked prefill
+and decode; greedy tokens with 16-token prefill chunks and a prefix-cache hit; the multimodal
+checkpoint layout (Gemma3ForConditionalGeneration) loads the same text model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.loader import load_model
+from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from tests.model.test_hf_parity import BS, run_logits
+
+LAYERS = 4
+
+
+def hf_model(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_model):
+    return tiny_model("gemma3", layers=LAYERS)
+
+
+def test_gemma3_config(gemma):
+    c = load_model(gemma).config
+    assert c.layer_types == ("sliding_attention", "full_attention") * 2
+    assert [c.layer_window(i) for i in range(LAYERS)] == [20, None, 20, None]
+    assert [c.layer_rope(i) for i in range(LAYERS)] == [1, 0, 1, 0]
+    assert c.rope_kinds == ((1e6, {"rope_type": "linear", "factor": 8.0}), (1e4, None))
+    assert c.head_dim == 256 and c.sm_scale == 144**-0.5 and c.final_soft_cap == 2.0 and c.tie_word_embeddings
+
+
+def _logits_vs_transformers(path, backend, chunks, decodes):
+    """Chunked prefill of the first 40 tokens (`chunks`: their lengths), then `decodes` decode steps:
+    the max logit difference from transformers relative to the logit scale."""
+    import torch
+
+    lm = load_model(path)
+    ids = np.random.default_rng(1).integers(3, lm.config.vocab_size, size=40 + decodes).tolist()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0].numpy()
+    runner = ModelRunner(lm.config, lm.params, RunnerConfig(
+        block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+        attention_backend=backend))
+    blocks, got, want, start = [7, 3, 11, 5], [], [], 0
+    for n in chunks:
+        got.append(run_logits(runner, ids, start, n, blocks))
+        want.append(ref[start + n - 1])
+        start += n
+    for p in range(40, 40 + decodes):
+        got.append(run_logits(runner, ids, p, 1, blocks))
+        want.append(ref[p])
+    return np.abs(np.stack(got) - np.stack(want)).max() / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_gemma3_logits_match_transformers(gemma, backend):
+    err = _logits_vs_transformers(gemma, backend, [24, 16], 6)
+    assert err <= 1e-4, f"max abs logit diff {err:.2e} relative to logit scale"
+
+
+def test_gemma3_logits_pallas_interpreted(tiny_model):
+    """The TPU Pallas kernel (interpreted): a sliding layer and a global layer in one step, kept to
+    two layers and three steps (the interpreter is slow)."""
+    err = _logits_vs_transformers(tiny_model("gemma3", layers=2), "pallas", [32, 8], 1)
+    assert err <= 1e-4, f"max abs logit diff {err:.2e} relative to logit scale"
+
+
+def test_gemma3_greedy_chunked_and_cached(gemma):
+    import torch
+
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(gemma, precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=32,
+              prefix_cache="hash")
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. def add(a, b):\n    return a + b\n" * 2
+    ids = llm.get_tokenizer().encode(prompt)
+    assert 40 < len(ids) < 100
+    with torch.no_grad():
+        ref = hf_model(gemma).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    second = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert first == ref, "greedy tokens differ from transformers"
+    assert second == ref, "greedy tokens differ after a prefix-cache hit"
+    assert llm.engine.get_stats()["prefix_cache_hits"] >= 32
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_tower(gemma, tmp_path):
+    """Gemma3ForConditionalGeneration: config.json nests the text model (listing only what differs
+    from Gemma3TextConfig's defaults), tensors are named model.language_model.*, and the vision
+    tower's tensors are skipped."""
+    from safetensors.numpy import load_file, save_file
+
+    text = json.load(open(f"{gemma}/config.json"))
+    text.pop("rms_norm_eps")  # Gemma3TextConfig's default, 1e-6, fills it in
+    top = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+           "vision_config": {"hidden_size": 8}, "eos_token_id": [2, 1]}
+    (tmp_path / "config.json").write_text(json.dumps(top))
+    weights = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(f"{gemma}/model.safetensors").items()}
+    weights["model.vision_tower.patch_embedding.weight"] = np.zeros((2, 2), np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{gemma}/{f}", tmp_path / f)
+    plain, mm = load_model(gemma), load_model(str(tmp_path))
+    assert mm.config.model_type == "gemma3" and mm.config.rms_norm_eps == 1e-6 and mm.config.eos_token_ids == (2, 1)
+    assert mm.config.layer_types == plain.config.layer_types and mm.config.rope_kinds == plain.config.rope_kinds
+    flat = lambda lm: {k: np.asarray(v) for k, v in _leaves(lm.params)}  # noqa: E731
+    a, b = flat(plain), flat(mm)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _leaves(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}/")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def test_gemma3_flat_transformers4_config():
+    """The transformers-4 config form: rope_theta / rope_local_base_freq / rope_scaling (global only)
+    and sliding_window_pattern (every 6th layer global)."""
+    hf = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 262208, "rope_theta": 1e6,
+          "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+          "sliding_window": 1024, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}
+    c = ModelConfig.from_hf(hf)
+    assert [i for i in range(34) if c.layer_window(i) is None] == [5, 11, 17, 23, 29]
+    assert c.rope_kinds == ((1e6, {"rope_type": "linear", "factor": 8.0}), (1e4, None))
+    inv = c.rope_inv_freq()
+    assert inv.shape == (2, 128) and np.allclose(inv[0], 1e6 ** -(np.arange(0, 256, 2) / 256) / 8.0)
+    assert c.head_dim == 256 and c.tie_word_embeddings and c.hidden_act == "gelu_tanh"
