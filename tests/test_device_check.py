@@ -11,10 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_children_isolated_crash_and_hang_lose_one_row(tmp_path):
+    # --scale 4: generous deadlines on a loaded host (a clean checkout's first LLM() also builds
+    # the CPU kernels); the hanging child's timeout is set on its own
     out = tmp_path / "dc.jsonl"
     proc = subprocess.run(
         [sys.executable, "tools/device_check.py", "--cpu-smoke", "--out", str(out),
-         "--phases", "llm,env,copy,numerics", "--inject-crash", "env",
+         "--phases", "llm,env,copy,numerics", "--inject-crash", "env", "--scale", "4",
          "--inject-hang", "numerics:split_kv", "--timeouts", "numerics:split_kv=3"],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
