@@ -178,6 +178,7 @@ def phase_ptxas(rec, opts, deadline) -> None:
             report = deviceless.compile_report(
                 lambda: jax.jit(functools.partial(fn, sm_scale=d ** -0.5)).lower(*args))
             row = report.as_dict()
+            row["spill_bytes"] = sum(k.spills for k in report.kernels)
             if not row["kernels"]:
                 row["note"] = ("no ptxas output: " + ("the kernel ran in its interpreter" if opts.cpu_smoke
                                else f"{jax.default_backend()} compile (ptxas runs for Mosaic GPU only)"))
