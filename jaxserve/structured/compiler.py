@@ -22,14 +22,14 @@ import json
 import queue
 import threading
 from collections import OrderedDict
-
-import llguidance
-import llguidance.hf
-from llguidance.gbnf_to_lark import gbnf_to_lark
+from typing import TYPE_CHECKING
 
 from jaxserve.errors import UserError
 from jaxserve.structured.matcher import Matcher
 from jaxserve.structured.spec import StructuredOutputs
+
+if TYPE_CHECKING:
+    import llguidance
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no runaway whitespace
 MAX_CACHED = 512
@@ -37,6 +37,16 @@ SMALL_SPEC_CHARS = 2048  # specs up to this size compile in their own lane
 # llguidance recurses on the C stack (a 5,000-rule chain overflows 8 MiB); its threads get this
 # much (virtual memory: only the pages touched are backed), behind the bounds of limits.py.
 COMPILE_STACK_BYTES = 256 << 20
+
+
+def _llg():
+    """llguidance, imported on the first grammar: an engine that never sees one (and a device
+    image without llguidance) never loads it."""
+    import llguidance
+    import llguidance.gbnf_to_lark
+    import llguidance.hf
+
+    return llguidance
 
 
 class StackPool:
@@ -120,7 +130,7 @@ class GrammarCompiler:
         vocabulary), so an engine that never sees a grammar does not pay for it at start-up."""
         with self._tokenizer_lock:  # not the cache's lock: submit() never waits for this
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
+                self._tokenizer = _llg().hf.from_tokenizer(
                     self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tokenizer
 
@@ -176,10 +186,10 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         grammar = self._grammar(spec)
-        err = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        err = _llg().LLMatcher.validate_grammar(grammar, self.tokenizer)
         if err:
             raise UserError(f"Invalid {spec.param}: {_first_line(err)}", param=spec.param)
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        m = _llg().LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise UserError(f"Invalid {spec.param}: {_first_line(m.get_error())}",
                             param=spec.param)
@@ -189,7 +199,8 @@ class GrammarCompiler:
     def _grammar(spec: StructuredOutputs) -> str:
         """The spec as an llguidance grammar (Lark text or its JSON form)."""
         kind = spec.kind
-        from_schema = llguidance.LLMatcher.grammar_from_json_schema
+        llg = _llg()
+        from_schema = llg.LLMatcher.grammar_from_json_schema
         try:
             if kind == "json":
                 return from_schema(spec.json, defaults=JSON_OPTIONS)
@@ -198,11 +209,11 @@ class GrammarCompiler:
             if kind == "tool_call":
                 return from_schema(spec.tool_call.schema(), defaults=JSON_OPTIONS)
             if kind == "regex":
-                return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+                return llg.LLMatcher.grammar_from_regex(spec.regex)
             if kind == "choice":
                 return "start: " + " | ".join(json.dumps(c) for c in spec.choice)
             g = spec.grammar
-            return gbnf_to_lark(g) if "::=" in g else g
+            return llg.gbnf_to_lark.gbnf_to_lark(g) if "::=" in g else g
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - the library's parse errors are the client's input

@@ -58,9 +58,9 @@ class BitmaskFiller:
     otherwise, the constrained rows in parallel (llguidance's Rust threads, no GIL)."""
 
     def __init__(self, num_threads: int | None = None):
-        import llguidance
+        self._num_threads = num_threads
+        self._executor = None  # llguidance's, made with the first constrained row
 
-        self._executor = llguidance.LLExecutor(num_threads)
 
     def fill(self, matchers: list[Matcher | None], bitmask: np.ndarray) -> bool:
         """Row i from matchers[i] (None: unconstrained). Returns whether any row is constrained,
@@ -71,5 +71,9 @@ class BitmaskFiller:
         rows = [(m._ll, i) for i, m in enumerate(matchers) if m is not None]
         if rows:
             s, w = bitmask.shape
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor(self._num_threads)
             self._executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, w * 4, s)
         return bool(rows)
