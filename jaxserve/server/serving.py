@@ -318,6 +318,7 @@ class OpenAIServing:
             req,
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
+            chat_echo=self.chat_echo(req),
         )
         spec, spec_param = T.structured_spec(req, plan.tool_call)
         kind.output = plan.output_for(spec)
@@ -327,6 +328,19 @@ class OpenAIServing:
             params.skip_special_tokens = plan.skip_special_tokens
         await T.check_grammar(self.grammar, spec, spec_param)
         return kind, params, model
+
+    @staticmethod
+    def chat_echo(req: P.ChatCompletionRequest) -> str:
+        """vLLM's `echo` on chat: the last message's text, when its role is the reply's (the
+        assistant's after a generation prompt, else the last message's own)."""
+        if not req.echo:
+            return ""
+        last = req.messages[-1]
+        if req.add_generation_prompt and last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):
+            return "\n".join(p.text or "" for p in last.content if p.type == "text")
+        return last.content or ""
 
     def sampling_params(
         self,
