@@ -7,6 +7,7 @@ choice, an optional usage chunk, then `[DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -342,8 +343,11 @@ class ResponseBuilder:
                     if self.kind.echo and first:
                         text = self._echo(idx) + text
                     started.add(index)
-                    if self.kind.echo and first and out.prompt_logprobs is not None:
-                        lps = self._echoed_logprobs(out, o, o.delta_logprobs)
+                    # the chunk that carries the prompt's logprobs (prompt tokens x top-N) is
+                    # built and encoded on a worker thread, off the event loop
+                    heavy = first and out.prompt_logprobs is not None
+                    if self.kind.echo and heavy:
+                        lps = await asyncio.to_thread(self._echoed_logprobs, out, o, o.delta_logprobs)
                     elif o.logprobs is not None:
                         lps = self._logprobs(o.delta_logprobs, offsets.get(index, 0))
                     else:
@@ -364,10 +368,10 @@ class ResponseBuilder:
                     chunk = {**head, "choices": [choice]}
                     if first and self.kind.params.prompt_logprobs is not None and o.index == 0:
                         where = chunk if self.chat else choice
-                        where["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+                        where["prompt_logprobs"] = await asyncio.to_thread(self._vllm_prompt_logprobs, out)
                     if continuous:
                         chunk["usage"] = self._usage(latest)
-                    yield sse(chunk)
+                    yield (await asyncio.to_thread(sse, chunk)) if heavy else sse(chunk)
             if stream.aborted:  # by the server (a client that left reads nothing more)
                 for index in sorted(set(range(num_choices)) - done):
                     # what the output parser still held back, then finish_reason "abort"
