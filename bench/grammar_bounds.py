@@ -42,23 +42,35 @@ def wide_schema(props: int) -> dict:  # ~256 KiB canonical: the MAX_SCHEMA_BYTES
             "required": [f"p{i}" for i in range(0, props, 2)]}
 
 
-def cases() -> list[tuple[str, str, object]]:
-    out: list[tuple[str, str, object]] = []
-    for n in (2000, 5000, 10_000, 20_000, 50_000):
-        out.append((f"lark chain, {n} rules", "lark", chain(n)))
-    for n in (200, 1000, 5000, 20_000):
-        out.append((f"lark parens, depth {n}", "lark", parens(n)))
-    for n in (64, 500, 2000, 10_000):
-        out.append((f"json schema, depth {n}", "json", schema_depth(n)))
-    out.append(("json schema, 2600 props (~256 KiB)", "json", wide_schema(2600)))
-    out.append(("lark, 2000 alternatives of 60 chars", "lark",
-                "start: " + " | ".join(json.dumps(f"{i:04d}" + "q" * 56) for i in range(2000))))
-    out.append(("regex, 120 KiB alternation", "regex", "|".join(f"w{i}[a-z]{{2,5}}" for i in range(12_000))))
+def alternatives(n: int) -> str:
+    return "start: " + " | ".join(json.dumps(f"{i:04d}" + "q" * 56) for i in range(n))
+
+
+def alternation(n: int) -> str:
+    return "|".join(f"w{i}[a-z]{{2,5}}" for i in range(n))
+
+
+BUILDERS = {"chain": chain, "parens": parens, "schema_depth": schema_depth, "wide_schema": wide_schema,
+            "alternatives": alternatives, "alternation": alternation}
+
+
+def cases() -> list[tuple[str, str, str, int]]:
+    """(name, kind, builder, size): the child builds the value (a 10,000-deep schema cannot be
+    pickled to it)."""
+    out = [(f"lark chain, {n} rules", "lark", "chain", n) for n in (2000, 3000, 4000, 5000, 10_000, 20_000, 50_000)]
+    out += [(f"lark parens, depth {n}", "lark", "parens", n) for n in (20, 30, 200, 5000)]
+    out += [(f"json schema, depth {n}", "json", "schema_depth", n) for n in (64, 500, 2000, 10_000)]
+    out.append(("json schema, 2600 props (~256 KiB)", "json", "wide_schema", 2600))
+    out.append(("lark, 2000 alternatives of 60 chars (~128 KiB)", "lark", "alternatives", 2000))
+    out.append(("regex, 12,000-way alternation (~150 KiB)", "regex", "alternation", 12_000))
     return out
 
 
-def _child(vocab: str, kind: str, value, stack: int, conn) -> None:
+def _child(vocab: str, kind: str, builder: str, size: int, stack: int, conn) -> None:
+    import sys
     import threading
+
+    sys.setrecursionlimit(100_000)
 
     import llguidance
     import llguidance.hf
@@ -75,6 +87,7 @@ def _child(vocab: str, kind: str, value, stack: int, conn) -> None:
     res = {}
 
     def work() -> None:
+        value = BUILDERS[builder](size)
         t0 = time.perf_counter()
         M = llguidance.LLMatcher
         if kind == "json":
@@ -96,10 +109,10 @@ def _child(vocab: str, kind: str, value, stack: int, conn) -> None:
     conn.send(res)
 
 
-def run_case(vocab: str, kind: str, value, stack: int, timeout: float) -> dict:
+def run_case(vocab: str, kind: str, builder: str, size: int, stack: int, timeout: float) -> dict:
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(vocab, kind, value, stack, send))
+    p = ctx.Process(target=_child, args=(vocab, kind, builder, size, stack, send))
     p.start()
     p.join(timeout)
     if p.is_alive():
@@ -122,10 +135,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     stacks = {"8 MiB": 8 << 20, f"{COMPILE_STACK_BYTES >> 20} MiB (pool)": COMPILE_STACK_BYTES}
     rows, results = [], []
-    for name, kind, value in cases():
+    for name, kind, builder, size in cases():
         row = [name]
         for label, stack in stacks.items():
-            r = run_case(args.vocab, kind, value, stack, args.timeout)
+            r = run_case(args.vocab, kind, builder, size, stack, args.timeout)
             results.append({"case": name, "stack": label, **r})
             row += [r["outcome"][:60], "-" if r["s"] is None else f"{r['s']:.3f}"]
             print(f"{name} [{label}]: {r['outcome']} {r['s']}", flush=True)
