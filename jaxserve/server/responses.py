@@ -371,7 +371,7 @@ class ResponseBuilder:
                         where["prompt_logprobs"] = await asyncio.to_thread(self._vllm_prompt_logprobs, out)
                     if continuous:
                         chunk["usage"] = self._usage(latest)
-                    yield (await asyncio.to_thread(sse, chunk)) if heavy else sse(chunk)
+                    yield (await asyncio.to_thread(sse, chunk, True)) if heavy else sse(chunk)
             if stream.aborted:  # by the server (a client that left reads nothing more)
                 for index in sorted(set(range(num_choices)) - done):
                     # what the output parser still held back, then finish_reason "abort"

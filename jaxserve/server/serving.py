@@ -26,7 +26,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.offload import run_bounded
 from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
-from jaxserve.server.streaming import EventStream, until_disconnect
+from jaxserve.server.streaming import EventStream, dumps_yielding, until_disconnect
 from jaxserve.server.tool_parsers import detect_tool_parser
 from jaxserve.structured import StructuredOutputs
 
@@ -402,7 +402,10 @@ class OpenAIServing:
         if params.prompt_logprobs is not None:
             # prompt tokens x top-N entries (up to max_model_len x 21), built and encoded on a
             # worker thread: the event loop keeps answering (/health) meanwhile
-            return await asyncio.to_thread(lambda: JSONResponse(ctx.body(finals)))
+            def encoded() -> Response:
+                return Response(dumps_yielding(ctx.body(finals)).encode(), media_type="application/json")
+
+            return await asyncio.to_thread(encoded)
         return JSONResponse(ctx.body(finals))
 
     async def submit(self, kind: Kind, params, id_prefix: str | None = None

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from jaxserve.server.streaming import dumps_yielding, sse
+
 
 def test_large_bodies_parse_off_the_loop_with_the_same_answers(server, http):
     pad = {"metadata": {"note": "x" * (70 << 10)}}  # ignored, as OpenAI does: only the size counts
@@ -35,3 +39,15 @@ def test_streamed_prompt_logprobs_come_once_with_n_2(server, http):
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                    "max_tokens": 2, "n": 2, "prompt_logprobs": 1}).json()
     assert chat["prompt_logprobs"] and all("prompt_logprobs" not in c for c in chat["choices"])
+
+
+def test_yielding_encoder_writes_what_json_dumps_writes():
+    rows = [None] + [{str(j): {"logprob": -1.5 * j, "rank": j, "decoded_token": "t\u2028é\n"}
+                      for j in range(3)} for _ in range(100)]
+    body = {"id": "x", "choices": [{"index": 0, "text": "hé", "prompt_logprobs": rows,
+                                    "token_ids": list(range(70)), "stop_reason": None}],
+            "usage": {"prompt_tokens": 1, "ok": True}, "short": [[1, [2, {"a": []}]]]}
+    assert dumps_yielding(body) == json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    assert sse(body, yielding=True) == sse(body)
+    with pytest.raises(ValueError):  # as JSONResponse: no NaN in a body
+        dumps_yielding({"a": [float("nan")] * 100})
