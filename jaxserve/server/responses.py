@@ -324,7 +324,10 @@ class ResponseBuilder:
                     if self.kind.chat_echo:  # vLLM: the echoed content is the next delta
                         echo = {"index": i, "delta": {"content": self.kind.chat_echo},
                                 "logprobs": None, "finish_reason": None}
-                        yield sse({**head, "choices": [echo]})
+                        chunk = {**head, "choices": [echo]}
+                        if continuous:
+                            chunk["usage"] = self._usage(latest)
+                        yield sse(chunk)
             async for idx, out in stream:
                 latest[idx] = out
                 for o in out.outputs:
