@@ -116,3 +116,22 @@ def _deep_object(n: int) -> dict:
     for _ in range(n):
         v = {"type": "object", "properties": {"x": v}}
     return v
+
+
+@pytest.mark.parametrize("value", [{"a": [1, "x", None, {"b": "é\n"}], "c": True}, [], "s", 1.5,
+                                   {"type": "object", "properties": {"p": {"type": "string"}}}])
+def test_json_size_floor_is_a_lower_bound(value):
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    assert limits.json_size_floor(value, 10**9) <= len(canonical)
+
+
+def test_huge_schema_refused_before_it_is_serialized(monkeypatch):
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 40}
+                                            for i in range(60_000)}}
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: pytest.fail("serialized"))
+    with pytest.raises(UserError) as e:
+        StructuredOutputs(json=big)
+    assert e.value.param == "structured_outputs.json" and str(limits.MAX_SCHEMA_BYTES) in e.value.message
+    with pytest.raises(UserError) as e:
+        ToolCallSpec.build({"f": (big, None)})
+    assert e.value.param == "tools"

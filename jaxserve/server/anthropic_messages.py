@@ -18,11 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError
 from jaxserve.server.chat_bridge import Answer, Block, ChatRun, Close, Finished, Open, Piece, Usage
 from jaxserve.server.errors import APIError, anthropic_error_body, bad_request, internal_error
-from jaxserve.server.serving import OpenAIServing, shutting_down
+from jaxserve.server.serving import OpenAIServing, parse, shutting_down
 from jaxserve.server.streaming import EventStream, sse_event
 
 log = logging.getLogger("jaxserve.server")
@@ -241,12 +240,12 @@ class AnthropicMessages:
         self.serving = serving
 
     async def count_tokens(self, request: Request) -> Response:
-        req = P.parse(CountTokensRequest, await self.serving.read_body(request))
+        req = await parse(CountTokensRequest, await self.serving.read_body(request))
         run = await ChatRun.plan(self.serving, to_chat(req), NAMES)
         return JSONResponse({"input_tokens": len(run.prompt_ids)})
 
     async def create(self, request: Request) -> Response:
-        req = P.parse(MessagesRequest, await self.serving.read_body(request))
+        req = await parse(MessagesRequest, await self.serving.read_body(request))
         run = await ChatRun.plan(self.serving, to_chat(req), NAMES, "toolu_")
         msg_id = (await run.submit("msg")).replace("-", "_", 1)
         if req.stream:

@@ -45,7 +45,7 @@ from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.openai_responses import OpenAIResponses
 from jaxserve.server.pooling_api import PoolingAPI
 from jaxserve.server.responses_input import ResponseStore
-from jaxserve.server.serving import OpenAIServing, served_names
+from jaxserve.server.serving import OpenAIServing, parse, served_names
 
 log = logging.getLogger("jaxserve.server")
 
@@ -128,7 +128,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def tokenize(request: Request) -> Response:
-        req = P.parse(P.TokenizeRequest, await serving.read_body(request))
+        req = await parse(P.TokenizeRequest, await serving.read_body(request))
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of 'prompt' and 'messages'.", "prompt")
@@ -146,7 +146,7 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         )
 
     async def detokenize(request: Request) -> Response:
-        req = P.parse(P.DetokenizeRequest, await serving.read_body(request))
+        req = await parse(P.DetokenizeRequest, await serving.read_body(request))
         serving.check_model(req.model)
         serving.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": serving.tok.decode(req.tokens)})

@@ -16,7 +16,6 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.server import protocol as P
 from jaxserve.server.async_engine import EngineDeadError
 from jaxserve.server.chat_bridge import Block, ChatRun, Close, Finished, Open, Piece, Usage
 from jaxserve.server.errors import APIError, error_body, internal_error
@@ -28,7 +27,7 @@ from jaxserve.server.responses_input import (
     output_messages,
     to_chat,
 )
-from jaxserve.server.serving import OpenAIServing, shutting_down
+from jaxserve.server.serving import OpenAIServing, parse, shutting_down
 from jaxserve.server.streaming import EventStream, sse_event
 
 log = logging.getLogger("jaxserve.server")
@@ -134,7 +133,7 @@ class OpenAIResponses:
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
     async def create(self, request: Request) -> Response:
-        req = P.parse(ResponsesRequest, await self.serving.read_body(request))
+        req = await parse(ResponsesRequest, await self.serving.read_body(request))
         history: list[dict] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)

@@ -54,9 +54,8 @@ UNSUPPORTED: dict[str, tuple] = {
     "documents": (),
     "mm_processor_kwargs": (),
     "min_characters": (),
-    # vLLM's, not implemented here: a 400 rather than output that silently differs
-    "echo": (False,),  # on chat (completions declares its own)
-    "return_tokens_as_token_ids": (False,),
+    # vLLM's logprobs of named token ids (instead of the top-N): the step computes only the
+    # top-N, so a 400 rather than logprobs that silently differ
     "logprob_token_ids": (),
 }
 
@@ -94,6 +93,7 @@ class SamplingRequest(_Model, StructuredFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # -1: max_model_len - 1
     truncation_side: Literal["left", "right"] = "left"  # which end truncation cuts
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N"
     prompt_logprobs: int | None = None  # vLLM: top-N logprobs of each prompt token
 
     @field_validator("stop", mode="before")
@@ -224,6 +224,7 @@ class ChatCompletionRequest(SamplingRequest, ToolFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM: the last message's content leads the reply when its role is the reply's
     chat_template: str | None = None  # refused unless --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -7,6 +7,7 @@ choice, an optional usage chunk, then `[DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -45,6 +46,7 @@ class Kind:
     prompts: list[Prompt]
     echo: bool = False
     echo_only: bool = False  # completions with echo and max_tokens 0: the prompt alone comes back
+    chat_echo: str = ""  # chat with echo: the last message's content, leading each choice's content
     aliases: dict[str, str] = field(default_factory=dict)
     output: OutputParser | None = None  # chat: reasoning / tool calls out of the text
 
@@ -99,6 +101,13 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.chat = kind.object == "chat.completion"
         self._sent_prompt_ids: set[int] = set()  # streamed choices that carried prompt_token_ids
+        # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N" (a token that
+        # is not valid UTF-8 alone stays recoverable)
+        self.as_ids = bool(getattr(kind.params, "return_tokens_as_token_ids", False))
+        self.tt = (lambda t: f"token_id:{t}") if self.as_ids else tokens.text
+
+    def _bytes(self, token_id: int) -> list[int]:
+        return list(self.tt(token_id).encode()) if self.as_ids else self.tokens.bytes(token_id)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -115,14 +124,14 @@ class ResponseBuilder:
     def _logprobs(self, lps: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
         if lps is None:
             return None
-        tt = self.tokens.text
+        tt = self.tt
         if self.chat:
 
             def entry(tid: int, lp: float) -> dict:
                 return {
                     "token": tt(tid),
                     "logprob": max(lp, MIN_LOGPROB),
-                    "bytes": self.tokens.bytes(tid),
+                    "bytes": self._bytes(tid),
                 }
 
             return {
@@ -155,7 +164,7 @@ class ResponseBuilder:
         logprob), then the generated ones (none when only the prompt is echoed)."""
         if out.prompt_logprobs is None:
             return self._logprobs(generated) if o.logprobs is not None else None
-        tt = self.tokens.text
+        tt = self.tt
         offset = 0
         head = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
@@ -258,6 +267,9 @@ class ResponseBuilder:
                     idx * self.n + o.index, text, lps, o, delta=False,
                     parsed=parsed, made_calls=bool(parsed and parsed.calls),
                 )
+                if self.kind.chat_echo:
+                    msg = choice["message"]
+                    msg["content"] = self.kind.chat_echo + (msg.get("content") or "")
                 if not self.chat and self.kind.params.prompt_logprobs is not None:
                     # once per prompt (its first choice), not n times: n=16 over a long prompt
                     # was 45 MB of repeats
@@ -309,6 +321,13 @@ class ResponseBuilder:
                     if continuous:
                         chunk["usage"] = self._usage(latest)
                     yield sse(chunk)
+                    if self.kind.chat_echo:  # vLLM: the echoed content is the next delta
+                        echo = {"index": i, "delta": {"content": self.kind.chat_echo},
+                                "logprobs": None, "finish_reason": None}
+                        chunk = {**head, "choices": [echo]}
+                        if continuous:
+                            chunk["usage"] = self._usage(latest)
+                        yield sse(chunk)
             async for idx, out in stream:
                 latest[idx] = out
                 for o in out.outputs:
@@ -327,8 +346,11 @@ class ResponseBuilder:
                     if self.kind.echo and first:
                         text = self._echo(idx) + text
                     started.add(index)
-                    if self.kind.echo and first and out.prompt_logprobs is not None:
-                        lps = self._echoed_logprobs(out, o, o.delta_logprobs)
+                    # the chunk that carries the prompt's logprobs (prompt tokens x top-N) is
+                    # built and encoded on a worker thread, off the event loop
+                    heavy = first and out.prompt_logprobs is not None
+                    if self.kind.echo and heavy:
+                        lps = await asyncio.to_thread(self._echoed_logprobs, out, o, o.delta_logprobs)
                     elif o.logprobs is not None:
                         lps = self._logprobs(o.delta_logprobs, offsets.get(index, 0))
                     else:
@@ -349,10 +371,10 @@ class ResponseBuilder:
                     chunk = {**head, "choices": [choice]}
                     if first and self.kind.params.prompt_logprobs is not None and o.index == 0:
                         where = chunk if self.chat else choice
-                        where["prompt_logprobs"] = self._vllm_prompt_logprobs(out)
+                        where["prompt_logprobs"] = await asyncio.to_thread(self._vllm_prompt_logprobs, out)
                     if continuous:
                         chunk["usage"] = self._usage(latest)
-                    yield sse(chunk)
+                    yield (await asyncio.to_thread(sse, chunk, True)) if heavy else sse(chunk)
             if stream.aborted:  # by the server (a client that left reads nothing more)
                 for index in sorted(set(range(num_choices)) - done):
                     # what the output parser still held back, then finish_reason "abort"

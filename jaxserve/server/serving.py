@@ -8,6 +8,7 @@ They differ only in how a prompt is built and how a choice is shaped, which `Kin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -25,13 +26,14 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.offload import run_bounded
 from jaxserve.server.responses import Kind, Prompt, ResponseBuilder, TokenTexts
-from jaxserve.server.streaming import EventStream, until_disconnect
+from jaxserve.server.streaming import EventStream, dumps_yielding, until_disconnect
 from jaxserve.server.tool_parsers import detect_tool_parser
 from jaxserve.structured import StructuredOutputs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 INLINE_ENCODE_CHARS = 4096  # shorter prompts are tokenized on the event loop
+INLINE_PARSE_BYTES = 64 << 10  # larger bodies (up to --max-body-bytes) are parsed on a worker thread
 
 SHUTTING_DOWN = "The server is shutting down: retry on another instance."
 
@@ -41,6 +43,13 @@ def served_names(model: str, cfg: ServerConfig) -> list[str]:
     if cfg.served_model_names:
         return list(cfg.served_model_names)
     return [os.path.basename(model.rstrip("/\\")) or model]
+
+
+async def parse(model: type, body: bytes):
+    """P.parse, on a worker thread for a large body (a 60,000-message chat took ~0.5 s)."""
+    if len(body) <= INLINE_PARSE_BYTES:
+        return P.parse(model, body)
+    return await asyncio.to_thread(P.parse, model, body)
 
 
 def shutting_down() -> APIError:
@@ -235,7 +244,7 @@ class OpenAIServing:
         return await self._completions(request, await self.read_body(request))
 
     async def _completions(self, request: Request, body: bytes) -> Response:
-        req = P.parse(P.CompletionRequest, body)
+        req = await parse(P.CompletionRequest, body)
         req.check()
         model = self.check_model(req.model)
         if req.suffix:
@@ -281,7 +290,7 @@ class OpenAIServing:
         return await self._chat(request, await self.read_body(request))
 
     async def _chat(self, request: Request, body: bytes) -> Response:
-        kind, params, model = await self.plan_chat(P.parse(P.ChatCompletionRequest, body))
+        kind, params, model = await self.plan_chat(await parse(P.ChatCompletionRequest, body))
         return await self._generate(request, kind, params, model)
 
     async def plan_chat(self, req: P.ChatCompletionRequest) -> tuple[Kind, SamplingParams, str]:
@@ -318,6 +327,7 @@ class OpenAIServing:
             req,
             prompts,
             aliases={"max_tokens": max_param, "logprobs": "top_logprobs"},
+            chat_echo=self.chat_echo(req),
         )
         spec, spec_param = T.structured_spec(req, plan.tool_call)
         kind.output = plan.output_for(spec)
@@ -327,6 +337,19 @@ class OpenAIServing:
             params.skip_special_tokens = plan.skip_special_tokens
         await T.check_grammar(self.grammar, spec, spec_param)
         return kind, params, model
+
+    @staticmethod
+    def chat_echo(req: P.ChatCompletionRequest) -> str:
+        """vLLM's `echo` on chat: the last message's text, when its role is the reply's (the
+        assistant's after a generation prompt, else the last message's own)."""
+        if not req.echo:
+            return ""
+        last = req.messages[-1]
+        if req.add_generation_prompt and last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):
+            return "\n".join(p.text or "" for p in last.content if p.type == "text")
+        return last.content or ""
 
     def sampling_params(
         self,
@@ -375,7 +398,15 @@ class OpenAIServing:
         ctx = ResponseBuilder(self.tokens, kind, params.n, api_id, model)
         if kind.params.stream:
             return EventStream(ctx.events(stream), stream.abort)
-        return JSONResponse(ctx.body(await self.wait(request, stream, ctx.collect(stream))))
+        finals = await self.wait(request, stream, ctx.collect(stream))
+        if params.prompt_logprobs is not None:
+            # prompt tokens x top-N entries (up to max_model_len x 21), built and encoded on a
+            # worker thread: the event loop keeps answering (/health) meanwhile
+            def encoded() -> Response:
+                return Response(dumps_yielding(ctx.body(finals)).encode(), media_type="application/json")
+
+            return await asyncio.to_thread(encoded)
+        return JSONResponse(ctx.body(finals))
 
     async def submit(self, kind: Kind, params, id_prefix: str | None = None
                      ) -> tuple[str, RequestStream]:

@@ -26,8 +26,25 @@ DONE = b"data: [DONE]\n\n"
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse(payload: dict) -> bytes:
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+def _dumps(v) -> str:
+    return json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def dumps_yielding(v) -> str:
+    """json.dumps(v) (compact, as sse() and JSONResponse write it), built from many small calls:
+    the thread running it gives the GIL back between them. One json.dumps of an 8k-token
+    prompt's logprobs (11 MB) holds the GIL ~0.5 s, and /health on the event loop waits."""
+    if isinstance(v, dict):
+        return "{" + ",".join(_dumps(k) + ":" + dumps_yielding(x) for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        each = _dumps if len(v) > 64 else dumps_yielding  # a long list's items are small rows
+        return "[" + ",".join(each(x) for x in v) + "]"
+    return _dumps(v)
+
+
+def sse(payload: dict, yielding: bool = False) -> bytes:
+    """One SSE data event; `yielding` for a big payload encoded on a worker thread."""
+    text = (dumps_yielding(payload) if yielding else _dumps(payload)).translate(_LINE_BREAKS)
     return b"data: " + text.encode() + b"\n\n"
 
 

@@ -157,7 +157,7 @@ class GrammarCompiler:
 
         def done(w: cf.Future) -> None:
             timer.cancel()
-            if fut.done():
+            if fut.done() or w.cancelled():  # cancelled: only by _expire, which answers fut
                 return
             try:
                 fut.set_result(w.result())
@@ -172,14 +172,16 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def _expire(self, spec: StructuredOutputs, fut: cf.Future, work: cf.Future | None = None) -> None:
-        if work is not None:
-            work.cancel()  # still queued: it never runs (a running native compile cannot be stopped)
+        # The timeout answer first: cancelling `work` runs its done callback at once, which
+        # must find `fut` answered (it once answered CancelledError, cached for the spec).
         try:
             fut.set_exception(UserError(
                 f"The grammar of {spec.param} took longer than {self.timeout_s:g} s to compile: "
                 "simplify it.", param=spec.param))
         except cf.InvalidStateError:
             return
+        if work is not None:
+            work.cancel()  # still queued: it never runs (a running native compile cannot be stopped)
         with self._lock:
             if self._cache.get(spec.key) is fut:
                 del self._cache[spec.key]

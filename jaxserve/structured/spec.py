@@ -41,6 +41,8 @@ class ToolCallSpec:
             raise UserError(
                 f"tool_choice names the function {name[:60]!r}, which is not in 'tools' "
                 f"({', '.join(map(repr, functions))}).", param="tool_choice")
+        limits.check_schema_floor([fn[0] if isinstance(fn, tuple) else fn for fn in functions.values()],
+                                  "tools")
         out = []
         for n, fn in functions.items():
             schema, strict = fn if isinstance(fn, tuple) else (fn, None)
@@ -104,6 +106,7 @@ class StructuredOutputs:
             if not isinstance(self.json, (dict, bool)):
                 raise UserError("The JSON schema must be a JSON object.",
                                 param="structured_outputs.json")
+            limits.check_schema_floor(self.json, "structured_outputs.json")
             limits.check_json_value(self.json, "structured_outputs.json")
             value: Any = _canonical(self.json)
             limits.check_schema_size(value, "structured_outputs.json")

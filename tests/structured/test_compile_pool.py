@@ -58,3 +58,32 @@ def test_deep_grammar_is_400_not_a_crash(compiler):
     # near the bound: compiles on the pool's large stack (2,000 chained rules)
     ok = "\n".join(["start: r0"] + [f'r{i}: r{i + 1} "a"' for i in range(1990)] + ['r1990: "b"'])
     assert compiler.compile(StructuredOutputs(grammar=ok)) is not None
+
+
+def test_compile_queued_past_its_timeout_is_a_400_and_never_runs(monkeypatch):
+    """Both big-spec workers held by slow compiles: a third big spec answers its timeout (a
+    UserError naming the field) and its compile, still queued, is cancelled: when the workers
+    free up they skip it, so a timed-out request costs the pool nothing."""
+    compiler = GrammarCompiler(build_tokenizer(), 512, [2], max_workers=2, timeout_s=0.5)
+    gate, compiled = threading.Event(), []
+    real = GrammarCompiler._compile
+
+    def compile_(self, spec):
+        compiled.append(spec.regex[:8])
+        if spec.regex.startswith("slow"):
+            assert gate.wait(60)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", compile_)
+    big = "b" * 2100  # past SMALL_SPEC_CHARS: the big lane
+    slow = [compiler.submit(StructuredOutputs(regex=f"slow{i}" + big)) for i in range(2)]
+    queued = compiler.submit(StructuredOutputs(regex="queued" + big))
+    with pytest.raises(UserError) as e:
+        queued.result(30)
+    assert e.value.param == "structured_outputs.regex" and "took longer" in e.value.message
+    gate.set()
+    for f in slow:
+        with pytest.raises(UserError):  # they outlived their own timeout too
+            f.result(30)
+    compiler.submit(StructuredOutputs(regex="after" + big)).result(30)  # the lane is free again
+    assert sorted(compiled) == ["after" + big[:3], "slow0" + big[:3], "slow1" + big[:3]]
