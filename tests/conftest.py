@@ -11,6 +11,8 @@ import pytest
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
 
+# tryfirst: xdist's own hook turns the marks into node-id suffixes; after it, the marks group nothing
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) a module's tests stay
     on one worker, so its module fixtures (a server, an engine) are built once; tests/parallel is
