@@ -32,6 +32,7 @@ def measure(model_args: list[str], n: int, policies: list[str], trace_args: list
         for policy in policies if n > 1 else policies[:1]:
             for u in urls:
                 httpx.post(u + "/reset_prefix_cache", timeout=60).raise_for_status()
+            hits0 = sum(fleet.counters(u)["vllm:prefix_cache_hits"] for u in urls)  # counters are cumulative
             router, url = fleet.start_router(urls, policy)
             out = f"{log_dir}/serve-{n}-{policy}.json"
             try:
@@ -40,7 +41,7 @@ def measure(model_args: list[str], n: int, policies: list[str], trace_args: list
                 router.terminate()
                 router.wait(30)
             s = json.loads(Path(out).read_text())["results"]["levels"][0]["summary"]
-            hits = sum(fleet.counters(u)["vllm:prefix_cache_hits"] for u in urls)
+            hits = sum(fleet.counters(u)["vllm:prefix_cache_hits"] for u in urls) - hits0
             rows.append({"replicas": n, "policy": policy if n > 1 else "(one replica)", "startup_s": startup_s,
                          "hit_tokens": hits, **{k: s[k] for k in ("completed", "failed", "request_throughput",
                                                                   "goodput_req_s", "goodput_fraction")},
