@@ -14,6 +14,7 @@ kills the replica holding conversation 0 and runs one more turn of every convers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -92,6 +93,33 @@ def launch_fleet(model_args: list[str], n: int, log_path: str, timeout: float = 
     return proc, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], time.monotonic() - t0
 
 
+@contextlib.contextmanager
+def running_fleet(model_args: list[str], n: int, log_path: str):
+    """`launch_fleet` for a `with` block: (launcher, replica urls, start-up s); SIGTERM at the end."""
+    proc, urls, startup_s = launch_fleet(model_args, n, log_path)
+    try:
+        yield proc, urls, startup_s
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+
+
+@contextlib.contextmanager
+def routed(urls: list[str], policy: str):
+    """SMG in front of `urls` with `policy` for a `with` block; yields its url."""
+    router, url = start_router(urls, policy)
+    try:
+        yield url
+    finally:
+        router.terminate()
+        router.wait(30)
+
+
+def reset_prefix_caches(urls: list[str]) -> None:
+    for u in urls:
+        httpx.post(u + "/reset_prefix_cache", timeout=60).raise_for_status()
+
+
 def start_router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = smg_command(port, "127.0.0.1", urls, policy, None)
@@ -153,17 +181,14 @@ def predict(prompt_tokens: list[list[int]], n: int, policy: str, answer_len: int
 def run(model_args: list[str], n: int = 3, num_conversations: int = 6, turns: int = 5, system_words: int = 300,
         user_words: int = 12, max_tokens: int = 8, num_blocks: int = 512, log_path: str = "/tmp/replicas.log",
         seed: int = 0, kill: bool = True) -> dict:
-    proc, urls, startup_s = launch_fleet(model_args, n, log_path)
-    out = {"replicas": n, "startup_s": startup_s, "policies": {}}
-    try:
+    with running_fleet(model_args, n, log_path) as (proc, urls, startup_s):
+        out = {"replicas": n, "startup_s": startup_s, "policies": {}}
         model = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
         for policy in ("round_robin", "cache_aware"):
-            for u in urls:
-                httpx.post(u + "/reset_prefix_cache", timeout=60).raise_for_status()
+            reset_prefix_caches(urls)
             convs = conversations.make("conversations", num_conversations, turns + 1, system_words, user_words,
                                        seed=seed)
-            router, url = start_router(urls, policy)
-            try:
+            with routed(urls, policy) as url:
                 t0 = time.monotonic()
                 res = converse(url, urls, convs, range(turns), model, max_tokens)
                 res["seconds"] = time.monotonic() - t0
@@ -184,12 +209,6 @@ def run(model_args: list[str], n: int = 3, num_conversations: int = 6, turns: in
                         time.sleep(1)
                     res["restarted"] = True
                 out["policies"][policy] = res
-            finally:
-                router.terminate()
-                router.wait(30)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
     return out
 
 

@@ -14,11 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import signal
 import tempfile
 from pathlib import Path
-
-import httpx
 
 from bench import common
 from bench import replicas as fleet
@@ -26,20 +23,14 @@ from bench import serve
 
 
 def measure(model_args: list[str], n: int, policies: list[str], trace_args: list[str], log_dir: str) -> list[dict]:
-    proc, urls, startup_s = fleet.launch_fleet(model_args, n, f"{log_dir}/fleet-{n}.log")
     rows = []
-    try:
+    with fleet.running_fleet(model_args, n, f"{log_dir}/fleet-{n}.log") as (_, urls, startup_s):
         for policy in policies if n > 1 else policies[:1]:
-            for u in urls:
-                httpx.post(u + "/reset_prefix_cache", timeout=60).raise_for_status()
+            fleet.reset_prefix_caches(urls)
             hits0 = sum(fleet.counters(u)["vllm:prefix_cache_hits"] for u in urls)  # counters are cumulative
-            router, url = fleet.start_router(urls, policy)
             out = f"{log_dir}/serve-{n}-{policy}.json"
-            try:
+            with fleet.routed(urls, policy) as url:
                 serve.main(["--base-url", url, *trace_args, "--out", out])
-            finally:
-                router.terminate()
-                router.wait(30)
             s = json.loads(Path(out).read_text())["results"]["levels"][0]["summary"]
             hits = sum(fleet.counters(u)["vllm:prefix_cache_hits"] for u in urls) - hits0
             rows.append({"replicas": n, "policy": policy if n > 1 else "(one replica)", "startup_s": startup_s,
@@ -47,9 +38,6 @@ def measure(model_args: list[str], n: int, policies: list[str], trace_args: list
                                                                   "goodput_req_s", "goodput_fraction")},
                          "ttft_p50_ms": s["ttft_ms"]["median"], "ttft_p99_ms": s["ttft_ms"]["p99"],
                          "tpot_p50_ms": s["tpot_ms"]["median"]})
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
     return rows
 
 
