@@ -209,10 +209,11 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
-        for t in params.stop_token_ids + list((params.logit_bias or {}).keys()):
-            if t >= self.model_config.vocab_size:
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("logprob_token_ids", params.logprob_token_ids or ())):
+            if (t := max(ids, default=-1)) >= self.model_config.vocab_size:
                 raise UserError(f"Token id {t} is out of vocabulary (size {self.model_config.vocab_size}).",
-                                param="stop_token_ids" if t in params.stop_token_ids else "logit_bias")
+                                param=name)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self._check_row_width(params, len(prompt_token_ids), max_tokens)
@@ -513,6 +514,7 @@ class LLMEngine:
             temperature=p.temperature, top_k=p.top_k if p.top_k < self.model_config.vocab_size else 0,  # all: off
             top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
             step=n_out, num_logprobs=-1 if p.logprobs is None else p.logprobs,
+            logprob_ids=tuple(p.logprob_token_ids or ()),
             presence=p.presence_penalty, frequency=p.frequency_penalty, repetition=p.repetition_penalty,
             bias=bias, prompt_tokens=seq.prompt_set if p.uses_penalties else frozenset(),
             output_counts=(self._counts_ahead(seq.counts, ahead) if ahead else seq.counts) if p.uses_penalties else {},

@@ -91,6 +91,7 @@ class StepBatch(NamedTuple):
     seed_hi: np.ndarray  # u32[S] high half
     steps: np.ndarray  # i32[S] output index of the token being sampled
     num_logprobs: np.ndarray  # i32[S] top-N logprobs wanted (-1: none)
+    logprob_ids: np.ndarray  # i32[S, MAX_LOGPROBS] ids whose logprobs replace the top-N (-1 pad; all -1: top-N)
     presence: np.ndarray  # f32[S]
     frequency: np.ndarray  # f32[S]
     repetition: np.ndarray  # f32[S]
@@ -109,7 +110,7 @@ def field_specs(key: BucketKey, max_blocks: int, mask_words: int) -> list[tuple[
     """(name, shape, dtype) of each StepBatch field for a bucket, in pack order."""
     t, s, w = key[:3]
     dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w),
-            "SM": (s, mask_words if w else 0)}
+            "SM": (s, mask_words if w else 0), "SL": (s, MAX_LOGPROBS)}
     return [(name, dims[d], dt) for name, d, dt in _FIELDS]
 
 
@@ -120,7 +121,8 @@ _FIELDS = (
     ("verify_ids", "S", "int32"), ("num_logits", "1", "int32"),
     ("temperature", "S", "float32"), ("top_k", "S", "int32"), ("top_p", "S", "float32"),
     ("min_p", "S", "float32"), ("seed_lo", "S", "uint32"), ("seed_hi", "S", "uint32"),
-    ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("presence", "S", "float32"),
+    ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("logprob_ids", "SL", "int32"),
+    ("presence", "S", "float32"),
     ("frequency", "S", "float32"), ("repetition", "S", "float32"), ("adj_ids", "SW", "int32"),
     ("adj_out_counts", "SW", "float32"), ("adj_in_prompt", "SW", "float32"),
     ("adj_bias", "SW", "float32"), ("bitmask", "SM", "int32"),
@@ -139,6 +141,7 @@ class Sampling:
     seed: int = 0  # 64-bit
     step: int = 0  # output index of the token this row samples
     num_logprobs: int = -1
+    logprob_ids: tuple[int, ...] = ()  # named ids in place of the top-N (vLLM's logprob_token_ids)
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
@@ -342,6 +345,9 @@ class BatchBuilder:
         seeds = np.fromiter((p.seed & 0xFFFFFFFFFFFFFFFF for p in samplings), np.uint64, m)
         b.seed_lo[:m] = seeds & 0xFFFFFFFF
         b.seed_hi[:m] = seeds >> np.uint64(32)
+        for i, p in enumerate(samplings):
+            if p.logprob_ids:
+                b.logprob_ids[i, :len(p.logprob_ids)] = p.logprob_ids
         if not w:
             return
         for i, p in enumerate(samplings):
@@ -366,6 +372,7 @@ class BatchBuilder:
             num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), num_logits=z(1), temperature=z(s, np.float32),
             top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
             seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),
+            logprob_ids=z((s, MAX_LOGPROBS), v=-1),
             presence=z(s, np.float32), frequency=z(s, np.float32), repetition=z(s, np.float32, 1.0),
             adj_ids=z((s, w), v=-1), adj_out_counts=z((s, w), np.float32),
             adj_in_prompt=z((s, w), np.float32), adj_bias=z((s, w), np.float32),
