@@ -195,12 +195,17 @@ class RowSpec:
     # token_ids[start + offset + 1] (a draft to accept or a prompt token to score); an offset can
     # be num_new - 1 only in a row that does not sample.
     extra: list[tuple[int, Sampling]] = field(default_factory=list)
-    out_row: int = -1  # set by build(): the logits row of the last token, or -1
-    first_row: int = -1  # set by build(): the row's first logits row (its extra rows come first)
 
     @property
     def num_logit_rows(self) -> int:
         return len(self.extra) + (self.sampling is not None)
+
+
+class RowMap(NamedTuple):
+    """Where build() put each row's logits rows (its extra rows come first, then its last token's)."""
+
+    first: list[int]  # per row: its first logits row
+    out: list[int]  # per row: the logits row of its last token, or -1 where it does not sample
 
 
 class BatchBuilder:
@@ -265,10 +270,11 @@ class BatchBuilder:
         return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key))
 
     # ---- one step ---------------------------------------------------------------------------
-    def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey]:
+    def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey, RowMap]:
         """Decode rows should come first (the xla attention takes them in a loop of their own).
-        Sets each row's `out_row` and `first_row`. Per-token and per-row fields are filled with
-        whole-array numpy operations: the Python loop touches each row once."""
+        The rows are not changed; the RowMap says where each one's logits rows went. Per-token and
+        per-row fields are filled with whole-array numpy operations: the Python loop touches each
+        row once."""
         num_rows = len(rows)
         lens = np.fromiter((r.num_new for r in rows), np.int64, num_rows)
         starts = np.fromiter((r.start for r in rows), np.int64, num_rows)
@@ -277,8 +283,9 @@ class BatchBuilder:
         n = int(offsets[-1])
         # logits rows in order: each row's extra rows, then its last token's (when it samples)
         logit_tok, verify, samplings = [], [], []
+        rowmap = RowMap([], [])
         for i, r in enumerate(rows):
-            r.first_row = len(samplings)
+            rowmap.first.append(len(samplings))
             if r.extra:
                 last = r.num_new - 1 if r.sampling is not None else r.num_new
                 for offset, p in r.extra:
@@ -289,12 +296,12 @@ class BatchBuilder:
                     verify.append(tok)
                     samplings.append(p)
             if r.sampling is not None:
-                r.out_row = len(samplings)
+                rowmap.out.append(len(samplings))
                 logit_tok.append(int(offsets[i + 1]) - 1)
                 verify.append(-1)
                 samplings.append(r.sampling)
             else:
-                r.out_row = -1
+                rowmap.out.append(-1)
         need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
         key = self.bucket_for(n, num_rows, need, len(samplings))
         if self.decode_buckets and n == num_rows and key.t == key.s:
@@ -333,7 +340,7 @@ class BatchBuilder:
         b.num_logits[0] = m
         if m:
             self._fill_samplings(b, samplings, w)
-        return b, key
+        return b, key, rowmap
 
     @staticmethod
     def _fill_samplings(b: StepBatch, samplings: list[Sampling], w: int) -> None:
