@@ -13,7 +13,7 @@ from jaxserve import limits
 from jaxserve.core.request import Request
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.errors import UserError
-from jaxserve.outputs import CompletionOutput, RequestMetrics
+from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics
 from jaxserve.pooling import Pooler
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
@@ -73,9 +73,8 @@ class Admission:
             group.pooler = Pooler(params.pooling, len(prompt_token_ids), self.score_head if params.pooling.score else None)
             first.score_prompt = params.pooling.every_row and len(prompt_token_ids) > 1
         if params.prompt_logprobs is not None:  # computed once, by the first sequence's prefill
-            group.prompt_logprobs = [None] * len(prompt_token_ids)
-            group.prompt_logprobs_missing = len(prompt_token_ids) - 1
-            first.score_prompt = group.prompt_logprobs_missing > 0
+            group.prompt_logprobs = PromptLogprobs(prompt_token_ids, params.prompt_logprobs)
+            first.score_prompt = group.prompt_logprobs.missing > 0
         return group
 
     def check_row_width(self, params: SamplingParams, prompt_len: int, max_tokens: int) -> None:

@@ -97,14 +97,9 @@ class OutputProcessor:
         if group is None or not seq.req.score_prompt:
             return
         n = group.params.prompt_logprobs
-        lps = group.prompt_logprobs
-        ids = group.prompt_token_ids
-        for k in range(count):
-            j, p = first + k, pos + k + 1
-            if lps[p] is None:
-                group.prompt_logprobs_missing -= 1
-            lps[p] = TokenLogprob(ids[p], float(got.verify_logprobs[j]), _top(got, j, n))
-        if group.prompt_logprobs_missing == 0:
+        rows = slice(first, first + count)
+        group.prompt_logprobs.fill(pos + 1, got.verify_logprobs[rows], got.top_ids[rows, :n], got.top_logprobs[rows, :n])
+        if group.prompt_logprobs.missing == 0:
             seq.req.score_prompt = False  # from now on it is an ordinary request (cache included)
 
     def append(self, group: Group, seq: Seq, token: int, lp: TokenLogprob | None, stop) -> None:
