@@ -104,3 +104,63 @@ def test_cpu_kernel_rejects_sinks_of_the_wrong_shape():
     with pytest.raises(ValueError, match=r"sinks must be f32\[4\]"):
         cpu_kernels.cpu_ragged_paged_attention(q, *cpu_kernels.to_cpu_layout(k, v), *md, sm_scale=0.1,
                                                sinks=jnp.zeros((2,), jnp.float32))
+
+
+# Pallas kernels in their interpreters (slow: tiny sizes). GPU: bf16 q/KV and WGMMA operands, so
+# the reference runs on the same bf16-rounded inputs in float32 and bf16 tolerances apply.
+@pytest.mark.parametrize("case,heads,block_size,ppc,window,kv", [
+    ("mixed", (8, 2, 64), 16, 4, 20, "bfloat16"),  # chunk 64: windows and contexts across chunks
+    ("mixed", (8, 1, 64), 8, 8, None, "bfloat16"),  # G = 8 (gpt-oss), 8 tokens per 64-row tile
+    ("mixed", (6, 2, 64), 16, 4, 17, "int8"),
+])
+def test_gpu_general_kernel_sinks_interpreted(case, heads, block_size, ppc, window, kv):
+    hq, hkv, d = heads
+    b = make_batch(np.random.default_rng(2), *CASES[case], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   block_size=block_size, pad_tokens=3, dtype=jnp.bfloat16)
+    args = b.args if kv == "bfloat16" else quantized(b.args, kv)
+    kw = dict(sm_scale=d**-0.5, sliding_window=window, sinks=sinks_for(hq, 1))
+    got = jax.jit(functools.partial(gpu.ragged_paged_attention, pages_per_chunk=ppc, interpret=True, **kw))(*args)
+    assert_close(got.astype(jnp.float32), oracle(args, **kw), b.num_real_tokens, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("heads,window,splits", [((8, 2, 64), None, 3), ((8, 1, 64), 17, 2)])
+def test_gpu_decode_kernel_sinks_interpreted(heads, window, splits):
+    """Split-KV decode: the sinks enter in the XLA combine of the splits (empty splits included:
+    the 1-token context leaves all but one empty)."""
+    hq, hkv, d = heads
+    b = make_batch(np.random.default_rng(3), *CASES["decode"], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   block_size=16, num_pad_seqs=2, pad_tokens=2, dtype=jnp.bfloat16)
+    kw = dict(sm_scale=d**-0.5, sliding_window=window, sinks=sinks_for(hq, 2))
+    kernel = functools.partial(gpu_decode.decode_attention, num_splits=splits, pages_per_chunk=4, interpret=True)
+    got = jax.jit(functools.partial(kernel, **kw))(*b.args)
+    assert_close(got.astype(jnp.float32), oracle(b.args, **kw), b.num_real_tokens, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("case,heads,block_size,window,kv,extra", [
+    ("mixed", (8, 2, 64), 8, 9, "float32", {}),
+    ("decode", (8, 1, 64), 8, None, "float32", {"decode_only": True}),
+    ("mixed", (6, 2, 64), 8, None, "float32", {"table_smem_bytes": 512}),  # tables split over calls
+    ("mixed", (8, 2, 64), 32, 20, "int8", {}),  # 8-bit pages: blocks of 32 rows
+])
+def test_tpu_kernel_sinks_interpreted(case, heads, block_size, window, kv, extra):
+    hq, hkv, d = heads
+    b = make_batch(np.random.default_rng(4), *CASES[case], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   block_size=block_size, pad_tokens=0 if extra.get("decode_only") else 3)
+    args = b.args if kv == "float32" else quantized(b.args, kv)
+    kw = dict(sm_scale=d**-0.5, sliding_window=window, sinks=sinks_for(hq, 3))
+    sizes = {"pages_per_chunk": 2} if extra.get("decode_only") else {"block_q": 4, "pages_per_chunk": 2}
+    sizes.update({k: v for k, v in extra.items() if k != "decode_only"})
+    fn = functools.partial(pallas_kernels.ragged_paged_attention, backend="tpu", interpret=True,
+                           decode_only=extra.get("decode_only", False), **sizes, **kw)
+    got = jax.jit(fn)(*args)
+    assert_close(got, oracle(args, **kw), b.num_real_tokens, rtol=2e-5, atol=2e-5)
+
+
+def test_pallas_kernels_reject_sinks_of_the_wrong_shape():
+    b = make_batch(np.random.default_rng(5), [1], [5], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    bad = jnp.zeros((2,), jnp.float32)
+    with pytest.raises(ValueError, match=r"sinks must be f32\[4\]"):
+        tpu.ragged_paged_attention(*b.args, sm_scale=0.1, sinks=bad, interpret=True)
+    bf = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in b.args)
+    with pytest.raises(ValueError, match=r"sinks must be f32\[4\]"):
+        gpu.ragged_paged_attention(*bf, sm_scale=0.1, sinks=bad, interpret=True)
