@@ -31,6 +31,11 @@ end to end) and broadcast over the rows. 1-byte page rows must fill an SMEM swiz
 least), so head_dim 80 has no quantized path (``unsupported``). Lowering for sm_90a is tested
 (tests/kernels/test_lowering.py, jax.export from a CPU host, no ptxas); the numerics are tested
 in the interpreter only, not yet on a GPU.
+
+Attention sinks (gpt-oss, ``sinks`` f32[Hq]): after a tile's last chunk each row's sink logit
+joins its softmax sum (``with_sinks``: G scalar loads per CTA, no SMEM); the split-KV decode
+kernel leaves them to its XLA combine. Shapes, budgets and the launch plan are in ``gpu_plan``,
+the Mosaic GPU operations (and their interpreter substitutes) in ``gpu_ops``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ per page: no lane offset). Per chunk one exact (HIGHEST) 0/1 selection matmul pe
 as ``[2 * Hkv, chunk]`` lanes; the tile is widened to the compute dtype (exact for int8 and both
 fp8s), the K scales (times ``sm_scale``) multiply the score columns and the V scales the
 probabilities: nothing multiplies the tile element by element.
+
+Attention sinks (gpt-oss, ``sinks`` f32[Hq]): each q row's sink logit, laid out like the rows
+([Hkv, rows, 1], the same block for every tile), joins the row's softmax sum after its last
+chunk. The layout helpers are in ``tpu_layout``, block sizes and the VMEM/SMEM estimates in
+``tpu_plan`` (re-exported here).
 """
 
 from __future__ import annotations
