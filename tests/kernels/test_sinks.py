@@ -8,6 +8,9 @@ windows and contexts straddle block, tile and chunk boundaries."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +98,22 @@ def test_cpu_kernel_sinks(case, heads, head_dim, block_size, window, kv):
     # the sinks matter here: without them the output differs
     plain = oracle(args, sm_scale=head_dim**-0.5, sliding_window=window)
     assert np.abs(np.asarray(plain) - np.asarray(want)).max() > 1e-2
+
+
+@needs_cpu_kernel
+@pytest.mark.slow
+def test_cpu_kernel_sinks_without_avx512():
+    """The same cases on a library built without AVX-512 (``-mno-avx512f``: the attention's
+    generic vectors in narrower registers, WidenBytes by conversion), the build a CPU without
+    AVX-512 gets. Slow: a second build of the library (cached afterwards under its own key)."""
+    env = {**os.environ, "JAXSERVE_CXXFLAGS": "-mno-avx512f"}
+    check = ("from jaxserve.runtime import cpu_kernels as c; assert c.available() is None, c.available(); "
+             "isa = c._state['lib'].JaxserveDotIsa(); assert isa & 3 == 0, isa")
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_cpu_kernel_sinks"], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @needs_cpu_kernel
