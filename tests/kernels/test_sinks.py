@@ -26,10 +26,11 @@ from tests.kernels.batch import assert_close, make_batch
 needs_cpu_kernel = pytest.mark.skipif(cpu_kernels.available() is not None, reason="native CPU kernel unavailable")
 
 # (q_lens, kv_lens): decodes at block/chunk edges (16, 17, 64, 65), a prefill chunk over a
-# block boundary, a long prefill (several CPU work items), a fresh 1-token sequence.
+# block boundary, a 33-row chunk (CPU: a 32-row work item and a 1-row one, the Q=4 tiles), a
+# fresh 1-token sequence.
 CASES = {
     "decode": ([1, 1, 1, 1, 1], [1, 16, 17, 64, 65]),
-    "mixed": ([1, 1, 9, 40, 1], [30, 65, 24, 40, 1]),
+    "mixed": ([1, 1, 9, 33, 1], [30, 65, 24, 40, 1]),
 }
 
 
