@@ -107,3 +107,92 @@ def test_any_harmony_text_streams_to_the_whole_answer(atoms, seed):
     whole = p.extract(text)
     shown = message_json(whole)["content"] or ""
     assert streamed(p, text, seed) == (shown, whole.reasoning, whole.calls)
+
+
+# A harmony chat template in gpt-oss's style (written for this test, not OpenAI's file): the
+# constructs the real one uses - strftime_now, namespace, a macro, raise_exception, tojson of the
+# call's arguments, the reasoning_effort kwarg, the call's recipient in the role header.
+HARMONY_TEMPLATE = """\
+{%- macro functions_namespace(tools) -%}
+## functions
+
+namespace functions {
+{% for t in tools %}{% set f = t.function %}
+// {{ f.description }}
+type {{ f.name }} = (_: {{ f.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions
+{%- endmacro -%}
+<|start|>system<|message|>You are a test model.
+Current date: {{ strftime_now("%Y-%m-%d") }}
+
+Reasoning: {{ reasoning_effort | default("medium") }}
+
+# Valid channels: analysis, commentary, final.<|end|>
+{%- if messages[0].role in ("system", "developer") %}{% set dev, rest = messages[0].content, messages[1:] %}
+{%- else %}{% set dev, rest = "", messages %}{% endif %}
+{%- if dev or tools %}<|start|>developer<|message|>{% if dev %}# Instructions
+
+{{ dev }}
+
+{% endif %}{% if tools %}# Tools
+
+{{ functions_namespace(tools) }}{% endif %}<|end|>{% endif %}
+{%- set last = namespace(name=none) %}
+{%- for m in rest %}
+{%- if m.role == "user" %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == "assistant" and m.tool_calls %}{% set c = m.tool_calls[0].function %}
+{{- "<|start|>assistant to=functions." + c.name + "<|channel|>commentary json<|message|>" }}
+{{- c.arguments | tojson }}<|call|>{% set last.name = c.name %}
+{%- elif m.role == "assistant" %}
+{%- if "<|channel|>" in m.content %}{{ raise_exception("pass the final text only") }}{% endif %}
+{{- "<|start|>assistant<|channel|>final<|message|>" + m.content }}<|end|>
+{%- elif m.role == "tool" %}
+{%- if last.name is none %}{{ raise_exception("a tool message needs a call before it") }}{% endif %}
+{{- "<|start|>functions." + last.name + " to=assistant<|channel|>commentary<|message|>" }}{{ m.content | tojson }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+
+
+def test_chat_template_renders_a_harmony_conversation(tmp_path):
+    """The server's chat-template path (a model directory's chat_template.jinja, as HF ships
+    gpt-oss's) renders the template with tools, a tool call turn and its result; the rendered
+    call is read back by the gpt_oss tool parser as the same call."""
+    import asyncio
+
+    from jaxserve.server import protocol as P
+    from jaxserve.server.chat_template import ChatTemplate
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.tokenizer import Tokenizer
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    messages = [P.ChatMessage.model_validate(m) for m in [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"location": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'},
+    ]]
+    template = ChatTemplate(tokenizer, ServerConfig(), lambda n, param: None)
+    ids = asyncio.run(template.render(messages, template_kwargs={"reasoning_effort": "low"}, tools=[WEATHER_TOOL]))
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|start|>system<|message|>You are a test model.\nCurrent date: 20")
+    assert "Reasoning: low" in text and "# Instructions\n\nAnswer briefly." in text
+    assert "type get_weather = (_: {" in text and text.endswith("<|start|>assistant")
+    call = ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+            '{"location": "Oslo"}<|call|>')
+    assert call + '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>' in text
+    # the assistant turn as the template wrote it, read back (after the prompt's `<|start|>assistant`)
+    got = OutputParser(REASONING_PARSERS["gpt_oss"](), TOOL_PARSERS["gpt_oss"]()).extract(
+        call[len("<|start|>assistant"):-len("<|call|>")])
+    assert got.calls == [FunctionCall("get_weather", '{"location": "Oslo"}')] and got.content == ""
