@@ -305,7 +305,7 @@ def _json_array_calls(text: str, final: bool) -> tuple[list[FunctionCall], str]:
 def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser a chat template implies, when exactly one format's marker appears in it."""
     markers = {"hermes": HermesToolParser.start, "mistral": MistralToolParser.marker,
-               "llama3": Llama3JsonToolParser.tag}
+               "llama3": Llama3JsonToolParser.tag, "gpt_oss": "<|call|>"}
     found = [name for name, m in markers.items() if m in (chat_template or "")]
     return found[0] if len(found) == 1 else None
 
