@@ -28,6 +28,8 @@ def _count(tree) -> int:
 def test_gpt_oss_presets_are_the_models_they_name(preset, billions):
     mc = load_model_config(str(MODELS / f"{preset}.json"))
     assert mc.expert_format == "mxfp4" and mc.attention_sinks and mc.layer_window(0) == 128
+    assert mc.layer_window(1) is None and mc.rope_theta == 150000 and mc.rope_scaling["factor"] == 32.0
+    assert mc.rope_attention_factors()[0] == pytest.approx(0.1 * math.log(32) + 1)
     one = AbstractCheckpoint(dataclasses.replace(mc, num_layers=1)).shapes()
     layer = _count(one.pop("layers_0"))
     got = (_count(one) + mc.num_layers * layer) / 1e9

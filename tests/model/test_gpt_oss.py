@@ -195,7 +195,9 @@ def _mxfp4_checkpoints(src, tmp_path):
             floats[name] = np.asarray(q.dequantize(), np.float32)
     hf = json.load(open(f"{src}/config.json"))
     out = {}
-    for kind, tensors, cfg in (("mxfp4", packed, hf | {"quantization_config": {"quant_method": "mxfp4"}}),
+    # dequantize: how transformers loads an MXFP4 checkpoint on CPU (jaxserve ignores the key)
+    mx = {"quant_method": "mxfp4", "dequantize": True}
+    for kind, tensors, cfg in (("mxfp4", packed, hf | {"quantization_config": mx}),
                                ("float", floats, hf)):
         d = tmp_path / kind
         d.mkdir()
@@ -209,7 +211,11 @@ def _mxfp4_checkpoints(src, tmp_path):
 
 def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
     """Tolerance: 1e-5 of the logit scale (the decode is exact; only the summation order differs).
-    Bytes per weight of the packed experts: 4.25 bits."""
+    The same MXFP4 checkpoint as transformers reads it (its own dequantization: the layout, nibble
+    order and exponent bias are HF's) within 1e-4, as the float model is. Bytes per weight of the
+    packed experts: 4.25 bits."""
+    import torch
+
     packed_dir, float_dir = _mxfp4_checkpoints(gpt_oss, tmp_path)
     lm_q, runner_q = _runner(packed_dir)
     experts = lm_q.params["layers_0"]["mlp"]["experts"]
@@ -224,3 +230,7 @@ def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
     want = _logits(runner_f, ids, CHUNKS, DECODES, BLOCKS)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err <= 1e-5, f"MXFP4 vs dequantized float: {err:.2e} of the logit scale"
+    with torch.no_grad():
+        ref = hf_model(packed_dir)(torch.tensor([ids])).logits[0].numpy()[_rows(CHUNKS, DECODES)]
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err <= 1e-4, f"MXFP4 vs transformers reading the same checkpoint: {err:.2e} of the logit scale"
