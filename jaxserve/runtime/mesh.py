@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from jaxserve.errors import UserError
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -383,19 +382,14 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
 
         pages = page_spec(layout, isinstance(k_pages, QuantPages))
         v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
-        if sinks is None:
-            f = jax.shard_map(
-                functools.partial(attn_fn, **kw), mesh=mesh,
-                in_specs=(heads, heads, heads, pages, v_spec, rep), out_specs=(heads, pages, v_spec), check_vma=False,
-            )
-            return f(q, k, v, k_pages, v_pages, md)
-        # per-head sinks go with their query heads
-        f = jax.shard_map(
-            lambda q, k, v, kp, vp, md, s: attn_fn(q, k, v, kp, vp, md, sinks=s, **kw), mesh=mesh,
-            in_specs=(heads, heads, heads, pages, v_spec, rep, P(MODEL)), out_specs=(heads, pages, v_spec),
-            check_vma=False,
-        )
-        return f(q, k, v, k_pages, v_pages, md, sinks)
+        extra = () if sinks is None else (sinks,)  # per-head sinks (gpt-oss) go with their query heads
+
+        def per_device(*a):
+            return attn_fn(*a[:6], **kw, **({"sinks": a[6]} if extra else {}))
+
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
+                          out_specs=(heads, pages, v_spec), check_vma=False)
+        return f(q, k, v, k_pages, v_pages, md, *extra)
 
     return sharded
 
@@ -414,9 +408,6 @@ def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
     b_in = P(MODEL, None) if expert_parallel else P(None, MODEL)
 
     def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None, biases=None, **kw):
-        if hasattr(w_gate, "expert"):
-            raise UserError("MXFP4 experts under tensor or expert parallelism are not supported yet: use "
-                            "tensor_parallel_size 1, or the model's bfloat16 checkpoint.", param="tensor_parallel_size")
         if num_rows is None:
             num_rows = jnp.full((1,), x.shape[0], jnp.int32)
 
