@@ -234,3 +234,12 @@ def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
         ref = hf_model(packed_dir)(torch.tensor([ids])).logits[0].numpy()[_rows(CHUNKS, DECODES)]
     err = np.abs(got - ref).max() / np.abs(ref).max()
     assert err <= 1e-4, f"MXFP4 vs transformers reading the same checkpoint: {err:.2e} of the logit scale"
+
+
+def test_mxfp4_checkpoint_convert_is_refused_by_name(gpt_oss, tmp_path):
+    from jaxserve.errors import UserError
+    from jaxserve.model.orbax_io import convert_model
+
+    packed_dir, _ = _mxfp4_checkpoints(gpt_oss, tmp_path)
+    with pytest.raises(UserError, match="MXFP4.*serve the Hugging Face directory"):
+        convert_model(packed_dir, tmp_path / "out")
