@@ -105,6 +105,22 @@ class AbstractCheckpoint:
                             shardings, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def abstract_packed_params(mc: ModelConfig, dtype) -> dict:
+    """The weights as shapes with the routed experts in their packed checkpoint format (gpt-oss's
+    MXFP4: `ModelConfig.expert_format`), as the loader keeps them: the runner places them through
+    its quantized-weights path."""
+    from jaxserve.runtime import mxfp4
+
+    def leaf(path, shape):
+        if path[-2] == "experts" and path[-1] in ("gate_proj", "up_proj", "down_proj"):
+            e, k, n = shape
+            return mxfp4.Mxfp4Weight(jax.ShapeDtypeStruct((e, n, k // mxfp4.BLOCK, mxfp4.BLOCK // 2), jnp.uint8),
+                                     jax.ShapeDtypeStruct((e, n, k // mxfp4.BLOCK), jnp.uint8))
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    return meshlib._build(param_shapes(mc), leaf)
+
+
 class AbstractRunner(rt.ModelRunner):
     """A ModelRunner on an abstract mesh: params, KV caches and step inputs are shapes, nothing
     is allocated; `step_function` is the runner's own."""
@@ -201,8 +217,9 @@ def _experts(mc: ModelConfig) -> str:
     if not mc.is_moe:
         return ""
     split = "whole experts split over the model axis" if mc.expert_parallel else "each expert split on its intermediate axis"
+    packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
     return (f"; {len(mc.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
-            f"({split})")
+            f"({split}{packed})")
 
 
 def _gib(n: float) -> str:
@@ -238,7 +255,7 @@ def prepare(
     meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
     kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
-    shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
+    shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size, mc.attention_sinks)
     backend = resolve_backend(config.attention_backend, dtype, kv_dtype, tp, shape, target=platform,
                               compute_capability=compute_capability)
     max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -252,7 +269,8 @@ def prepare(
         mesh = jax.sharding.Mesh(np.array(devices[:tp]).reshape(1, tp), (meshlib.DATA, meshlib.MODEL))
     else:
         mesh = jax.sharding.AbstractMesh((1, tp), (meshlib.DATA, meshlib.MODEL))
-    checkpoint = AbstractCheckpoint(mc)
+    packed = mc.expert_format == "mxfp4"
+    checkpoint = abstract_packed_params(mc, dtype) if packed else AbstractCheckpoint(mc)
     runner = AbstractRunner(mc, checkpoint, cfg, mesh=mesh, backend=backend)
     weights = weight_bytes_per_device(runner.params)
     rc = runner.model_cfg  # kv heads as sharded (repeated when tp > kv heads)
@@ -273,8 +291,12 @@ def prepare(
         tensor_parallel_size=tp, reserved_blocks=1,
     )
     runner.resize_kv(plan.num_blocks)
-    shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
-    total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
+    if packed:  # packed experts count their bytes as stored
+        total = sum(int(np.prod(a.shape)) * (a.dtype.itemsize if a.dtype == jnp.uint8 else runner.dtype.itemsize)
+                    for a in jax.tree.leaves(checkpoint))
+    else:
+        shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
+        total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
     return Lowering(platform, mc, runner, plan, largest, total, estimate)
 
 

@@ -31,6 +31,7 @@ from jaxserve.config import QUANTIZATIONS
 from jaxserve.errors import UserError
 from jaxserve.runtime import kquants
 from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
+from jaxserve.runtime.mxfp4 import Mxfp4Weight
 
 PANEL = 64  # columns per panel (csrc/matmul.cc, csrc/quant_matmul.cc)
 BLOCK = 32  # weights per GGUF block, along K
@@ -117,7 +118,11 @@ _BLOCKED = (W4A8Weight, Q8A8Weight)  # dot formats with d and m per block
 
 def is_quantized(w) -> bool:
     return isinstance(w, (Int8Weight, Q8Weight, Q4Weight, Fp8Weight, Bf16Weight, W8A8Weight, W4A8Weight, Q8A8Weight,
-                          Q4KWeight, Q6KWeight))
+                          Q4KWeight, Q6KWeight) + EXPERT_FORMATS)
+
+
+# stacked-expert formats kept as stored, read by the MoE op itself (runtime/moe.py), not by linear
+EXPERT_FORMATS = (Mxfp4Weight,)
 
 
 def block_of(scheme: str) -> int:
