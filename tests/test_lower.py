@@ -161,7 +161,6 @@ def test_cli_failures_are_one_line(tmp_path, capsys, argv, message):
 
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "configs" / "models").glob("*.json"))
-SINK_PRESETS = ("gpt-oss-20b", "gpt-oss-120b")
 
 
 def _one_layer(tmp_path, preset: str) -> str:
@@ -177,9 +176,7 @@ def test_family_shapes_lower(tmp_path, preset, platform):
     lowering = prepare(_one_layer(tmp_path, preset), platform,
                        EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096))
     step = lowering.lower(BucketKey(16, 8, 0))
-    # attention sinks run on the xla backend until the Pallas kernels take them (backend.SINK_BACKENDS)
-    calls = 0 if preset in SINK_PRESETS else CALLS_PER_LAYER[platform]
-    assert (step.kernel_calls, step.num_devices) == (calls, 1), step.describe()
+    assert (step.kernel_calls, step.num_devices) == (CALLS_PER_LAYER[platform], 1), step.describe()
 
 
 @pytest.mark.parametrize("preset,tp", [("llama-3.1-8b", 8), ("qwen2.5-1.5b", 2), ("qwen3-32b", 8)])

@@ -170,30 +170,6 @@ class KernelShape:
     head_dim: int
     group: int  # query heads per kv head
     block_size: int
-    sinks: bool = False  # the model has attention sinks (gpt-oss)
-
-
-# The attention backends whose kernels take sinks. The native CPU and Pallas kernels refuse them
-# (NotImplementedError) until they learn them: a model with sinks runs on `xla` meanwhile. When
-# they do, add their names here; `_sinks_fallback` then never triggers and can go.
-SINK_BACKENDS = ("xla",)
-_warned: set[str] = set()
-
-
-def _sinks_fallback(requested: str | None, shape: KernelShape | None) -> str | None:
-    """The backend to resolve instead for a model with sinks (None: no change); a UserError for
-    an explicit choice that cannot run them."""
-    if shape is None or not shape.sinks or requested in SINK_BACKENDS:
-        return None
-    if requested is not None:
-        raise UserError(f"Attention backend {requested!r} cannot run this model: its attention sinks (gpt-oss) "
-                        f"are not in that kernel yet; use --attention-backend {SINK_BACKENDS[0]}.",
-                        param="attention_backend")
-    why = "attention sinks (gpt-oss) are not in the native CPU or Pallas kernels yet"
-    if why not in _warned:
-        _warned.add(why)
-        log.warning("%s: using the portable %r attention backend.", why, SINK_BACKENDS[0])
-    return SINK_BACKENDS[0]
 
 
 def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_parallel_size: int = 1,
@@ -204,13 +180,6 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
 
     ``target`` (``cuda``/``gpu``/``tpu``) decides for that platform instead of this host's, with
     ``compute_capability`` standing in for the GPU's: what `jaxserve lower` exports for."""
-    if (instead := _sinks_fallback(requested, shape)) is not None:
-        import dataclasses
-
-        backend = resolve_backend(instead, dtype, kv_dtype, tensor_parallel_size, None, target=target,
-                                  compute_capability=compute_capability)
-        return dataclasses.replace(backend, reason="default for a model with attention sinks (the other kernels "
-                                   "lack them)")
     from jaxserve.config import DTYPES
     from jaxserve.runtime import compat
     from pallas_kernels import kv_quant

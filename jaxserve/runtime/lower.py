@@ -255,7 +255,7 @@ def prepare(
     meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
     kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
-    shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size, mc.attention_sinks)
+    shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
     backend = resolve_backend(config.attention_backend, dtype, kv_dtype, tp, shape, target=platform,
                               compute_capability=compute_capability)
     max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -133,8 +133,7 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
         tp = meshlib.tp_size(self.mesh)
         model_cfg = meshlib.with_expert_parallel(model_cfg, cfg.enable_expert_parallel)
-        shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size,
-                            model_cfg.attention_sinks)
+        shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
         self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
         log.info(self.backend.describe())
         self.source_config = model_cfg

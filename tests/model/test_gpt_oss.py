@@ -48,22 +48,10 @@ def test_gpt_oss_config(gpt_oss):
     assert c.rope_scaling["rope_type"] == "yarn" and c.rope_attention_factors()[0] > 1.0
 
 
-def test_sinks_pick_the_xla_backend(gpt_oss):
-    """Until the native and Pallas kernels take sinks: the default resolves to xla, an explicit
-    cpu is refused with the fix."""
-    from jaxserve.errors import UserError
-    from jaxserve.runtime.backend import KernelShape, resolve_backend
-
-    shape = KernelShape(16, 2, BS, sinks=True)
-    assert resolve_backend(None, "float32", "float32", 1, shape).attention == "xla"
-    with pytest.raises(UserError, match="attention-backend xla"):
-        resolve_backend("cpu", "float32", "float32", 1, shape)
-
-
-def _runner(path, **kw):
+def _runner(path, block_size=BS, **kw):
     lm = load_model(path)
     return lm, ModelRunner(lm.config, lm.params, RunnerConfig(
-        block_size=BS, num_blocks=24, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, **kw))
+        block_size=block_size, num_blocks=24, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, **kw))
 
 
 def _logits(runner, ids, chunks, decodes, blocks):
@@ -85,11 +73,13 @@ def _rows(chunks, decodes):
     return list(ends) + list(range(sum(chunks), sum(chunks) + decodes))
 
 
-def test_gpt_oss_logits_match_transformers(gpt_oss):
+# pallas: the TPU kernel, interpreted (its float32 pages hold a multiple of 8 tokens)
+@pytest.mark.parametrize("attention,block_size", [("cpu", BS), ("xla", BS), ("pallas", 8)])
+def test_gpt_oss_logits_match_transformers(gpt_oss, attention, block_size):
     import torch
 
-    lm, runner = _runner(gpt_oss)
-    assert runner.backend.attention == "xla"
+    lm, runner = _runner(gpt_oss, block_size, attention_backend=attention)
+    assert runner.backend.attention == attention
     ids = np.random.default_rng(1).integers(3, lm.config.vocab_size, size=sum(CHUNKS) + DECODES).tolist()
     with torch.no_grad():
         ref = hf_model(gpt_oss)(torch.tensor([ids])).logits[0].numpy()
