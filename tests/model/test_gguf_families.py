@@ -223,3 +223,39 @@ def test_inconsistent_moe_file_refused(tmp_path):
     with pytest.raises(UserError, match=r"ffn_\w+_exps.*\[4 \(expert_count\)") as e:
         load_gguf(bad)
     assert "bad.gguf" in str(e.value)
+
+
+def _gemma3_header(path, layers: int, hidden: int = 64, heads: int = 4, metadata=()) -> dict:
+    """A gemma3 file of metadata (and the two tensors every file has): its config dict."""
+    from jaxserve.model.gguf_loader import GGUFFile, gguf_config
+
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for key, v in (("block_count", layers), ("embedding_length", hidden), ("feed_forward_length", 2 * hidden),
+                   ("attention.head_count", heads), ("attention.head_count_kv", 1), ("attention.key_length", 128)):
+        w.add_uint32(f"gemma3.{key}", v)
+    for key, v in metadata:
+        w.add_key_value(f"gemma3.{key}", v, gguf.GGUFValueType.ARRAY if isinstance(v, list) else gguf.GGUFValueType.UINT32,
+                        sub_type=gguf.GGUFValueType.BOOL if isinstance(v, list) else None)
+    w.add_tensor("token_embd.weight", np.zeros((8, hidden), np.float32))
+    w.add_tensor("output_norm.weight", np.zeros(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf_config(GGUFFile(path))
+
+
+def test_gemma3_header_rules(tmp_path):
+    """What llama.cpp fixes for gemma3 rather than stores: the 27B (62 layers) scales scores by
+    hidden / heads (its query_pre_attn_scalar, 168), the others by head_dim; every 6th layer global;
+    an explicit per-layer pattern wins; no sliding_window: every layer global."""
+    big = _gemma3_header(tmp_path / "27b.gguf", 62, hidden=5376, heads=32, metadata=[("attention.sliding_window", 1024)])
+    assert big["query_pre_attn_scalar"] == 168 and big["sliding_window"] == 1024
+    assert [i for i, t in enumerate(big["layer_types"]) if t == "full_attention"] == list(range(5, 62, 6))
+    assert big["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    small = _gemma3_header(tmp_path / "1b.gguf", 4, metadata=[("attention.sliding_window", 512),
+                                                              ("attention.sliding_window_pattern", [True, False] * 2)])
+    assert small["query_pre_attn_scalar"] == 128
+    assert small["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    none = _gemma3_header(tmp_path / "global.gguf", 3)
+    assert none["layer_types"] == ["full_attention"] * 3 and none["sliding_window"] is None
