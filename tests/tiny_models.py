@@ -48,6 +48,13 @@ ARCH = {
         sliding_window_pattern=2,
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    # Gemma 3 as llama.cpp's GGUF stores it (model/gguf_arch.py): every 6th layer global, scores scaled
+    # by head_dim^-1/2; local RoPE 10k, global 1M linearly scaled; a final soft cap that bites
+    "gemma3_gguf": dict(cls="Gemma3TextConfig", perturb_norms=True, extra=dict(
+        head_dim=256, sliding_window=20, query_pre_attn_scalar=256, final_logit_softcapping=2.0,
+        sliding_window_pattern=6,
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     # gpt-oss: 8 experts top 2, sliding (window 8) / full layers alternating, YaRN 4x an original
     # context of 16, a SwiGLU clamp low enough to bite; biases and sinks perturbed (spec below)
     "gpt_oss": dict(cls="GptOssConfig", perturb_biases=True, extra=dict(

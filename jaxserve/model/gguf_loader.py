@@ -2,24 +2,32 @@
 
     config, weights = load_gguf("model.gguf")
 
-With `keep_quantized`, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/quant.py formats).
+Architectures (model/gguf_arch.py: what each one's metadata and tensor names mean): llama, mistral,
+qwen2, qwen3, gemma3, qwen3moe, qwen2moe. With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
+matrices stay in their blocks (runtime/quant.py formats). Stacked expert tensors (`ffn_*_exps`,
+[E, out, in]) are always dequantized at load, to float32 per-expert matrices, whatever their type
+(Q8_0, Q4_K, Q6_K as llama.cpp's Q4_K_M writes them): the MoE op (runtime/moe.py) multiplies float
+or MXFP4 experts, not GGUF blocks, so a quantized MoE file costs its experts' float size in memory.
 
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
 `gguf.quants.dequantize`. Llama-arch q/k weights are stored permuted for llama.cpp's interleaved
 RoPE (convert_hf_to_gguf.py `LlamaModel.permute`); the permutation is undone here. Qwen2/Qwen3 are
-converted without it (they use NEOX-style RoPE in llama.cpp), so they are left alone.
+converted without it (they use NEOX-style RoPE in llama.cpp), so they are left alone. Gemma 3's
+norms are stored as w + 1; the 1 is taken off here (the model adds it back, as HF's Gemma3RMSNorm).
 """
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
 import os
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from jaxserve.errors import UserError
+from jaxserve.model.gguf_arch import EXPERT, NORM_SHIFT, PERMUTED_QK, gguf_config, hf_tensor_name
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -36,39 +44,6 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
     28: ("F64", 1, 8), 30: ("BF16", 1, 2),
 }
-
-# llama.cpp architecture -> (HF model_type, HF architectures entry)
-ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("llama", "LlamaForCausalLM"),  # Mistral is Llama-shaped; llama.cpp also calls it llama
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-_PERMUTED_QK = {"llama", "mistral"}
-
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -210,117 +185,6 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float) -> dict | None:
-    """Recover HF's llama3 rope_scaling dict from llama.cpp's `rope_freqs` factors, if it matches."""
-    factor = float(freqs.max())
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv
-    for low, high, orig in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 2.0, 8192)):
-        lo_w, hi_w = orig / low, orig / high
-        smooth = (orig / wavelen - low) / (high - low)
-        want = np.where(wavelen < hi_w, 1.0,
-                        np.where(wavelen > lo_w, factor, 1.0 / ((1 - smooth) / factor + smooth)))
-        if want.shape == freqs.shape and np.allclose(want, freqs, rtol=1e-3):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": orig}
-    return None
-
-
-def _f32(x) -> float:
-    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(f"{float(x):.7g}")
-
-
-def checkpoint_dtype(g: GGUFFile) -> str:
-    """The float dtype the file's weights stand for, read from the first attention weight: F32 (or
-    F64) -> float32, F16 -> float16; BF16 and every quantized type -> bfloat16 (quantized weights
-    carry fewer bits than bfloat16; the models behind them are bfloat16 checkpoints)."""
-    info = g.tensors.get("blk.0.attn_q.weight")
-    name = info.type_name if info else "F32"
-    return {"F32": "float32", "F64": "float32", "F16": "float16"}.get(name, "bfloat16")
-
-
-def gguf_config(g: GGUFFile) -> dict:
-    """HF-style config.json dict from GGUF metadata."""
-    md = g.metadata
-    arch = md.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise UserError(f"{g.path}: unsupported GGUF architecture {arch!r}; "
-                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    model_type, hf_arch = ARCHITECTURES[arch]
-
-    def get(key, default=None):
-        return md.get(f"{arch}.{key}", default)
-
-    hidden = int(get("embedding_length"))
-    n_head = int(get("attention.head_count"))
-    n_kv = get("attention.head_count_kv", n_head)
-    n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
-    head_dim = int(get("attention.key_length", hidden // n_head))
-    tokens = md.get("tokenizer.ggml.tokens")
-    embd = g.tensors.get("token_embd.weight")
-    vocab = get("vocab_size") or (len(tokens) if tokens else None) or (embd.shape[0] if embd else None)
-    theta = _f32(get("rope.freq_base", 10000.0))
-    cfg: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": theta,
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in g.tensors,
-        "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
-        "torch_dtype": checkpoint_dtype(g),
-    }
-    if model_type == "llama":
-        cfg["mlp_bias"] = False
-    for hf_key, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                        ("pad_token_id", "padding_token_id")):
-        if f"tokenizer.ggml.{key}" in md:
-            cfg[hf_key] = int(md[f"tokenizer.ggml.{key}"])
-    if get("attention.sliding_window"):
-        cfg["sliding_window"] = int(get("attention.sliding_window"))
-
-    rope_scaling = None
-    stype = get("rope.scaling.type")
-    sfactor = get("rope.scaling.factor")
-    if stype in ("linear", "yarn") and sfactor and float(sfactor) != 1.0:
-        rope_scaling = {"rope_type": stype, "factor": _f32(sfactor)}
-        orig = get("rope.scaling.original_context_length")
-        if stype == "yarn" and orig:
-            rope_scaling["original_max_position_embeddings"] = int(orig)
-    elif stype not in (None, "none", "linear", "yarn"):
-        raise UserError(f"{g.path}: unsupported rope scaling type {stype!r}")
-    if "rope_freqs.weight" in g.tensors:
-        freqs = g.dequantize("rope_freqs.weight").astype(np.float64)
-        if not np.allclose(freqs, 1.0):
-            rope_scaling = _llama3_rope_scaling(freqs, head_dim, theta)
-            if rope_scaling is None:
-                raise UserError(f"{g.path}: rope_freqs.weight does not match a llama3 rope scaling")
-    if rope_scaling is not None:
-        cfg["rope_scaling"] = rope_scaling
-    return cfg
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF name for a GGUF tensor name; None for tensors folded into the config (rope_freqs)."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    if gguf_name == "rope_freqs.weight":
-        return None
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    raise KeyError(gguf_name)
-
-
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # block types `keep_quantized` holds as stored
 
 
@@ -340,7 +204,8 @@ def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
 def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:
     """(HF-style config dict, {HF tensor name: float32 ndarray in HF shape}) for a GGUF model file.
     With `keep_quantized`, 2-D tensors of a KEPT_TYPES type stay in their blocks instead, as the
-    quantized format of their [in, out] kernel (no float copy is made of them)."""
+    quantized format of their [in, out] kernel (no float copy is made of them). Stacked experts are
+    dequantized either way (see the module docstring) and split into per-expert views."""
     path = str(path)
     if not os.path.isfile(path):
         raise UserError(f"GGUF file not found: {path}")
@@ -353,22 +218,41 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
     weights: dict[str, np.ndarray] = {}
     for name, info in g.tensors.items():
         try:
-            hf = hf_tensor_name(name)
+            hf = hf_tensor_name(name, arch)
         except KeyError:
             raise UserError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}") from None
         if hf is None:
             continue
+        if EXPERT in hf:
+            weights |= _split_experts(g, info, hf, cfg)
+            continue
         heads = None
-        if arch in _PERMUTED_QK and ".attn_q." in name:
+        if arch in PERMUTED_QK and ".attn_q." in name:
             heads = cfg["num_attention_heads"]
-        elif arch in _PERMUTED_QK and ".attn_k." in name:
+        elif arch in PERMUTED_QK and ".attn_k." in name:
             heads = cfg["num_key_value_heads"]
         if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
             weights[hf] = kept
             continue
         w = g.dequantize(name)
-        weights[hf] = w if heads is None else unpermute_qk(w, heads)
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        elif arch in NORM_SHIFT and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
+        elif name.endswith(".ffn_gate_inp_shexp.weight"):
+            w = w.reshape(1, -1)  # HF's [1, hidden] (llama.cpp may store it 1-D)
+        weights[hf] = w
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
     if missing:
         raise UserError(f"{path}: missing tensors {missing}")
     return cfg, weights
+
+
+def _split_experts(g: GGUFFile, info: TensorInfo, template: str, cfg: dict) -> dict[str, np.ndarray]:
+    """A stacked expert tensor [E, out, in], dequantized, as E per-expert [out, in] views."""
+    n = cfg.get("num_experts", 0)
+    if len(info.shape) != 3 or info.shape[0] != n:
+        raise UserError(f"{g.path}: expert tensor {info.name!r} has shape {list(info.shape)}, expected "
+                        f"[{n} (expert_count), out, in]: the file is inconsistent.", param="model")
+    w = g.dequantize(info.name)
+    return {template.replace(EXPERT, str(e)): w[e] for e in range(n)}
