@@ -145,3 +145,57 @@ def test_gemma3_flat_transformers4_config():
     inv = c.rope_inv_freq()
     assert inv.shape == (2, 128) and np.allclose(inv[0], 1e6 ** -(np.arange(0, 256, 2) / 256) / 8.0)
     assert c.head_dim == 256 and c.tie_word_embeddings and c.hidden_act == "gelu_tanh"
+
+
+# A chat template in Gemma 3's style (written for this test, not Google's file): BOS first, the
+# system message folded into the first user turn, the assistant's role named "model", content as a
+# string or a list of parts, strict user/model alternation, `<start_of_turn>model` as the prompt.
+GEMMA_TEMPLATE = """\
+{{- bos_token -}}
+{%- if messages[0].role == "system" -%}
+{%- set sys = messages[0].content if messages[0].content is string else messages[0].content[0].text -%}
+{%- set prefix, turns = sys + "\\n\\n", messages[1:] -%}
+{%- else -%}{%- set prefix, turns = "", messages -%}{%- endif -%}
+{%- for m in turns -%}
+{%- if (m.role == "user") != (loop.index0 is even) -%}{{ raise_exception("roles must alternate user/model") }}{%- endif -%}
+{{- "<start_of_turn>" + ("model" if m.role == "assistant" else m.role) + "\\n" + (prefix if loop.first else "") -}}
+{%- if m.content is string -%}{{ m.content | trim }}
+{%- else -%}{%- for part in m.content if part.type == "text" -%}{{ part.text | trim }}{%- endfor -%}{%- endif -%}
+{{- "<end_of_turn>\\n" -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ "<start_of_turn>model\\n" }}{%- endif -%}"""
+
+
+def test_gemma_chat_template_renders_through_the_server_path(tmp_path):
+    """Gemma's turn markup through the server's chat-template path (a model directory's
+    chat_template.jinja): system folded into the first user turn, content parts, the model role,
+    and a template's own raise_exception answered as a 400 naming `messages`."""
+    import asyncio
+
+    from jaxserve.server import protocol as P
+    from jaxserve.server.chat_template import ChatTemplate
+    from jaxserve.server.config import ServerConfig
+    from jaxserve.server.errors import APIError
+    from jaxserve.tokenizer import Tokenizer
+    from tests.tiny_models import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
+    template = ChatTemplate(Tokenizer.from_hf_dir(tmp_path), ServerConfig(), lambda n, param: None)
+
+    def render(msgs, **kw):
+        ids = asyncio.run(template.render([P.ChatMessage.model_validate(m) for m in msgs], **kw))
+        return template.tok.decode(ids, skip_special_tokens=False)
+
+    text = render([{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": [{"type": "text", "text": " Hi there "}]},
+                   {"role": "assistant", "content": "Hello."},
+                   {"role": "user", "content": "Capital of France?"}])
+    assert text == ("<|endoftext|><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
+                    "<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nCapital of France?<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(APIError) as e:
+        render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert e.value.status == 400 and e.value.param == "messages" and "alternate" in str(e.value)
