@@ -47,16 +47,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. A list of ints counts as token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Outputs in the order of the prompts. A list of ints counts as token ids, and so does
+        vLLM's `{"prompt_token_ids": [...]}` (`{"prompt": "..."}` is text)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        items = [(None, list(p)) if not isinstance(p, str) else (p, None) for p in prompts]
+        items = [_item(p) for p in prompts]
         return self._run(items, sampling_params, use_tqdm, priority)
 
     def chat(
@@ -75,7 +76,7 @@ class LLM:
 
     def embed(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[dict],
         *,
         dimensions: int | None = None,
         normalize: bool | None = None,
@@ -160,3 +161,15 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, unit="req")
+
+
+def _item(p) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt: a string, token ids, or vLLM's prompt dict."""
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, dict):
+        if set(p) - {"prompt", "prompt_token_ids"} or len(p) != 1:
+            raise UserError(f"A prompt dict has one key, 'prompt' or 'prompt_token_ids'; got {sorted(p)}.",
+                            param="prompt")
+        return p.get("prompt"), (list(p["prompt_token_ids"]) if "prompt_token_ids" in p else None)
+    return None, list(p)
