@@ -238,7 +238,7 @@ def main(argv=None) -> int:
 
     path = resolve_model_path(args.model)
     cfg = config_only(path)
-    from jaxserve.runtime.runner import default_kv_cache_dtype, dtype_size
+    from jaxserve.runtime.kv_sizing import default_kv_cache_dtype, dtype_size
 
     args.kv_cache_dtype = args.kv_cache_dtype or default_kv_cache_dtype(args.dtype, cfg.checkpoint_dtype)
     dbytes, kvbytes = dtype_size(args.dtype), dtype_size(args.kv_cache_dtype)

@@ -41,6 +41,7 @@ from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime import compat, memory
 from jaxserve.runtime import mesh as meshlib
+from jaxserve.runtime import kv_sizing
 from jaxserve.runtime import runner as rt
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 
@@ -237,7 +238,7 @@ def prepare(
     tp = config.tensor_parallel_size
     meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
-    kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
+    kv_dtype = config.kv_cache_dtype or kv_sizing.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
     shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
     backend = resolve_backend(config.attention_backend, dtype, kv_dtype, tp, shape, target=platform,
                               compute_capability=compute_capability)
@@ -268,7 +269,7 @@ def prepare(
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(
         device_limit=device_memory or DEFAULT_DEVICE_MEMORY[platform], bytes_in_use=weights,
-        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
+        activation_bytes=estimate(largest), block_bytes=kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
         block_size=config.block_size, max_model_len=max_model_len, utilization=config.gpu_memory_utilization,
         tensor_parallel_size=tp, reserved_blocks=1,
     )
