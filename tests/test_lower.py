@@ -267,11 +267,11 @@ def test_quantized_weights_lower_under_tp(tmp_path, quantization):
     (about half of them per device), dequantized inside the lowered step."""
     lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE, tensor_parallel_size=2,
                                                                 quantization=quantization))
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import quant_params
     from jaxserve.runtime.lower import weight_bytes_per_device
 
     params = lowering.runner.params
-    assert quant.has_quantized(params)
+    assert quant_params.has_quantized(params)
     float32 = _param_count(json.loads((tmp_path / "config.json").read_text())) * 4
     assert weight_bytes_per_device(params) <= 0.3 * float32 / 2 + 4096
     step = lowering.lower(BucketKey(8, 8, 0))

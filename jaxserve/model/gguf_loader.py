@@ -2,7 +2,7 @@
 
     config, weights = load_gguf("model.gguf")
 
-With `keep_quantized`, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/quant.py formats).
+With `keep_quantized`, Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/weight_formats.py formats).
 
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
@@ -325,16 +325,16 @@ KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # block types `keep_quant
 
 
 def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
-    """Tensor `info` in its quantized format (runtime/quant.py: the [in, out] kernel's panels), or
+    """Tensor `info` in its quantized format (runtime/weight_formats.py: the [in, out] kernel's panels), or
     None where it is dequantized instead (another type, or a shape without whole panels).
     qk_heads: the heads of a llama-permuted q/k projection, whose rows are put back in order."""
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import weight_formats
 
-    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not quant.quantizable(
-            info.shape[::-1], quant.block_of(info.type_name)):
+    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not weight_formats.quantizable(
+            info.shape[::-1], weight_formats.block_of(info.type_name)):
         return None
     raw = g.raw(info)  # (out rows, bytes per row): a permutation of rows applies to it as is
-    return quant.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)
+    return weight_formats.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)
 
 
 def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:

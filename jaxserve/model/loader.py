@@ -46,8 +46,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
-    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/quant.py);
-    "w4a8" keeps them too, and quant.quantize_params lays the 4-bit ones out for int8 activations."""
+    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/weight_formats.py);
+    "w4a8" keeps them too, and quant_params.quantize_params lays the 4-bit ones out for int8 activations."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
@@ -178,7 +178,7 @@ def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None =
     `X.weight_scale_inv` (HF's fp8 layout: one scale per `block` = [bn, bk] tile, default 128 x 128).
     Activation scales (`input_scale`) are dropped: activations are not quantized here. With
     `keep_fp8`, float8_e4m3fn matrices with per-tensor / per-channel scales stay as they are stored
-    (runtime/quant.py's Fp8Weight of their [in, out] kernel)."""
+    (runtime/weight_formats.py's Fp8Weight of their [in, out] kernel)."""
     out = {}
     for name, w in weights.items():
         if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
@@ -208,12 +208,12 @@ def _kept_fp8(w: np.ndarray, scale: np.ndarray):
     """An e4m3 [N, K] matrix with one scale or one per output channel as an Fp8Weight, else None."""
     import ml_dtypes
 
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import panels, weight_formats
 
-    if w.dtype != ml_dtypes.float8_e4m3fn or w.ndim != 2 or not quant.quantizable(w.shape[::-1]):
+    if w.dtype != ml_dtypes.float8_e4m3fn or w.ndim != 2 or not weight_formats.quantizable(w.shape[::-1]):
         return None
     if scale.size not in (1, w.shape[0]):
         return None
     per_channel = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (w.shape[0],))
-    return quant.Fp8Weight(np.ascontiguousarray(quant.to_panels(w.view(np.uint8).T)),
+    return weight_formats.Fp8Weight(np.ascontiguousarray(panels.to_panels(w.view(np.uint8).T)),
                            np.ascontiguousarray(per_channel))

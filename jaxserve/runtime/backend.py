@@ -100,7 +100,7 @@ class Backend:
         return self.attention == "pallas" and self.platform in ("gpu", "tpu")
 
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
-        """The model's ops; each also takes weights in runtime/quant.py's formats.
+        """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py).
 
         ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
         t), where the pallas backend runs the split-KV decode kernel on GPU."""

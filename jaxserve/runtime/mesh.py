@@ -31,7 +31,7 @@ and the combine is one all-reduce of [T, H] per MoE layer, the collective a row-
 costs anyway. An all-to-all dispatch pays off only once tokens are sharded (data-parallel
 attention), which this mesh does not do.
 
-Quantized weights (runtime/quant.py: [N / 64, K-ish, ...] panels and their block scales) shard as
+Quantized weights (runtime/weight_formats.py: [N / 64, K-ish, ...] panels and their block scales) shard as
 their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
 with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
 so each device holds whole blocks with their own scales (`quantized_shardings`).
@@ -239,10 +239,10 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
     """PartitionSpecs of a quantized weight's parts (a NamedTuple of them, like `w`): its float
     kernel's spec (param_spec) carried to the panels. A UserError names the weight and the valid
     sizes where tp would split a panel or a block."""
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import panels, weight_formats
 
     q = w[0]
-    k, n = jax.eval_shape(quant.dequantize, w).shape
+    k, n = jax.eval_shape(weight_formats.dequantize, w).shape
 
     def spec(shape):
         return (tuple(param_spec(path, shape, cfg, tp)) + (None, None))[:2]
@@ -256,7 +256,7 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
     splits = (spec_n and q.shape[0] % tp) or (spec_k and any(a.shape[1] % tp for a in parts))
     if splits:
         count = q.shape[0] if spec_n else min(a.shape[1] for a in parts)  # panels, or K's coarsest blocks
-        unit = f"{quant.PANEL}-column panels" if spec_n else f"blocks of {k // count} along K"
+        unit = f"{panels.PANEL}-column panels" if spec_n else f"blocks of {k // count} along K"
         fits = [t for t in valid_tp_sizes(cfg) if count % t == 0]
         raise UserError(f"tensor_parallel_size={tp} splits the {unit} of the quantized {name} "
                         f"({type(w).__name__}, K={k}, N={n}): use one of {', '.join(map(str, fits))}.",
@@ -267,7 +267,7 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
 def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     """NamedShardings for a tree holding quantized weights: theirs from `quantized_specs`, the
     float leaves' from param_spec."""
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import weight_formats
 
     tp = tp_size(mesh)
     if kv_replication(cfg, tp) > 1:
@@ -277,11 +277,11 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
-        if quant.is_quantized(leaf):
+        if weight_formats.is_quantized(leaf):
             return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))
         return NamedSharding(mesh, param_spec(names, tuple(leaf.shape), cfg, tp))
 
-    return jax.tree_util.tree_map_with_path(f, params, is_leaf=quant.is_quantized)
+    return jax.tree_util.tree_map_with_path(f, params, is_leaf=weight_formats.is_quantized)
 
 
 def kv_cache_sharding(mesh: Mesh, layout: str = "paged", quantized: bool = False):

@@ -35,7 +35,7 @@ from jaxserve.model.default_model import cache_dir
 from jaxserve.model.decoder import CausalLM
 from jaxserve.runtime import fallback
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime import quant
+from jaxserve.runtime import quant_params
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
@@ -82,7 +82,7 @@ class RunnerConfig:
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # default: dtype
-    quantization: str | None = None  # int8, q8_0, ...: float weights quantized here (runtime/quant.py)
+    quantization: str | None = None  # int8, q8_0, ...: float weights quantized here (runtime/quant_params.py)
     enable_expert_parallel: bool = False  # MoE: split whole experts over the model axis (runtime/mesh.py)
 
 
@@ -216,10 +216,10 @@ class ModelRunner:
         if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
             params = params.restore(meshlib.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
         if quantize:
-            params = quant.quantize_params(params, self.cfg.quantization)
-        if quant.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
+            params = quant_params.quantize_params(params, self.cfg.quantization)
+        if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
             self.param_shardings = meshlib.quantized_shardings(params, mc, mesh)
-            return quant.place_params(params, self.dtype, self.param_shardings)
+            return quant_params.place_params(params, self.dtype, self.param_shardings)
         if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
             shapes = params.shapes()
             params = params.restore(meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)

@@ -1,4 +1,4 @@
-"""The dot-product formats (runtime/quant.py's Bf16Weight, W8A8Weight and W4A8Weight,
+"""The dot-product formats (runtime/weight_formats.py's Bf16Weight, W8A8Weight and W4A8Weight,
 csrc/dot_matmul.cc): the native kernel against float64 on bfloat16-rounded inputs (bfloat16) and
 against the exact integer arithmetic (W8A8, W4A8), its rows independent of the batch, the portable path against the AVX-512
 instructions, AMX tiles against both (where the CPU has them), the XLA reference path, the layouts,
@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.runtime import cpu_kernels, quant
+from jaxserve.runtime import cpu_kernels, panels, quant, quant_params, weight_formats
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
@@ -31,14 +31,14 @@ def problem(seed: int, m: int, k: int, n: int, fmt: str):
     if m > 2:
         x[2] = 0
     w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
-    return x, w, jax.device_put(quant.quantize(w, fmt))
+    return x, w, jax.device_put(weight_formats.quantize(w, fmt))
 
 
 def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """W8A8 by hand in numpy: int8 weights per column, int8 activations per block of 32 along k
     (scale max |x_block| / 127), each block's exact integer sum times its scale, then scale[n]."""
-    qw = quant.quantize_int8(w)
-    q = quant.from_panels(qw.q).astype(np.int64)
+    qw = weight_formats.quantize_int8(w)
+    q = panels.from_panels(qw.q).astype(np.int64)
     k = x.shape[1]
     xq, sx = activation_blocks(x)
     sums = np.einsum("mbk,bkn->mbn", xq, q.reshape(k // 32, 32, -1)).astype(np.float64)
@@ -58,10 +58,10 @@ def activation_blocks(x: np.ndarray):
 def w4a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """W4A8 by hand: Q4_1's values Q, d and m (gguf's quantizer), the activations' blocks, and per
     block sx (d sum(xq Q) + m sum(xq)) in float64."""
-    q4 = quant.quantize(w, "q4_1")
+    q4 = weight_formats.quantize(w, "q4_1")
     k = x.shape[1]
-    q = quant.from_panels(quant._nibbles(np.asarray(q4.q))).astype(np.int64).reshape(k // 32, 32, -1)
-    d, mins = (quant.from_panels(np.asarray(a)).astype(np.float64) for a in (q4.d, q4.m))  # [K / 32, N]
+    q = panels.from_panels(panels.nibbles(np.asarray(q4.q))).astype(np.int64).reshape(k // 32, 32, -1)
+    d, mins = (panels.from_panels(np.asarray(a)).astype(np.float64) for a in (q4.d, q4.m))  # [K / 32, N]
     xq, sx = activation_blocks(x)
     sums = np.einsum("mbk,bkn->mbn", xq, q).astype(np.float64)
     return (sx * (d * sums + mins * xq.sum(axis=2, keepdims=True))).sum(axis=1)
@@ -69,10 +69,10 @@ def w4a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def q8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Q8_0's values and d (gguf's quantizer) times the activations' blocks: per block sx d sum(xq Q)."""
-    q8 = quant.quantize(w, "q8_0")
+    q8 = weight_formats.quantize(w, "q8_0")
     k = x.shape[1]
-    q = quant.from_panels(np.asarray(q8.q)).astype(np.int64).reshape(k // 32, 32, -1)
-    d = quant.from_panels(np.asarray(q8.d)).astype(np.float64)
+    q = panels.from_panels(np.asarray(q8.q)).astype(np.int64).reshape(k // 32, 32, -1)
+    d = panels.from_panels(np.asarray(q8.d)).astype(np.float64)
     xq, sx = activation_blocks(x)
     return (sx * d * np.einsum("mbk,bkn->mbn", xq, q)).sum(axis=1)
 
@@ -90,29 +90,29 @@ def reference(x: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
 
 def test_layouts_round_trip():
     w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
-    b = quant.quantize_bf16(w)
+    b = weight_formats.quantize_bf16(w)
     assert b.q.dtype == jnp.bfloat16 and b.q.shape == (2, 48, 128)
     assert b.q[1, 5, 2 * 7 + 1] == w[2 * 5 + 1, 64 + 7].astype(ml_dtypes.bfloat16)  # [p, i, 2j + t]
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(b)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
-    a = quant.quantize_w8a8(w)
-    i8 = quant.quantize_int8(w)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(b)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    a = weight_formats.quantize_w8a8(w)
+    i8 = weight_formats.quantize_int8(w)
     assert a.q.dtype == np.uint8 and a.q.shape == (2, 24, 256)
-    np.testing.assert_array_equal(quant.from_words(a.q, 4).astype(np.int32) - 128, i8.q)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(a)), np.asarray(quant.dequantize(i8)))
-    q4 = quant.quantize(w, "q4_1")
-    f = quant.to_w4a8(q4)  # Q4_1's values and blocks, two k quads a byte
+    np.testing.assert_array_equal(panels.from_words(a.q, 4).astype(np.int32) - 128, i8.q)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(a)), np.asarray(weight_formats.dequantize(i8)))
+    q4 = weight_formats.quantize(w, "q4_1")
+    f = weight_formats.to_w4a8(q4)  # Q4_1's values and blocks, two k quads a byte
     assert f.q.dtype == np.uint8 and f.q.shape == (2, 12, 256) and f.d.shape == f.m.shape == (2, 3, 64)
-    vals = quant.from_panels(quant._nibbles(q4.q))  # [K, N] in 0..15
+    vals = panels.from_panels(panels.nibbles(q4.q))  # [K, N] in 0..15
     assert f.q[1, 5, 4 * 7 + 2] == vals[8 * 5 + 2, 64 + 7] | vals[8 * 5 + 4 + 2, 64 + 7] << 4  # [p, g, 4j + t]
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(f)), np.asarray(quant.dequantize(q4)))
-    q8 = quant.quantize(w, "q8_0")
-    e = quant.to_q8a8(q8)  # Q8_0's values + 128 in quads, m = -128 d
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(f)), np.asarray(weight_formats.dequantize(q4)))
+    q8 = weight_formats.quantize(w, "q8_0")
+    e = weight_formats.to_q8a8(q8)  # Q8_0's values + 128 in quads, m = -128 d
     assert e.q.shape == (2, 24, 256) and e.q[1, 5, 4 * 7 + 2] == int(q8.q[1, 4 * 5 + 2, 7]) + 128
     np.testing.assert_array_equal(np.asarray(e.m, np.float32), -128 * np.asarray(e.d, np.float32))
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(e)), np.asarray(quant.dequantize(q8)))
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(e)), np.asarray(weight_formats.dequantize(q8)))
     ids = jnp.asarray([0, 5, 63, 64, 127, 5], jnp.int32)
     for qw in (b, a, f, e):
-        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(quant.dequantize(qw)).T[ids])
+        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(weight_formats.dequantize(qw)).T[ids])
 
 
 @needs_kernel
@@ -227,7 +227,7 @@ def test_isa_cap_is_checked(monkeypatch):
 @pytest.mark.parametrize("m,rows", [(1, 1), (9, 7), (64, 58)])
 def test_gated_matches_silu_times_up(fmt, m, rows):
     x, w, qg = problem(m, m, 576, 1536, fmt)
-    qu = jax.device_put(quant.quantize(w[:, ::-1] * 2, fmt))
+    qu = jax.device_put(weight_formats.quantize(w[:, ::-1] * 2, fmt))
     got = np.asarray(gated(x, qg, qu, rows))
     g, u = (np.asarray(linear(x, q, rows)) for q in (qg, qu))
     np.testing.assert_allclose(got[:rows], (jax.nn.silu(g) * u)[:rows], rtol=2e-6, atol=2e-6)
@@ -259,13 +259,13 @@ def test_quantize_params_makes_the_dot_formats():
     rng = np.random.default_rng(1)
     params = {"embed_tokens": {"embedding": rng.standard_normal((128, 64)).astype(np.float32)},
               "layers_0": {"mlp": {"up_proj": {"kernel": rng.standard_normal((64, 128)).astype(np.float32)}}}}
-    before = quant.weight_bytes(params)
-    for fmt, cls, share in (("bfloat16", quant.Bf16Weight, 0.5), ("w8a8", quant.W8A8Weight, 0.3),
-                            ("w4a8", quant.W4A8Weight, 0.17)):
-        out = quant.quantize_params(params, fmt)
+    before = quant_params.weight_bytes(params)
+    for fmt, cls, share in (("bfloat16", weight_formats.Bf16Weight, 0.5), ("w8a8", weight_formats.W8A8Weight, 0.3),
+                            ("w4a8", weight_formats.W4A8Weight, 0.17)):
+        out = quant_params.quantize_params(params, fmt)
         assert isinstance(out["layers_0"]["mlp"]["up_proj"]["kernel"], cls)
         assert isinstance(out["embed_tokens"]["embedding"], cls)
-        assert quant.weight_bytes(out) <= before * share
+        assert quant_params.weight_bytes(out) <= before * share
 
 
 @needs_kernel
@@ -296,13 +296,13 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         runs[name] = {"llm": llm, "ppl": float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())),
                       "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
-                      "bytes": quant.weight_bytes(llm.engine.runner.params)}
+                      "bytes": quant_params.weight_bytes(llm.engine.runner.params)}
     ref, got = runs[base], runs[scheme]
-    cls, share, ppl_tol, agree = {"bfloat16": (quant.Bf16Weight, 0.55, 0.01, 0.95),
-                                  "w8a8": (quant.W8A8Weight, 0.30, 0.02, 0.90),
-                                  "w4a8": (quant.W4A8Weight, 0.17, 0.02, 0.90)}[scheme]
+    cls, share, ppl_tol, agree = {"bfloat16": (weight_formats.Bf16Weight, 0.55, 0.01, 0.95),
+                                  "w8a8": (weight_formats.W8A8Weight, 0.30, 0.02, 0.90),
+                                  "w4a8": (weight_formats.W4A8Weight, 0.17, 0.02, 0.90)}[scheme]
     params = got["llm"].engine.runner.params
-    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]
+    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=weight_formats.is_quantized)[0]
                if getattr(p[-1], "key", None) in ("kernel", "embedding")]
     assert kernels and all(isinstance(w, cls) for w in kernels)
     assert got["bytes"] <= share * runs[None]["bytes"]
