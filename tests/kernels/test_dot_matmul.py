@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.runtime import cpu_kernels, panels, quant, quant_params, weight_formats
+from jaxserve.runtime import cpu_isa, cpu_kernels, native_build, panels, quant, quant_params, weight_formats
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
@@ -137,7 +137,7 @@ def test_native_matches_reference(fmt, m, k, n):
 def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
     """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset,
     plain and gated, on either path."""
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, isa)
     x, _, qw = problem(0, 100, 576, 192, fmt)
     lin = jax.jit(lambda x, w: quant.linear(x, w))  # new functions: traced under this isa
     gat = jax.jit(lambda x, w, u: quant.linear_gated(x, w, u))
@@ -149,7 +149,7 @@ def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
 
 def run_under(monkeypatch, cap: str, fn, *args):
     """fn(*args) jitted afresh (so traced, and its isa chosen) under $JAXSERVE_CPU_ISA=cap."""
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, cap)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, cap)
     return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
 
 
@@ -175,7 +175,7 @@ def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
     np.testing.assert_allclose(port, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <= cpu_kernels.cpu_features()
+needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <= cpu_isa.cpu_features()
                                or cpu_kernels.amx_permitted() is not None,
                                reason="no AMX tiles here (CPU, build or Linux: cpu_kernels.amx_permitted)")
 
@@ -188,7 +188,7 @@ def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
     isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's and W4A8's block sums
     are exact, so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps
     and to the float64 reference. K = 96: an odd number of 32-k tile steps."""
-    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
     assert cpu_kernels.dot_isa(fmt) == 2
     x, w, qw = problem(k + n, 113, k, n, fmt)
     fns = {(cap, g): compile_under(monkeypatch, cap, g, x, qw) for cap in ("auto", "avx512") for g in (False, True)}
@@ -208,7 +208,7 @@ def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
 def compile_under(monkeypatch, cap: str, gated_call: bool, x, w):
     """linear (or linear_gated, the weight twice) with traced real rows, compiled now for (x, w),
     under $JAXSERVE_CPU_ISA=cap (the isa is chosen at trace time)."""
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, cap)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, cap)
     if gated_call:
         fn = jax.jit(lambda x, w, rows: quant.linear_gated(x, w, w, rows))
     else:
@@ -217,7 +217,7 @@ def compile_under(monkeypatch, cap: str, gated_call: bool, x, w):
 
 
 def test_isa_cap_is_checked(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "amx512")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "amx512")
     with pytest.raises(ValueError, match="JAXSERVE_CPU_ISA='amx512': expected one of auto, avx512, portable"):
         cpu_kernels.dot_isa("bfloat16")
 
@@ -238,20 +238,20 @@ def test_gated_matches_silu_times_up(fmt, m, rows):
 
 @needs_kernel
 def test_instructions_follow_the_cpu_flags(monkeypatch):
-    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
-    flags = cpu_kernels.cpu_features()
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    flags = cpu_isa.cpu_features()
     paths = cpu_kernels.kernel_paths()
-    for fmt, (flag, _) in cpu_kernels.DOT_PATHS.items():
-        isa, amx = cpu_kernels.dot_isa(fmt), cpu_kernels.AMX_PATHS[fmt]
+    for fmt, (flag, _) in cpu_isa.DOT_PATHS.items():
+        isa, amx = cpu_kernels.dot_isa(fmt), cpu_isa.AMX_PATHS[fmt]
         if flag not in flags:  # a CPU without the instruction runs the portable path
             assert isa == 0 and paths[fmt] == "portable"
         # AMX wherever the CPU has it and Linux grants it
         assert (isa == 2) == (isa > 0 and amx in flags and cpu_kernels.amx_permitted() is None)
         assert paths[fmt] == {2: amx, 1: flag, 0: "portable"}[isa]
     assert paths["amx"].startswith("amx") == any(f.startswith("amx") for f in flags)
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
-    assert all(cpu_kernels.dot_isa(fmt) < 2 for fmt in cpu_kernels.DOT_PATHS)
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512")
+    assert all(cpu_kernels.dot_isa(fmt) < 2 for fmt in cpu_isa.DOT_PATHS)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "portable")
     assert cpu_kernels.kernel_paths()["w8a8"] == cpu_kernels.kernel_paths()["bfloat16"] == "portable"
 
 
@@ -310,10 +310,10 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
     assert greedy_agreement(got["llm"].engine.runner, got["prompts"], ref["tokens"]) >= agree
 
 
-@pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
+@pytest.mark.skipif(native_build.compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
                     reason="needs an x86 C++ compiler")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
-@pytest.mark.parametrize("source", sorted(p.name for p in cpu_kernels.CSRC.glob("*.cc")))
+@pytest.mark.parametrize("source", sorted(p.name for p in native_build.CSRC.glob("*.cc")))
 def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
     """The portable paths compile for an AVX2 (haswell) and a baseline x86-64 CPU: the library is
     built -march=native on the machine that runs it, so these are what such machines get."""
@@ -323,8 +323,8 @@ def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
 
     # -O1: an intrinsic the target lacks fails at any level (always_inline target mismatch), and
     # -O3 tripled the cost (paged_attention.cc: 80 s against 21 s on 2 cores)
-    flags = [f for f in cpu_kernels.FLAGS if f not in ("-march=native", "-shared", "-O3")]
-    cmd = [cpu_kernels._compiler(), *flags, "-O1", f"-march={march}", "-c", f"-I{ffi.include_dir()}",
-           str(cpu_kernels.CSRC / source), "-o", str(tmp_path / "out.o")]
+    flags = [f for f in native_build.FLAGS if f not in ("-march=native", "-shared", "-O3")]
+    cmd = [native_build.compiler(), *flags, "-O1", f"-march={march}", "-c", f"-I{ffi.include_dir()}",
+           str(native_build.CSRC / source), "-o", str(tmp_path / "out.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
