@@ -1,6 +1,6 @@
 """EngineConfig: every knob a user can set, validated up front with errors that name the fix.
 
-One source of defaults: the scheduler's knobs are the fields of `core.scheduler.SchedulerConfig`
+One source of defaults: the scheduler's knobs are the fields of `core.scheduler_config.SchedulerConfig`
 (EngineConfig holds them as `scheduler`, and `scheduler_config()` adds what the engine derives:
 blocks, lengths, batch limits); the CLI's flags and `--help` are generated from these dataclass
 fields (`args.add_config_args`), so nothing is written twice.
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from jaxserve.core.scheduler import ADMISSIONS, EVICTIONS, POLICIES, PREFIX_CACHES, SchedulerConfig
+from jaxserve.core.scheduler_config import ADMISSIONS, EVICTIONS, POLICIES, PREFIX_CACHES, SchedulerConfig
 from jaxserve.errors import UserError
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
