@@ -24,7 +24,7 @@ Mixture-of-experts layers: the router and the shared expert's gate are replicate
 expert shards like a dense MLP, and the routed experts [E, H, I] / [E, I, H] either split their
 intermediate axis like a dense MLP (P(None, None, "model") / P(None, "model", None)) or, with
 expert parallelism (`--enable-expert-parallel`, EP size = TP size as in vLLM), split the expert
-axis (P("model", None, None)): each device holds E / tp whole experts. Either way `shard_moe` runs
+axis (P("model", None, None)): each device holds E / tp whole experts. Either way `sharded_ops.shard_moe` runs
 the grouped matmul per device under `shard_map`: the residual stream is replicated after the
 attention's all-reduce, so dispatch is local (each device takes the rows routed to its experts)
 and the combine is one all-reduce of [T, H] per MoE layer, the collective a row-parallel down_proj
@@ -39,9 +39,7 @@ so each device holds whole blocks with their own scales (`quantized_shardings`).
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 
 DATA, MODEL = "data", "model"
@@ -353,58 +352,6 @@ def bytes_per_device(tree) -> dict:
         for shard in leaf.addressable_shards:
             out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
     return out
-
-
-# ---- attention under shard_map ----------------------------------------------------------------
-def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
-    """Run a layer's attention (KV write + kernel) per model shard: each device writes and attends
-    over its own q and kv heads.
-
-    Same signature as `attention.layer_attention`'s function; the batch metadata is replicated.
-    Needed for Pallas kernels and the native CPU kernel, and keeps XLA from ever gathering the
-    cache across devices.
-    """
-    if tp_size(mesh) == 1:
-        return attn_fn
-    heads, rep = P(None, MODEL, None), P()
-
-    def sharded(q, k, v, k_pages, v_pages, md, **kw):
-        from pallas_kernels.kv_quant import QuantPages
-
-        pages = page_spec(layout, isinstance(k_pages, QuantPages))
-        v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
-        f = jax.shard_map(
-            functools.partial(attn_fn, **kw), mesh=mesh,
-            in_specs=(heads, heads, heads, pages, v_spec, rep), out_specs=(heads, pages, v_spec), check_vma=False,
-        )
-        return f(q, k, v, k_pages, v_pages, md)
-
-    return sharded
-
-
-# ---- routed experts under shard_map ------------------------------------------------------------
-def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
-    """Run `ops.moe` (runtime/moe.py's signature) per device over its slice of the experts (whole
-    experts with expert parallelism, else every expert's slice of the intermediate axis), then sum
-    the partial outputs over the model axis (see the module docstring for why no all-to-all)."""
-    if tp_size(mesh) == 1:
-        return moe_fn
-    rep = P()
-    w_in, w_out = (P(MODEL, None, None),) * 2 if expert_parallel else (P(None, None, MODEL), P(None, MODEL, None))
-
-    def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows):
-        offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
-        y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset)
-        return jax.lax.psum(y, MODEL)
-
-    def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None):
-        if num_rows is None:
-            num_rows = jnp.full((1,), x.shape[0], jnp.int32)
-        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep), out_specs=rep,
-                          check_vma=False)
-        return f(x, ids, weights, w_gate, w_up, w_down, num_rows)
-
-    return sharded
 
 
 # ---- host <-> global arrays (multi-process) ---------------------------------------------------

@@ -35,7 +35,7 @@ from jaxserve.model.default_model import cache_dir
 from jaxserve.model.decoder import CausalLM
 from jaxserve.runtime import fallback
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime import quant_params
+from jaxserve.runtime import quant_params, sharded_ops
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
@@ -178,9 +178,9 @@ class ModelRunner:
         self.kv = self._allocate_kv(self.cfg.num_blocks)
 
     def _ops(self, decode_only: bool):
-        ops = self.backend.ops(lambda attend: meshlib.shard_attention(attend, self.mesh, self.backend.kv_layout),
+        ops = self.backend.ops(lambda attend: sharded_ops.shard_attention(attend, self.mesh, self.backend.kv_layout),
                                decode_only=decode_only)
-        return dataclasses.replace(ops, moe=meshlib.shard_moe(ops.moe, self.mesh, self.model_cfg.expert_parallel))
+        return dataclasses.replace(ops, moe=sharded_ops.shard_moe(ops.moe, self.mesh, self.model_cfg.expert_parallel))
 
     def _put(self, x: np.ndarray):
         """A small host array, replicated over the mesh (lower.AbstractRunner keeps it on the host)."""
