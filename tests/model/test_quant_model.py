@@ -101,7 +101,7 @@ def test_bfloat16_compute_keeps_scales_and_runs(reference):
 
 def test_orbax_checkpoint_quantized_once_restored(reference, tmp_path):
     """A lazy (Orbax) checkpoint is restored, then quantized: the same weights as from safetensors."""
-    from jaxserve.model.orbax_io import convert_model
+    from jaxserve.convert import convert_model
 
     path = reference("llama")[0]
     convert_model(path, tmp_path / "orbax")
