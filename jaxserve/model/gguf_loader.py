@@ -13,13 +13,16 @@ converted without it (they use NEOX-style RoPE in llama.cpp), so they are left a
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
 import os
 import struct
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
+
+from jaxserve.errors import UserError
+from jaxserve.runtime import weight_formats
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -178,8 +181,6 @@ class GGUFFile:
 
 def _type_name(ggml_type: int) -> str:
     try:
-        import gguf
-
         return gguf.GGMLQuantizationType(ggml_type).name
     except Exception:
         return f"#{ggml_type}"
@@ -198,8 +199,6 @@ def dequantize_raw(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> n
     elif name == "BF16":
         out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     else:
-        import gguf.quants
-
         out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
     return np.ascontiguousarray(out.reshape(shape), dtype=np.float32)
 
@@ -328,8 +327,6 @@ def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
     """Tensor `info` in its quantized format (runtime/weight_formats.py: the [in, out] kernel's panels), or
     None where it is dequantized instead (another type, or a shape without whole panels).
     qk_heads: the heads of a llama-permuted q/k projection, whose rows are put back in order."""
-    from jaxserve.runtime import weight_formats
-
     if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not weight_formats.quantizable(
             info.shape[::-1], weight_formats.block_of(info.type_name)):
         return None

@@ -23,9 +23,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import MissingFileError, UserError
+from jaxserve.runtime.mesh import make_mesh, replicated
 
 MARKER = "jaxserve_orbax.json"
 FORMAT = "jaxserve-orbax"
@@ -60,8 +63,7 @@ class OrbaxCheckpoint:
         return out
 
     def restore(self, shardings: dict, dtype) -> dict:
-        import jax
-        import orbax.checkpoint as ocp
+        import orbax.checkpoint as ocp  # heavy (tensorstore): only where a converted model is restored
 
         def abstract(shape, sharding):
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -72,11 +74,6 @@ class OrbaxCheckpoint:
 
     def load_numpy(self) -> dict:
         """The whole tree as host numpy arrays (tests, tools)."""
-        import jax
-        import jax.numpy as jnp
-
-        from jaxserve.runtime.mesh import make_mesh, replicated
-
         rep = replicated(make_mesh(1))
         tree = self.restore(jax.tree.map(lambda _: rep, self.shapes(), is_leaf=lambda x: isinstance(x, tuple)),
                             jnp.dtype(self.meta.get("dtype", "float32")))

@@ -39,10 +39,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime import compat, memory
+from jaxserve.model.decoder import CausalLM
+from jaxserve.runtime import compat, deviceless, kv_sizing, memory
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime import kv_sizing
 from jaxserve.runtime import runner as rt
+from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 
 GiB = memory.GiB
@@ -77,9 +78,6 @@ def load_model_config(path: str) -> ModelConfig:
 
 def param_shapes(mc: ModelConfig) -> dict:
     """{path: shape} of the model's parameters, from the model's own init (traced, not run)."""
-    from jaxserve.model.decoder import CausalLM
-    from jaxserve.runtime.attention import AttentionMetadata
-
     ops = Backend("cpu", "xla", "paged", False, False, "shapes").ops()
     model = CausalLM(mc, ops, jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -176,8 +174,6 @@ class Lowering:
     def compile(self, key: BucketKey):
         """One bucket compiled by the target's compiler (needs `prepare(devices=...)`): a
         `deviceless.CompileReport`."""
-        from jaxserve.runtime import deviceless
-
         jitted, args = self.runner.step_function(key)
         return deviceless.compile_report(lambda: jitted.lower(*args))
 

@@ -44,11 +44,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
+from jaxserve.runtime import panels, weight_formats
+from pallas_kernels.kv_quant import QuantPages
 
 DATA, MODEL = "data", "model"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -80,8 +83,6 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
         )
     devs = devices[:need]
     try:
-        from jax.experimental import mesh_utils
-
         grid = mesh_utils.create_device_mesh((dp, tp), devices=devs)
     except Exception:  # noqa: BLE001 - topology-unaware fallback (e.g. CPU subsets)
         grid = np.array(devs).reshape(dp, tp)
@@ -238,8 +239,6 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
     """PartitionSpecs of a quantized weight's parts (a NamedTuple of them, like `w`): its float
     kernel's spec (param_spec) carried to the panels. A UserError names the weight and the valid
     sizes where tp would split a panel or a block."""
-    from jaxserve.runtime import panels, weight_formats
-
     q = w[0]
     k, n = jax.eval_shape(weight_formats.dequantize, w).shape
 
@@ -266,8 +265,6 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
 def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     """NamedShardings for a tree holding quantized weights: theirs from `quantized_specs`, the
     float leaves' from param_spec."""
-    from jaxserve.runtime import weight_formats
-
     tp = tp_size(mesh)
     if kv_replication(cfg, tp) > 1:
         raise UserError(f"tensor_parallel_size={tp} > num_key_value_heads={cfg.num_kv_heads} repeats kv heads, "
@@ -286,8 +283,6 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 def kv_cache_sharding(mesh: Mesh, layout: str = "paged", quantized: bool = False):
     """One layer's KV array's sharding: kv heads over "model"; quantized pages' scales
     ([nb, bs, Hkv]) go with their heads (a kv_quant.QuantPages of two shardings)."""
-    from pallas_kernels.kv_quant import QuantPages
-
     spec = page_spec(layout, quantized) if tp_size(mesh) > 1 else (QuantPages(P(), P()) if quantized else P())
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
 
@@ -296,8 +291,6 @@ def page_spec(layout: str = "paged", quantized: bool = False):
     """Where a layer's KV array splits over the model axis: its kv heads (dim 2 of paged
     [nb, bs, Hkv, D], dim 1 of tpu-fused [nb, 2*Hkv, bs, Dp]); for quantized pages a QuantPages
     of the data's and the scales' specs (scales [nb, bs, Hkv], tpu-fused [nb, 2*Hkv, bs])."""
-    from pallas_kernels.kv_quant import QuantPages
-
     if layout == "tpu-fused":
         pages = P(None, MODEL, None, None)
         return QuantPages(pages, P(None, MODEL, None)) if quantized else pages

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,9 +34,8 @@ from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.decoder import CausalLM
-from jaxserve.runtime import fallback
+from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime import quant_params, sharded_ops
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
@@ -206,8 +206,6 @@ class ModelRunner:
 
     def peak_step_bytes(self) -> int:
         """Peak temporary bytes of the largest bucket's executable (XLA's memory analysis)."""
-        from jaxserve.runtime import compat
-
         return compat.peak_temp_bytes(self.executable(max(self.all_buckets())))
 
     def _place_params(self, params) -> dict:
@@ -291,8 +289,6 @@ class ModelRunner:
     def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None) -> float:
         """Compile every bucket (or `keys`) now, so no request waits on a compile: in parallel,
         one XLA compile per core (compiling releases the GIL), largest first."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
         t0 = time.perf_counter()
         keys = self.all_buckets() if keys is None else keys
         hits0, misses0 = CACHE_EVENTS.values()
