@@ -87,7 +87,7 @@ def device_step_s(eng, steps: int) -> float:
     rows = [RowSpec(r.token_ids[:r.num_computed_tokens], r.num_computed_tokens - 1, 1, r.block_ids,
                     Sampling(), -1) for r in eng.scheduler.running]
     runner = eng.runner
-    batch, key = runner.builder.build(rows)
+    batch, key, _ = runner.builder.build(rows)
     jax.block_until_ready(runner.execute(batch, key))
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -83,6 +83,9 @@ def convert_model(src, dst) -> dict:
     else:
         raise UserError(f"Cannot convert {str(src_path)!r}: expected an HF model directory or a .gguf file.")
     cfg = ModelConfig.from_hf(hf_config, source=str(src_path))
+    if cfg.expert_format is not None:
+        raise UserError(f"{str(src_path)!r} keeps its experts in {cfg.expert_format.upper()}, which `jaxserve convert` "
+                        "cannot write yet: serve the Hugging Face directory directly.", param="model")
     params = hf_to_params(weights, cfg, dtype=np.float32)
     del weights
     t_read = time.perf_counter() - t0

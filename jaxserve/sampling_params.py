@@ -30,6 +30,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (0: only the sampled one)
+    # vLLM's: the logprobs of these token ids in place of the top-N (logprobs = their count)
+    logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -106,6 +108,8 @@ class SamplingParams:
                                          or self.structured_outputs is not None):
             raise UserError("A pooling request has n=1, max_tokens=1 and no prompt_logprobs or structured "
                             "outputs: build it with jaxserve.pooling.pooling_request.", param="pooling")
+        if self.logprob_token_ids is not None:
+            self._check_logprob_token_ids()
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -126,6 +130,20 @@ class SamplingParams:
                     raise bad("logit_bias", k, "keys must be token ids >= 0")
                 if not _is_num(v) or not -100 <= v <= 100:
                     raise bad("logit_bias", v, "values must be in [-100, 100]")
+
+    def _check_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_LOGPROBS:
+            raise UserError(f"Invalid logprob_token_ids: must be a list of 1 to {MAX_LOGPROBS} token ids.",
+                            param="logprob_token_ids")
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise UserError("Invalid logprob_token_ids: must be a list of token ids >= 0.", param="logprob_token_ids")
+        if self.logprobs is not None and self.logprobs != len(ids):
+            raise UserError(f"Invalid logprobs: {self.logprobs} with {len(ids)} logprob_token_ids; the "
+                            "logprobs listed are those ids', so leave it out or set it to their count.",
+                            param="logprobs")
+        self.logprob_token_ids = list(ids)
+        self.logprobs = len(ids)
 
     @property
     def greedy(self) -> bool:

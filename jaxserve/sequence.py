@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxserve")
@@ -84,8 +84,7 @@ class Group:
     metrics: RequestMetrics | None = None
     priority: int = 0
     cache_salt: str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prefill runs
-    prompt_logprobs_missing: int = 0  # prompt tokens whose logprob is still to come
+    prompt_logprobs: PromptLogprobs | None = None  # filled as the prefill runs
     error: str | None = None  # why the engine aborted this request (an error in its own data)
     pooler: object | None = None  # pooling.Pooler of a pooling request
 
@@ -113,7 +112,8 @@ class Group:
                                              o.delta_text, o.delta_token_ids, o.delta_logprobs))
             o.delta_text, o.delta_token_ids, o.delta_logprobs = "", [], []
             cached = max(cached, s.req.num_cached_tokens)
-        prompt_lps = self.prompt_logprobs if self.prompt_logprobs_missing == 0 else None
+        lps = self.prompt_logprobs
+        prompt_lps = lps if lps is not None and lps.missing == 0 else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              cached, self.metrics.copy(), prompt_lps, self.error,
                              self.pooler.value if self.pooler is not None else None)

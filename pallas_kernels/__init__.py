@@ -124,12 +124,11 @@ def ragged_paged_attention(
     token t is sequence t; on gpu that selects the split-KV decode kernel (``gpu_decode``), on
     tpu the decode row of ``tpu.block_sizes`` (explicit ``block_sizes`` override the table).
     ``block_sizes``: ``block_q``/``pages_per_chunk`` for tpu, ``pages_per_chunk`` for gpu
-    (and ``num_splits`` for its decode kernel).
+    (and ``num_splits`` for its decode kernel). ``sinks``: f32[Hq] per-head sink logits
+    (gpt-oss) or None, which adds nothing to any kernel.
     """
-    if sinks is not None:  # never silently dropped
-        raise NotImplementedError("attention sinks are not in the Pallas kernels yet: use attention backend xla")
     args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)
-    kwargs = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap}
+    kwargs = {"sm_scale": sm_scale, "sliding_window": sliding_window, "soft_cap": soft_cap, "sinks": sinks}
     name = resolve_backend(backend, interpret)
     if name == "tpu":
         from pallas_kernels import tpu

@@ -31,6 +31,11 @@ end to end) and broadcast over the rows. 1-byte page rows must fill an SMEM swiz
 least), so head_dim 80 has no quantized path (``unsupported``). Lowering for sm_90a is tested
 (tests/kernels/test_lowering.py, jax.export from a CPU host, no ptxas); the numerics are tested
 in the interpreter only, not yet on a GPU.
+
+Attention sinks (gpt-oss, ``sinks`` f32[Hq]): after a tile's last chunk each row's sink logit
+joins its softmax sum (``with_sinks``: G scalar loads per CTA, no SMEM); the split-KV decode
+kernel leaves them to its XLA combine. Shapes, budgets and the launch plan are in ``gpu_plan``,
+the Mosaic GPU operations (and their interpreter substitutes) in ``gpu_ops``.
 """
 
 from __future__ import annotations
@@ -43,152 +48,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import compat
-from pallas_kernels import common
+from pallas_kernels import common, compat
+from pallas_kernels.gpu_ops import Ops
+from pallas_kernels.gpu_plan import (CHUNK_TOKENS, DTYPES, HEAD_DIMS, MAX_STAGES, QUANT_CHUNK_TOKENS, ROWS,
+                                     SMEM_BYTES, default_pages_per_chunk, num_stages, scale_width, smem_bytes,
+                                     swizzle_bytes, unsupported)
 from pallas_kernels.kv_quant import KV_QUANT_DTYPES, QuantPages
 
-ROWS = 64  # WGMMA M per warpgroup
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-HEAD_DIMS = (64, 80, 96, 128, 256)
-# Hopper's per-block shared memory limit is 227 KiB (opt-in maximum); keep 8 KiB for the
-# compiler's own scratch (cross-warp reductions, layout changes).
-SMEM_BYTES = 219 * 1024
-MAX_STAGES = 4  # chunks of K/V in flight at most (a ring of TMA destinations)
-# KV tokens per chunk by head_dim: bounded by the f32 scores [64, chunk] held in registers and
-# by two ring slots of K and V (2 x 2 x chunk x D x 2 bytes) fitting beside the q/out tile.
-CHUNK_TOKENS = {64: 128, 80: 128, 96: 128, 128: 128, 256: 64}
-# Quantized pages in the general kernel: the widening and the scale loads need registers beside the
-# f32[64, chunk] scores; at 128 tokens ptxas spilled (sm_90a, head_dim 128: 255 registers, 428 B of
-# spills), at 64 none (248 registers). bench/RESULTS.md has the table per variant.
-QUANT_CHUNK_TOKENS = 64
-
-
-def swizzle_bytes(head_dim: int, dtype) -> int:
-    """The widest SMEM swizzle (128/64/32 bytes) that divides a row of ``head_dim`` elements."""
-    row = head_dim * jnp.dtype(dtype).itemsize
-    return next(s for s in (128, 64, 32, 16) if row % s == 0)
-
-
-def default_pages_per_chunk(head_dim: int, block_size: int, quantized: bool = False) -> int:
-    tokens = CHUNK_TOKENS.get(head_dim, 64)
-    return max(1, (min(tokens, QUANT_CHUNK_TOKENS) if quantized else tokens) // block_size)
-
-
-def smem_bytes(head_dim: int, chunk: int, dtype, stages: int = 2, extra: int = 0, kv_dtype=None,
-               block_size: int = 0) -> int:
-    """q/out tile + K and V x ``stages`` ring slots + barriers + ``extra`` (a kernel's own);
-    quantized pages (``kv_dtype`` int8/fp8): ring slots of that dtype, their scale slots
-    (``scratch``'s [pages, 2, scale_width] f32 each) and the two widened compute-dtype tiles."""
-    itemsize = jnp.dtype(dtype).itemsize
-    ring = 2 * stages * chunk * head_dim * jnp.dtype(kv_dtype or dtype).itemsize
-    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(dtype):
-        block_size = block_size or chunk
-        scale_slot = (chunk // block_size) * 2 * scale_width(block_size) * 4
-        ring += stages * scale_slot + 2 * chunk * head_dim * itemsize
-    return ROWS * head_dim * itemsize + ring + 1024 + extra
-
-
-def num_stages(head_dim: int, chunk: int, dtype, extra: int = 0, kv_dtype=None, block_size: int = 0) -> int:
-    """The deepest TMA ring (2..MAX_STAGES chunks in flight) that fits in shared memory."""
-    fits = [n for n in range(2, MAX_STAGES + 1)
-            if smem_bytes(head_dim, chunk, dtype, n, extra, kv_dtype, block_size) <= SMEM_BYTES]
-    return max(fits, default=2)
-
-
-def unsupported(dtype, head_dim: int, group: int, block_size: int,
-                pages_per_chunk: int | None = None, kv_dtype=None) -> str | None:
-    """Why this kernel cannot run a shape (None when it can); decided before anything traces.
-    ``kv_dtype``: the pages' dtype when they are quantized (int8 / fp8), else None."""
-    if jnp.dtype(dtype) not in DTYPES:
-        return (f"the Mosaic GPU kernel needs bfloat16 or float16 q/KV (WGMMA operands), got "
-                f"{jnp.dtype(dtype).name}: use --dtype bfloat16")
-    if head_dim not in HEAD_DIMS:
-        return f"the Mosaic GPU kernel supports head_dim {HEAD_DIMS}, not {head_dim}"
-    if kv_dtype is not None and (head_dim * jnp.dtype(kv_dtype).itemsize) % 32:
-        # a page row of 1-byte elements must fill a 32/64/128-byte SMEM swizzle
-        return (f"the Mosaic GPU kernel supports head_dim {tuple(d for d in HEAD_DIMS if d % 32 == 0)} with "
-                f"{jnp.dtype(kv_dtype).name} KV, not {head_dim}")
-    if not 1 <= group <= ROWS:
-        return f"the Mosaic GPU kernel supports GQA ratios 1..{ROWS}, not {group}"
-    if block_size % 8 or block_size > 256:
-        return f"the Mosaic GPU kernel needs a block size that is a multiple of 8 up to 256, " \
-               f"not {block_size}"
-    ppc = pages_per_chunk or default_pages_per_chunk(head_dim, block_size, kv_dtype is not None)
-    chunk = ppc * block_size
-    if chunk % 64:
-        return f"pages_per_chunk*block_size={chunk} must be a multiple of 64"
-    need = smem_bytes(head_dim, chunk, dtype, kv_dtype=kv_dtype, block_size=block_size)
-    if need > SMEM_BYTES:
-        return (f"a chunk of {chunk} KV tokens at head_dim {head_dim} needs "
-                f"{need} bytes of shared memory (> {SMEM_BYTES})")
-    return None
-
-
-class Ops:
-    """The Mosaic GPU pieces both kernels use, with the interpreter's substitutes."""
-
-    def __init__(self, interpret: bool):
-        self.interpret = interpret
-
-    def layout_cast(self, x, layout):
-        # The Mosaic GPU interpreter has no rule for layout_cast; layouts only matter when lowering.
-        return x if self.interpret else plgpu.layout_cast(x, layout)
-
-    def iota(self, shape, dim):
-        return self.layout_cast(lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
-
-    def mma_qk(self, q_ref, k_ref):  # [ROWS, D] x [chunk, D]^T -> f32[ROWS, chunk]
-        if self.interpret:  # the interpreter's wgmma takes neither transposed refs nor register lhs
-            return lax.dot_general(
-                q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_ref, plgpu.transpose_ref(k_ref, (1, 0)))
-            return acc_ref[...]
-
-        return pl.run_scoped(scope, plgpu.ACC((ROWS, k_ref.shape[0]), jnp.float32))
-
-    def mma_pv(self, p, v_ref):  # [ROWS, chunk] (registers) x [chunk, D] -> f32[ROWS, D]
-        if self.interpret:
-            return jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_ref)
-            return acc_ref[...]
-
-        # A fresh accumulator rather than ACC.init(acc) + run_state: keeps one code shape.
-        return pl.run_scoped(scope, plgpu.ACC((ROWS, v_ref.shape[1]), jnp.float32))
-
-    def widen(self, src, dst):
-        """A quantized SMEM chunk -> its compute-dtype copy ``dst`` (exact), for the MMA."""
-        x = src[...]
-        if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating) and dst.dtype != x.dtype:
-            x = x.astype(jnp.float16)  # exact; sm_90 converts fp8 to f16 only (f16 -> bf16 is exact too)
-        dst[...] = x.astype(dst.dtype)
-        plgpu.commit_smem()  # the MMA reads dst through the async proxy
-        return dst
-
-    def scales(self, slot_ref, kv: int, block_size: int):
-        """A chunk's K (``kv`` 0) or V (1) scales from its slot [pages, 2, width]: f32[chunk] in
-        the column layout of the scores (a [pages, block_size] load, pages laid end to end)."""
-        pages = slot_ref.shape[0]
-        # one page: a 1-D load (Mosaic folds no unit dim of a non-contiguous [1, bs] view)
-        ref = slot_ref.at[0 if pages == 1 else slice(None), kv, pl.ds(0, block_size)]
-        if self.interpret:
-            x = ref[...]
-        else:
-            x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
-        return x.reshape(pages * block_size)
-
-    def init_carry(self, head_dim):
-        acc = self.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        row = plgpu.Layout.WGMMA.reduce(1)
-        m_i = self.layout_cast(jnp.full((ROWS,), common.MASK_VALUE, jnp.float32), row)
-        l_i = self.layout_cast(jnp.zeros((ROWS,), jnp.float32), row)
-        return acc, m_i, l_i
-
+# The planning names, re-exported: callers know them as gpu.<name>.
+__all__ = ["CHUNK_TOKENS", "DTYPES", "HEAD_DIMS", "MAX_STAGES", "QUANT_CHUNK_TOKENS", "ROWS", "SMEM_BYTES",
+           "default_pages_per_chunk", "num_stages", "scale_width", "smem_bytes", "swizzle_bytes",
+           "unsupported", "Ops", "page_arrays", "page_fetcher", "ragged_paged_attention", "scratch",
+           "smem_transforms", "stream_chunks", "validate", "normalized", "with_sinks", "check_sinks"]
 
 def smem_transforms(head_dim: int, dtype):
     swizzle = swizzle_bytes(head_dim, dtype)
@@ -196,12 +67,6 @@ def smem_transforms(head_dim: int, dtype):
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
-
-
-def scale_width(block_size: int) -> int:
-    """Floats per (page, kv head, K|V) row of the scales the kernels take: ``block_size`` padded
-    to 16, so that a page's K and V scales (2 rows) are one TMA copy of a multiple of 128 bytes."""
-    return common.round_up(block_size, 16)
 
 
 def scratch(head_dim: int, chunk: int, pages_per_chunk: int, dtype, stages: int, kv_dtype=None):
@@ -316,9 +181,34 @@ def page_arrays(k_pages, v_pages) -> tuple[tuple, tuple]:
     return (k_pages, v_pages), ()
 
 
+def with_sinks(ops, sinks_g, head, group: int, carry):
+    """Attention sinks (gpt-oss) into a tile's finished online softmax: row r of kv head ``head``
+    is query head ``head * group + r % group``, whose sink logit (``sinks_g``: f32[Hq] in GMEM,
+    read as G scalars) joins the softmax sum relative to the larger of the row's running max and
+    the sink (the log2 domain of ``stream_chunks``), and takes mass without adding value."""
+    acc, m_i, l_i = carry
+    row = ops.layout_cast(lax.broadcasted_iota(jnp.int32, (ROWS,), 0), plgpu.Layout.WGMMA.reduce(1))
+    j_of_row = lax.rem(row, jnp.int32(group))
+    sink = jnp.zeros((ROWS,), jnp.float32) + sinks_g[head * group]
+    for j in range(1, group):  # static: G scalar loads, once per CTA
+        sink = jnp.where(j_of_row == j, sinks_g[head * group + j], sink)
+    sink = sink * math.log2(math.e)
+    m_new = jnp.maximum(m_i, sink)
+    alpha = jnp.exp2(m_i - m_new)
+    l_i = l_i * alpha + jnp.exp2(sink - m_new)
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_i
+
+
 def normalized(acc, l_i):
     l_b = lax.broadcast_in_dim(l_i, acc.shape, [0])
     return jnp.where(l_b > 0.0, acc / jnp.where(l_b > 0.0, l_b, 1.0), 0.0)
+
+
+def check_sinks(sinks, num_q_heads: int) -> jax.Array:
+    """Sink logits as the kernels take them: f32[Hq]."""
+    if sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks must be f32[{num_q_heads}] (one logit per query head), got shape {sinks.shape}")
+    return sinks.astype(jnp.float32)
 
 
 def validate(q, k_pages, v_pages, pages_per_chunk):
@@ -352,9 +242,11 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_chunk: int | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
-    """Any batch (prefill, chunked, mixed, decode): one CTA per (tile of 64 q rows, kv head)."""
+    """Any batch (prefill, chunked, mixed, decode): one CTA per (tile of 64 q rows, kv head).
+    ``sinks``: f32[Hq] sink logits (``with_sinks``), or None (no sink term, nothing traced)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group, pages_per_chunk = validate(q, k_pages, v_pages, pages_per_chunk)
@@ -373,9 +265,12 @@ def ragged_paged_attention(
     tables = block_tables.astype(jnp.int32).reshape(num_seqs_max * max_blocks)
 
     (k_data, v_data), scales = page_arrays(k_pages, v_pages)
+    sink_args = () if sinks is None else (check_sinks(sinks, num_q_heads),)
 
     def body(seq_lens_g, qsl_g, tables_g, lo_g, hi_g, q_g, k_g, v_g, *rest):
         *scales_g, o_g, scoped = rest
+        if sinks is not None:
+            *scales_g, sinks_g = scales_g
         q_smem, q_bar = scoped[0], scoped[3]
         tile = lax.axis_index("tile")
         head = lax.axis_index("head")
@@ -427,7 +322,10 @@ def ragged_paged_attention(
             return stream_chunks(ops, scoped, fetch=fetch, mask_of=mask_of, c_lo=c_lo, c_hi=c_hi,
                            carry=carry, sm_scale=sm_scale, soft_cap=soft_cap, dtype=dtype, head=head)
 
-        acc, _, l_i = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, ops.init_carry(head_dim))
+        carry = lax.fori_loop(lo_g[tile], hi_g[tile], seq_body, ops.init_carry(head_dim))
+        if sinks is not None:
+            carry = with_sinks(ops, sinks_g, head, group, carry)
+        acc, _, l_i = carry
         q_smem[...] = normalized(acc, l_i).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_g.at[head, pl.ds(tile * ROWS, ROWS)])
@@ -459,5 +357,6 @@ def ragged_paged_attention(
         k_data,
         v_data,
         *scales,
+        *sink_args,
     )
     return common.from_rows(out, num_tokens, num_q_heads, block_q)

@@ -15,6 +15,8 @@ The decode contract: token t belongs to sequence t (query_start_loc[t] = t for r
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,8 +58,10 @@ def decode_attention(
     soft_cap: float | None = None,
     pages_per_chunk: int | None = None,
     num_splits: int | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
+    """``sinks``: f32[Hq] sink logits, taken into the combine's softmax sum (``combine``)."""
     del query_start_loc  # the decode contract fixes it
     num_tokens, _, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
@@ -161,18 +165,27 @@ def decode_attention(
         interpret=compat.gpu_interpret_params() if interpret else None,
     )
     o_part, lse = kernel(lens, tables, q_rows, k_data, v_data, *scales)
-    return combine(o_part, lse, num_tokens, num_splits, group)
+    if sinks is not None:
+        sinks = gpu.check_sinks(sinks, q.shape[1])
+    return combine(o_part, lse, num_tokens, num_splits, group, sinks)
 
 
-def combine(o_part, lse, num_tokens: int, num_splits: int, group: int) -> jax.Array:
-    """Weigh each split's normalized output by its share of the softmax mass: [T, Hq, D]."""
+def combine(o_part, lse, num_tokens: int, num_splits: int, group: int, sinks=None) -> jax.Array:
+    """Weigh each split's normalized output by its share of the softmax mass: [T, Hq, D]. With
+    ``sinks`` (f32[Hq]) each head's sink logit joins the mass (and the max) as one more split
+    that contributes no value: the kernel itself needs no sink."""
     num_kv_heads, _, head_dim = o_part.shape
     o = o_part.reshape(num_kv_heads, num_tokens, num_splits, -1, head_dim)[:, :, :, :group]
     lse = lse.reshape(num_kv_heads, num_tokens, num_splits, -1, lse.shape[-1])[:, :, :, :group, 0]
     seen = lse > common.MASK_VALUE / 2
     top = jnp.max(jnp.where(seen, lse, common.MASK_VALUE), axis=2, keepdims=True)
+    if sinks is not None:  # the log2 domain of the kernel's lse
+        sink = (sinks * math.log2(math.e)).reshape(num_kv_heads, 1, 1, group)
+        top = jnp.maximum(top, sink)
     w = jnp.where(seen, jnp.exp2(lse - top), 0.0)  # [Hkv, T, splits, G]
     total = w.sum(axis=2, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp2(sink - top)
     w = w / jnp.where(total > 0.0, total, 1.0)
     out = jnp.einsum("htsg,htsgd->htgd", w, o.astype(jnp.float32))
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_kv_heads * group, head_dim)

@@ -35,6 +35,11 @@ per page: no lane offset). Per chunk one exact (HIGHEST) 0/1 selection matmul pe
 as ``[2 * Hkv, chunk]`` lanes; the tile is widened to the compute dtype (exact for int8 and both
 fp8s), the K scales (times ``sm_scale``) multiply the score columns and the V scales the
 probabilities: nothing multiplies the tile element by element.
+
+Attention sinks (gpt-oss, ``sinks`` f32[Hq]): each q row's sink logit, laid out like the rows
+([Hkv, rows, 1], the same block for every tile), joins the row's softmax sum after its last
+chunk. The layout helpers are in ``tpu_layout``, block sizes and the VMEM/SMEM estimates in
+``tpu_plan`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -47,78 +52,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import compat
-from pallas_kernels import common, tpu_budget
+from pallas_kernels import common, compat, tpu_budget
 from pallas_kernels.kv_quant import QuantPages
+from pallas_kernels.tpu_layout import (LANES, fuse_pages, fused_scale_shape, fused_shape, scale_page_bytes,
+                                       sublanes, unfuse_pages)
+from pallas_kernels.tpu_plan import (CHUNK_VMEM_BYTES, TABLE_SMEM_BYTES, block_sizes, smem_estimate, table_rows,
+                                     vmem_estimate)
 
-TABLE_SMEM_BYTES = tpu_budget.TABLE_SMEM_BYTES
-LANES = 128
-CHUNK_VMEM_BYTES = 4 << 20  # both slots of the K/V chunk buffer
-
-
-def sublanes(dtype) -> int:
-    """Rows of this dtype in one TPU sublane tile: 8 of 32-bit, 16 of 16-bit, 32 of 8-bit."""
-    return 8 * 4 // jnp.dtype(dtype).itemsize
-
-
-def fused_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> tuple:
-    """The ``tpu-fused`` array of one layer: [num_blocks, 2 * Hkv, block_size, head_dim to 128]."""
-    if block_size % sublanes(dtype):
-        raise ValueError(f"block_size {block_size} is not a multiple of {sublanes(dtype)}, the "
-                         f"TPU's sublane packing of {jnp.dtype(dtype).name}")
-    return num_blocks, 2 * num_kv_heads, block_size, common.round_up(head_dim, LANES)
-
-
-def fused_scale_shape(num_blocks: int, block_size: int, num_kv_heads: int) -> tuple:
-    """The scales of quantized ``tpu-fused`` pages: f32 [num_blocks, 2 * Hkv, block_size] (the
-    data's shape minus its lanes; row 2h K's, 2h + 1 V's, one lane per token)."""
-    return num_blocks, 2 * num_kv_heads, block_size
-
-
-def scale_page_bytes(block_size: int, num_kv_heads: int) -> int:
-    """HBM bytes of one page's scales as allocated: XLA tiles the minor (2 * Hkv, block_size) f32
-    dims by (8, 128), so they pad to that (``runner.kv_bytes_per_block`` counts this)."""
-    return common.round_up(2 * num_kv_heads, 8) * common.round_up(block_size, LANES) * 4
-
-
-def fuse_pages(k_pages, v_pages):
-    """Separate [nb, bs, Hkv, D] K and V pages -> the fused layout (tests, the generic API);
-    QuantPages -> QuantPages of the fused data and the [nb, 2 * Hkv, bs] scales."""
-    if isinstance(k_pages, QuantPages):
-        nb, bs, hkv = k_pages.scale.shape
-        scale = jnp.stack([k_pages.scale, v_pages.scale], axis=3).transpose(0, 2, 3, 1)
-        return QuantPages(fuse_pages(k_pages.data, v_pages.data), scale.reshape(nb, 2 * hkv, bs))
-    nb, bs, hkv, d = k_pages.shape
-    kv = jnp.stack([k_pages, v_pages], axis=3).transpose(0, 2, 3, 1, 4)  # [nb, Hkv, 2, bs, D]
-    kv = kv.reshape(nb, 2 * hkv, bs, d)
-    return jnp.pad(kv, ((0, 0), (0, 0), (0, 0), (0, fused_shape(nb, bs, hkv, d, kv.dtype)[3] - d)))
-
-
-def unfuse_pages(kv, head_dim: int) -> tuple:
-    """The inverse of ``fuse_pages`` (tests)."""
-    if isinstance(kv, QuantPages):
-        nb, h2, bs = kv.scale.shape
-        scale = kv.scale.reshape(nb, h2 // 2, 2, bs).transpose(2, 0, 3, 1)
-        k, v = unfuse_pages(kv.data, head_dim)
-        return QuantPages(k, scale[0]), QuantPages(v, scale[1])
-    nb, h2, bs, _ = kv.shape
-    kv = kv[..., :head_dim].reshape(nb, h2 // 2, 2, bs, head_dim).transpose(2, 0, 3, 1, 4)
-    return kv[0], kv[1]
-
-
-def block_sizes(decode_only: bool, group: int, block_size: int, *, num_kv_heads: int = 8,
-                head_dim: int = 128, itemsize: int = 2) -> dict[str, int]:
-    """The one table of TPU block sizes, by step kind (a static property of the bucket).
-
-    Decode: one token (one sequence) per program, so each sequence's pages stream once with only
-    its own G rows on the MXU, 256-token chunks. Prefill/mixed: about 128 q rows per tile
-    (MXU-shaped), 128-token chunks. Chunks shrink so both K/V slots fit ``CHUNK_VMEM_BYTES``.
-    """
-    tokens = 256 if decode_only else 128
-    page_bytes = 2 * num_kv_heads * block_size * common.round_up(head_dim, LANES) * itemsize
-    ppc = max(1, min(tokens // block_size, CHUNK_VMEM_BYTES // (2 * page_bytes)))
-    return {"block_q": 1 if decode_only else max(1, 128 // group), "pages_per_chunk": ppc}
-
+# The layout and planning names, re-exported: callers know them as tpu.<name>.
+__all__ = ["CHUNK_VMEM_BYTES", "LANES", "TABLE_SMEM_BYTES", "block_sizes", "fuse_pages", "fused_scale_shape",
+           "fused_shape", "ragged_paged_attention", "scale_page_bytes", "smem_estimate", "sublanes",
+           "table_rows", "unfuse_pages", "vmem_estimate"]
 
 def _cdiv(a, b: int):
     """Ceil-divide for non-negative ints (truncating division: no sign op, which Mosaic
@@ -126,13 +70,13 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), b)
 
 
-def _kernel(*refs, quantized: bool, **static):
+def _kernel(*refs, quantized: bool, has_sinks: bool, **static):
     """Unpack the refs, then run the body.
 
     Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], this call's block tables
     i32[rows * max_blocks] (sequences [seq_base, seq_base + rows)), tile_lo/tile_hi i32[num_tiles].
     Inputs: q [Hkv, rows, Dp] (VMEM block), the fused pages (HBM), [quantized: their scales (HBM,
-    f32[nb, 2 * Hkv, bs])]. Output: [Hkv, rows, Dp]. Scratch: chunk buffer [2, 2 * Hkv, chunk,
+    f32[nb, 2 * Hkv, bs])], [has_sinks: each row's sink logit f32[Hkv, rows, 1] (VMEM)]. Output: [Hkv, rows, Dp]. Scratch: chunk buffer [2, 2 * Hkv, chunk,
     Dp], DMA sems [2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows, Dp], state i32[2] (SMEM: chunks
     issued, next chunk in flight), [quantized: the scales' chunk buffer f32[2, ppc, 2 * Hkv, bs]].
     """
@@ -140,9 +84,10 @@ def _kernel(*refs, quantized: bool, **static):
         *refs, scale_buf = refs
     (seq_lens_ref, qsl_ref, tables_ref, lo_ref, hi_ref, q_ref, kv_hbm, *refs) = refs
     scales = (refs.pop(0), scale_buf) if quantized else None
+    sinks = refs.pop(0) if has_sinks else None
     o_ref, *scratch = refs
     _body(seq_lens_ref, qsl_ref, lo_ref, hi_ref, q_ref, kv_hbm, o_ref, *scratch,
-          tables=tables_ref, scales=scales, **static)
+          tables=tables_ref, scales=scales, sinks=sinks, **static)
 
 
 def _body(
@@ -151,6 +96,7 @@ def _body(
     *,
     tables,
     scales: tuple | None,
+    sinks,
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -320,50 +266,15 @@ def _body(
     state[0] = issued
     state[1] = pending
 
-    l = l_ref[...]
+    l, acc = l_ref[...], acc_ref[...]
+    if sinks is not None:  # each row's sink logit joins the sum (relative to the larger max), no value
+        sink, m = sinks[...], m_ref[...]
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.exp(sink - m_new)
+        acc = acc * alpha
     safe_l = jnp.where(l > 0.0, l, 1.0)
-    o_ref[...] = jnp.where(l > 0.0, acc_ref[...] / safe_l, 0.0).astype(o_ref.dtype)
-
-
-def vmem_estimate(*, num_kv_heads: int, rows: int, head_dim: int, q_dtype, kv_dtype, block_size: int,
-                  pages_per_chunk: int, quantized: bool = False) -> int:
-    """VMEM bytes of one attention call: the double-buffered q and output blocks, both K/V chunk
-    slots, m/l (one lane used, 128 allocated) and acc, the scales' chunk slots, and the [rows,
-    chunk] f32 scores and probabilities that Mosaic keeps in VMEM for each head of the unrolled
-    head loop (its stack grows with the heads: with one head's tiles budgeted, 32 KV heads at d64
-    needed 22.3 MiB on v6e against an estimate of 14.2 MiB)."""
-    dp, chunk = common.round_up(head_dim, LANES), pages_per_chunk * block_size
-    q_item, kv_item = jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize
-    total = 4 * tpu_budget.vmem_tile_bytes((num_kv_heads, rows, dp), q_item)  # q, o: 2 buffers each
-    total += tpu_budget.vmem_tile_bytes((2, 2 * num_kv_heads, chunk, dp), kv_item)
-    total += 2 * tpu_budget.vmem_tile_bytes((num_kv_heads, rows, 1), 4)
-    total += tpu_budget.vmem_tile_bytes((num_kv_heads, rows, dp), 4)
-    if quantized:
-        total += tpu_budget.vmem_tile_bytes((2, pages_per_chunk, 2 * num_kv_heads, block_size), 4)
-    return total + 3 * num_kv_heads * tpu_budget.vmem_tile_bytes((rows, chunk), 4)
-
-
-def smem_estimate(*, num_seqs: int, max_blocks: int, num_tiles: int,
-                  table_smem_bytes: int = TABLE_SMEM_BYTES) -> int:
-    """SMEM bytes of one attention call: lengths, query starts, the call's table rows (at most
-    ``table_smem_bytes``, ``table_rows``), the tile ranges and the pipeline state."""
-    rows = table_rows(num_seqs, max_blocks, table_smem_bytes)
-    words = (num_seqs, num_seqs + 1, rows * max_blocks, num_tiles, num_tiles, 2)
-    return sum(tpu_budget.smem_array_bytes(w) for w in words)
-
-
-def table_rows(num_seqs: int, max_blocks: int, table_smem_bytes: int = TABLE_SMEM_BYTES) -> int:
-    """Sequences whose block tables one call prefetches into SMEM: all of them when they fit
-    ``table_smem_bytes``, else as many as fit (a longer ``max_model_len`` splits the batch's
-    sequences over several calls); an error when not even one sequence's row fits."""
-    per_seq = tpu_budget.smem_array_bytes(max_blocks)
-    if per_seq > table_smem_bytes:
-        raise ValueError(f"one sequence's block table ({max_blocks} blocks, {per_seq} B) exceeds the "
-                         f"{table_smem_bytes} B of SMEM for tables: use a larger block size or a "
-                         "shorter max_model_len")
-    if tpu_budget.smem_array_bytes(num_seqs * max_blocks) <= table_smem_bytes:
-        return num_seqs
-    return max(1, table_smem_bytes // per_seq)
+    o_ref[...] = jnp.where(l > 0.0, acc / safe_l, 0.0).astype(o_ref.dtype)
 
 
 def ragged_paged_attention(
@@ -381,6 +292,7 @@ def ragged_paged_attention(
     block_q: int = 8,
     pages_per_chunk: int = 8,
     table_smem_bytes: int = TABLE_SMEM_BYTES,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """``table_smem_bytes``: block tables live in SMEM, at most this many bytes per kernel call;
@@ -388,7 +300,9 @@ def ragged_paged_attention(
     sequences over several calls (``table_rows``), each walking only its own sequences, and the
     outputs are summed (each token's row is non-zero in exactly one call). Quantized pages
     (``QuantPages``, fused data + f32[nb, 2 * Hkv, bs] scales) compute in q's dtype. The call
-    asks for ``tpu_budget.vmem_limit(vmem_estimate(...))`` of VMEM."""
+    asks for ``tpu_budget.vmem_limit(vmem_estimate(...))`` of VMEM. ``sinks``: f32[Hq] sink
+    logits (gpt-oss), laid out per q row like q ([Hkv, rows, 1], one VMEM block for every tile)
+    and taken into each row's softmax sum at the end; None: no sink term, nothing traced."""
     kv = k_pages if v_pages is None else fuse_pages(k_pages, v_pages)
     quantized = isinstance(kv, QuantPages)
     kv, kv_scale = (kv.data, kv.scale) if quantized else (kv, None)
@@ -412,8 +326,15 @@ def ragged_paged_attention(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_dim - head_dim)))
     tile_lo, tile_hi = common.tile_seq_ranges(query_start_loc, num_seqs, num_tiles, block_q)
 
+    sink_rows = ()
+    if sinks is not None:
+        if sinks.shape != (num_q_heads,):
+            raise ValueError(f"sinks must be f32[{num_q_heads}] (one logit per query head), got shape {sinks.shape}")
+        # row r of a tile of kv head h is query head h * G + r % G (padding rows: any value)
+        per_row = sinks.astype(jnp.float32).reshape(num_kv_heads, group)[:, jnp.arange(rows) % group]
+        sink_rows = (per_row[..., None],)
     kernel = functools.partial(
-        _kernel, quantized=quantized, sm_scale=sm_scale, sliding_window=sliding_window,
+        _kernel, quantized=quantized, has_sinks=sinks is not None, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, block_q=block_q, group=group, block_size=block_size,
         pages_per_chunk=pages_per_chunk, max_blocks=max_blocks, num_tiles=num_tiles,
     )
@@ -431,12 +352,13 @@ def ragged_paged_attention(
         scratch.append(pltpu.VMEM((2, pages_per_chunk, kv_rows, block_size), jnp.float32))
     estimate = vmem_estimate(num_kv_heads=num_kv_heads, rows=rows, head_dim=head_dim, q_dtype=q.dtype,
                              kv_dtype=kv.dtype, block_size=block_size, pages_per_chunk=pages_per_chunk,
-                             quantized=quantized)
+                             quantized=quantized, sinks=sinks is not None)
     pages = (kv, kv_scale) if quantized else (kv,)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(num_tiles,),
-        in_specs=[row_spec, *[hbm] * len(pages)],
+        in_specs=[row_spec, *[hbm] * len(pages),
+                  *[pl.BlockSpec((num_kv_heads, rows, 1), lambda i, *_: (0, 0, 0))] * len(sink_rows)],
         out_specs=row_spec,
         scratch_shapes=scratch,
     )
@@ -458,6 +380,6 @@ def ragged_paged_attention(
                 dimension_semantics=("arbitrary",), vmem_limit_bytes=tpu_budget.vmem_limit(estimate)),
             interpret=compat.tpu_interpret_params() if interpret else False,
             name="ragged_paged_attention_tpu",
-        )(*lens, part, lo, hi, q_rows, *pages)
+        )(*lens, part, lo, hi, q_rows, *pages, *sink_rows)
         out = call if out is None else out + call  # a token's row is non-zero in one call only
     return common.from_rows(out[..., :head_dim], num_tokens, num_q_heads, block_q)

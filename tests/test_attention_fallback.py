@@ -44,7 +44,7 @@ def greedy(runner: ModelRunner, steps: int = 4) -> list[list[int]]:
     seqs, starts = [list(p) for p in PROMPTS], [0, 0]
     for step in range(steps):
         rows = [RowSpec(s, st, len(s) - st, b, Sampling(step=step)) for s, st, b in zip(seqs, starts, BLOCKS)]
-        batch, key = runner.builder.build(rows)
+        batch, key, _ = runner.builder.build(rows)
         tokens = runner.fetch(runner.execute(batch, key), key.s, False)[0][:2]
         starts = [len(x) for x in seqs]
         for x, t in zip(seqs, tokens):

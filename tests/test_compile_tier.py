@@ -133,3 +133,20 @@ def test_lower_compile_reports_ptxas_and_temporaries(tmp_path):
     assert set(kernels) == {"rpa_general_mosaic_gpu_kernel", "rpa_decode_mosaic_gpu_kernel"}
     assert all(k["spill_stores"] == 0 and 0 < k["smem_bytes"] <= 232448 for k in kernels.values())
     assert "temporaries: compiled" in proc.stdout
+
+
+@pytest.mark.skipif(bool(deviceless.missing("cuda") or deviceless.missing("tpu")),
+                    reason="needs jaxserve[compile-cuda] and jaxserve[compile-tpu]")
+def test_tier_compiles_the_sink_kernels(tmp_path):
+    """Attention sinks (gpt-oss's shape and window) through ptxas for sm_90a and Mosaic TPU for
+    v5e/v6e: the mixed-step kernels of bfloat16 and int8 KV, no spills on the GPU."""
+    out = tmp_path / "tier.json"
+    proc = subprocess.run([sys.executable, "tools/compile_tier.py", "--only", "*/kernel/*-sink-*/*/mixed",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["id"]: r for r in json.loads(out.read_text())["cases"]}
+    assert {i.split("/")[1] for i in rows} == {"h100", "v5e", "v6e"} and len(rows) == 6, sorted(rows)
+    assert all(r["status"] == "PASS" for r in rows.values()), rows
+    gpu = [k for i, r in rows.items() if i.startswith("cuda/") for k in r["kernels"]]
+    assert {k["name"] for k in gpu} == {"rpa_general_mosaic_gpu_kernel"}
+    assert all(k["spill_stores"] == 0 and k["spill_loads"] == 0 for k in gpu), gpu

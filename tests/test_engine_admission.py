@@ -64,7 +64,7 @@ def test_admitted_worst_case_runs_and_a_failing_row_fails_alone(engine, monkeypa
     engine.add_request("ok", "hi", SamplingParams(logit_bias=bias, presence_penalty=0.5, max_tokens=20,
                                                   ignore_eos=True, temperature=0))
     # a request that slips past admission (checked off here) fails alone inside the step
-    monkeypatch.setattr(engine, "_check_row_width", lambda *a: None)
+    monkeypatch.setattr(engine.admission, "check_row_width", lambda *a: None)
     engine.add_request("bad", "hi", SamplingParams(logit_bias={t: 0.5 for t in range(1100)}, max_tokens=4))
     monkeypatch.undo()
     outs = run(engine)

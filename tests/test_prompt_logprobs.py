@@ -25,7 +25,7 @@ def reference(path, ids):
     runner = ModelRunner(lm.config, lm.params, RunnerConfig(
         block_size=16, num_blocks=16, max_model_len=128, max_num_seqs=64, max_num_batched_tokens=64))
     row = RowSpec(ids, 0, len(ids), list(range(1, 6)), None, extra=[(p, Sampling()) for p in range(len(ids) - 1)])
-    batch, key = runner.builder.build([row])
+    batch, key, _ = runner.builder.build([row])
     logits = np.asarray(runner.forward_logits(batch, key), np.float64)[: len(ids) - 1]
     return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
 

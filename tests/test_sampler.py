@@ -112,3 +112,22 @@ def test_adjustments_match_the_penalty_rules():
         want[0, tok] = x - 0.5 * count - 0.25 * (count > 0) + bias
     want[1, 5] += 10.0
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_named_logprob_ids_replace_the_top_n_row_by_row():
+    """vLLM's logprob_token_ids: a row naming ids gets those ids' log-softmax values, in its
+    order, in place of the top-N; a row naming none keeps the top-N; -1 pads stay unread."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 600)).astype(np.float32)
+    b = tensors(3, temperature=0.0)
+    b.num_logprobs[:] = [3, 5, 2]
+    b.logprob_ids[0, :3] = [599, 0, 17]  # row 1 names none: its top-5
+    b.logprob_ids[2, :2] = [5, 5]  # a repeated id is listed twice
+    got = jax.jit(sample)(jnp.asarray(logits), b)
+    ids, lps = np.asarray(got.top_ids), np.asarray(got.top_logprobs)
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    assert ids[0, :3].tolist() == [599, 0, 17]
+    np.testing.assert_allclose(lps[0, :3], ref[0, [599, 0, 17]], rtol=1e-6, atol=1e-6)
+    assert ids[1, :5].tolist() == np.argsort(-ref[1])[:5].tolist()
+    np.testing.assert_allclose(lps[1, :5], np.sort(ref[1])[::-1][:5], rtol=1e-6, atol=1e-6)
+    assert ids[2, :2].tolist() == [5, 5] and lps[2, 0] == lps[2, 1] == pytest.approx(ref[2, 5], abs=1e-6)

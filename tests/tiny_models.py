@@ -48,6 +48,13 @@ ARCH = {
         sliding_window_pattern=2,
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
+    # gpt-oss: 8 experts top 2, sliding (window 8) / full layers alternating, YaRN 4x an original
+    # context of 16, a SwiGLU clamp low enough to bite; biases and sinks perturbed (spec below)
+    "gpt_oss": dict(cls="GptOssConfig", perturb_biases=True, extra=dict(
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+        tie_word_embeddings=False, rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+                                                        rope_theta=10000.0, beta_fast=32.0, beta_slow=1.0,
+                                                        truncate=False))),
     "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2,
                                                     sliding_window=None)),
 }
@@ -98,6 +105,11 @@ def make_tiny_model(path: Path, arch: str = "llama", *, layers: int = 2, hidden:
             if p.dim() >= 2:  # 3-D: stacked experts
                 p.normal_(0.0, std)
             elif spec.get("perturb_norms"):
+                p.normal_(0.0, 0.1)
+        for name, p in model.named_parameters():  # biases and attention sinks: not all zero
+            if spec.get("perturb_biases") and p.dim() == 1 and "norm" not in name:
+                p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
+            elif spec.get("perturb_biases") and name.endswith("_bias"):  # stacked experts' [E, N]
                 p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():  # a sigmoid router's correction bias: not all zero
             if name.endswith("e_score_correction_bias"):

@@ -6,7 +6,8 @@ and libtpu's compile-only TPU v5e and v6e (Mosaic TPU, XLA:TPU), see jaxserve/ru
 Cases: each model layer's attention op as the engine builds it (KV write + ragged paged attention,
 mixed and decode steps) at the shape of every family in configs/models (one per distinct GQA group
 and head_dim, at that family's kv heads), bfloat16 and quantized (int8, fp8) KV; head_dim 256 as a
-variant no shipped family has yet; and the whole engine step (Llama-3.1-8B shapes, 2 layers) for the
+variant no shipped family has yet; attention sinks at gpt-oss's shape (64 q heads, 8 kv heads,
+head_dim 64) with its 128-token sliding window (``*-sink-*``, bfloat16 and int8 KV); and the whole engine step (Llama-3.1-8B shapes, 2 layers) for the
 largest mixed and decode buckets at tensor parallel 1 and 8.
 
 Verdicts: a compile error fails; so does any register spill in a bfloat16-KV kernel and shared
@@ -47,6 +48,7 @@ GPU_TARGET, TPU_TARGETS = "h100", ("v5e", "v6e")
 STEP_MODEL = ROOT / "configs" / "models" / "llama-3.1-8b.json"
 BLOCK_SIZE, MAX_BLOCKS, NUM_BLOCKS = 16, 512, 1024  # 8K tokens of context per sequence
 STEPS = {"mixed": (512, 64), "decode": (64, 64)}  # (tokens, sequences)
+SINK_SHAPE = (64, 8, 64, 128)  # gpt-oss-20b/120b: q heads, kv heads, head_dim, sliding window
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,9 @@ def family_shapes() -> dict[tuple[int, int], tuple[str, int, int]]:
 
 
 def layer_op(platform: str, devices: list, hq: int, hkv: int, d: int, kv_dtype: str, step: str,
-             compute_capability: str | None):
-    """The engine's layer attention op (KV write + attention) lowered on one compile-only device."""
+             compute_capability: str | None, sinks: bool = False, window: int | None = None):
+    """The engine's layer attention op (KV write + attention) lowered on one compile-only device;
+    ``sinks``: with f32[Hq] sink logits (an argument, as a layer's weights are)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -102,10 +105,11 @@ def layer_op(platform: str, devices: list, hq: int, hkv: int, d: int, kv_dtype: 
     q, kv = sds((t, hq, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16)
     attend = layer_attention(backend.attention, backend.platform, step == "decode", backend.kv_layout)
 
-    def f(q, k, v, kp, vp, md):
-        return attend(q, k, v, kp, vp, md, sm_scale=d ** -0.5)
+    def f(q, k, v, kp, vp, md, sink_logits):
+        return attend(q, k, v, kp, vp, md, sm_scale=d ** -0.5, sliding_window=window, sinks=sink_logits)
 
-    return jax.jit(f, donate_argnums=(3, 4)).lower(q, kv, kv, pages, None if fused else pages, md)
+    return jax.jit(f, donate_argnums=(3, 4)).lower(q, kv, kv, pages, None if fused else pages, md,
+                                                    sds((hq,), jnp.float32) if sinks else None)
 
 
 def kernel_cases(platform: str, target: deviceless.Target) -> list[Case]:
@@ -122,6 +126,13 @@ def kernel_cases(platform: str, target: deviceless.Target) -> list[Case]:
         for step in STEPS:
             cid = f"{platform}/{target.name}/kernel/G{g}-d{d}/{kv}/{step}"
             build = functools.partial(layer_op, platform, devices, hq, hkv, d, kv, step, target.compute_capability)
+            cases.append(Case(cid, platform, target.name, build, kv == "bfloat16"))
+    hq, hkv, d, window = SINK_SHAPE
+    for kv in ("bfloat16", "int8"):
+        for step in STEPS:
+            cid = f"{platform}/{target.name}/kernel/G{hq // hkv}-d{d}-sink-w{window}/{kv}/{step}"
+            build = functools.partial(layer_op, platform, devices, hq, hkv, d, kv, step, target.compute_capability,
+                                      sinks=True, window=window)
             cases.append(Case(cid, platform, target.name, build, kv == "bfloat16"))
     return cases
 

@@ -137,7 +137,7 @@ def phase_step8b(rec, opts, deadline) -> None:
             break
         rows = [RowSpec(list(range(ctx + 1)), ctx, 1, [1 + s * pages + i for i in range(pages)], Sampling())
                 for s in range(b)]
-        batch, bucket = runner.builder.build(rows)
+        batch, bucket, _ = runner.builder.build(rows)
         flat = batch.pack()
 
         def step(flat=flat, bucket=bucket):

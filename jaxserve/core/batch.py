@@ -91,6 +91,7 @@ class StepBatch(NamedTuple):
     seed_hi: np.ndarray  # u32[S] high half
     steps: np.ndarray  # i32[S] output index of the token being sampled
     num_logprobs: np.ndarray  # i32[S] top-N logprobs wanted (-1: none)
+    logprob_ids: np.ndarray  # i32[S, MAX_LOGPROBS] ids whose logprobs replace the top-N (-1 pad; all -1: top-N)
     presence: np.ndarray  # f32[S]
     frequency: np.ndarray  # f32[S]
     repetition: np.ndarray  # f32[S]
@@ -109,7 +110,7 @@ def field_specs(key: BucketKey, max_blocks: int, mask_words: int) -> list[tuple[
     """(name, shape, dtype) of each StepBatch field for a bucket, in pack order."""
     t, s, w = key[:3]
     dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w),
-            "SM": (s, mask_words if w else 0)}
+            "SM": (s, mask_words if w else 0), "SL": (s, MAX_LOGPROBS)}
     return [(name, dims[d], dt) for name, d, dt in _FIELDS]
 
 
@@ -120,7 +121,8 @@ _FIELDS = (
     ("verify_ids", "S", "int32"), ("num_logits", "1", "int32"),
     ("temperature", "S", "float32"), ("top_k", "S", "int32"), ("top_p", "S", "float32"),
     ("min_p", "S", "float32"), ("seed_lo", "S", "uint32"), ("seed_hi", "S", "uint32"),
-    ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("presence", "S", "float32"),
+    ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("logprob_ids", "SL", "int32"),
+    ("presence", "S", "float32"),
     ("frequency", "S", "float32"), ("repetition", "S", "float32"), ("adj_ids", "SW", "int32"),
     ("adj_out_counts", "SW", "float32"), ("adj_in_prompt", "SW", "float32"),
     ("adj_bias", "SW", "float32"), ("bitmask", "SM", "int32"),
@@ -139,6 +141,7 @@ class Sampling:
     seed: int = 0  # 64-bit
     step: int = 0  # output index of the token this row samples
     num_logprobs: int = -1
+    logprob_ids: tuple[int, ...] = ()  # named ids in place of the top-N (vLLM's logprob_token_ids)
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
@@ -192,12 +195,17 @@ class RowSpec:
     # token_ids[start + offset + 1] (a draft to accept or a prompt token to score); an offset can
     # be num_new - 1 only in a row that does not sample.
     extra: list[tuple[int, Sampling]] = field(default_factory=list)
-    out_row: int = -1  # set by build(): the logits row of the last token, or -1
-    first_row: int = -1  # set by build(): the row's first logits row (its extra rows come first)
 
     @property
     def num_logit_rows(self) -> int:
         return len(self.extra) + (self.sampling is not None)
+
+
+class RowMap(NamedTuple):
+    """Where build() put each row's logits rows (its extra rows come first, then its last token's)."""
+
+    first: list[int]  # per row: its first logits row
+    out: list[int]  # per row: the logits row of its last token, or -1 where it does not sample
 
 
 class BatchBuilder:
@@ -262,10 +270,11 @@ class BatchBuilder:
         return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key))
 
     # ---- one step ---------------------------------------------------------------------------
-    def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey]:
+    def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey, RowMap]:
         """Decode rows should come first (the xla attention takes them in a loop of their own).
-        Sets each row's `out_row` and `first_row`. Per-token and per-row fields are filled with
-        whole-array numpy operations: the Python loop touches each row once."""
+        The rows are not changed; the RowMap says where each one's logits rows went. Per-token and
+        per-row fields are filled with whole-array numpy operations: the Python loop touches each
+        row once."""
         num_rows = len(rows)
         lens = np.fromiter((r.num_new for r in rows), np.int64, num_rows)
         starts = np.fromiter((r.start for r in rows), np.int64, num_rows)
@@ -274,8 +283,9 @@ class BatchBuilder:
         n = int(offsets[-1])
         # logits rows in order: each row's extra rows, then its last token's (when it samples)
         logit_tok, verify, samplings = [], [], []
+        rowmap = RowMap([], [])
         for i, r in enumerate(rows):
-            r.first_row = len(samplings)
+            rowmap.first.append(len(samplings))
             if r.extra:
                 last = r.num_new - 1 if r.sampling is not None else r.num_new
                 for offset, p in r.extra:
@@ -286,12 +296,12 @@ class BatchBuilder:
                     verify.append(tok)
                     samplings.append(p)
             if r.sampling is not None:
-                r.out_row = len(samplings)
+                rowmap.out.append(len(samplings))
                 logit_tok.append(int(offsets[i + 1]) - 1)
                 verify.append(-1)
                 samplings.append(r.sampling)
             else:
-                r.out_row = -1
+                rowmap.out.append(-1)
         need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
         key = self.bucket_for(n, num_rows, need, len(samplings))
         if self.decode_buckets and n == num_rows and key.t == key.s:
@@ -330,7 +340,7 @@ class BatchBuilder:
         b.num_logits[0] = m
         if m:
             self._fill_samplings(b, samplings, w)
-        return b, key
+        return b, key, rowmap
 
     @staticmethod
     def _fill_samplings(b: StepBatch, samplings: list[Sampling], w: int) -> None:
@@ -342,6 +352,9 @@ class BatchBuilder:
         seeds = np.fromiter((p.seed & 0xFFFFFFFFFFFFFFFF for p in samplings), np.uint64, m)
         b.seed_lo[:m] = seeds & 0xFFFFFFFF
         b.seed_hi[:m] = seeds >> np.uint64(32)
+        for i, p in enumerate(samplings):
+            if p.logprob_ids:
+                b.logprob_ids[i, :len(p.logprob_ids)] = p.logprob_ids
         if not w:
             return
         for i, p in enumerate(samplings):
@@ -366,6 +379,7 @@ class BatchBuilder:
             num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), num_logits=z(1), temperature=z(s, np.float32),
             top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
             seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),
+            logprob_ids=z((s, MAX_LOGPROBS), v=-1),
             presence=z(s, np.float32), frequency=z(s, np.float32), repetition=z(s, np.float32, 1.0),
             adj_ids=z((s, w), v=-1), adj_out_counts=z((s, w), np.float32),
             adj_in_prompt=z((s, w), np.float32), adj_bias=z((s, w), np.float32),

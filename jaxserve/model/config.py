@@ -44,7 +44,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (the others are dense)
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    router: str = "softmax"  # softmax | sigmoid (DeepSeek-V3 / GLM-4.5: correction bias, grouped top-k)
+    router: str = "softmax"  # softmax | topk_softmax (gpt-oss) | sigmoid (DeepSeek-V3 / GLM-4.5: correction bias, grouped top-k)
     n_group: int = 1  # sigmoid router: expert groups, of which topk_group are kept
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -63,6 +63,16 @@ class ModelConfig:
     # around the MLP, gelu-tanh MLP
     gemma_norms: bool = False
     hidden_act: str = "silu"  # silu | gelu_tanh
+    # gpt-oss: per-head learned attention sinks, a bias on o_proj too, a biased router whose softmax
+    # runs over the top-k logits ("topk_softmax"), experts with biases and the clamped SwiGLU
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"  # silu | swiglu_clamp (gpt-oss: (up + 1) * g * sigmoid(alpha g), clamped)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_format: str | None = None  # "mxfp4": routed experts kept packed as stored (runtime/mxfp4.py)
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":

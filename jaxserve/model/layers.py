@@ -112,11 +112,14 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="k_norm")(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kw = {}
+        if c.attention_sinks:  # gpt-oss: one learned logit per head in the softmax denominator
+            kw["sinks"] = self.param("sinks", nn.initializers.zeros, (c.num_heads,), jnp.float32)
         o, k_pages, v_pages = self.ops.attention(
             q, k, v, kv[0], kv[1], md, sm_scale=c.sm_scale, sliding_window=c.layer_window(self.index),
-            soft_cap=c.attn_soft_cap,
+            soft_cap=c.attn_soft_cap, **kw,
         )
-        out = dense(q_dim, c.hidden_size, "o_proj", False)(o.reshape(t, q_dim), rows)
+        out = dense(q_dim, c.hidden_size, "o_proj", c.o_proj_bias)(o.reshape(t, q_dim), rows)
         return out, (k_pages, v_pages)
 
 

@@ -121,9 +121,10 @@ def _load_hf_dir(path: Path, keep_fp8: bool = False) -> tuple[dict, dict, dict]:
 
 
 # config.json's quantization_config that load as their float values (fold_weight_scales): HF fp8,
-# and compressed-tensors' float8 / int8 weights with scales. Packed int4 (AWQ, GPTQ, compressed-tensors
+# and compressed-tensors' float8 / int8 weights with scales; gpt-oss's MXFP4 experts stay packed
+# (model/families/gpt_oss.py, runtime/mxfp4.py). Packed int4 (AWQ, GPTQ, compressed-tensors
 # pack-quantized) and other methods are refused by name.
-CHECKPOINT_QUANT = {"fp8": None, "compressed-tensors": (None, "float-quantized", "int-quantized", "naive-quantized")}
+CHECKPOINT_QUANT = {"fp8": None, "mxfp4": None, "compressed-tensors": (None, "float-quantized", "int-quantized", "naive-quantized")}
 
 
 def check_checkpoint_quantization(hf_config: dict, path: Path) -> None:
@@ -147,7 +148,8 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     with safe_open(str(file), framework="flax") as f:  # flax: handles bfloat16 too
         for name in f.keys():
             if name not in fp8:
-                out[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+                w = np.asarray(f.get_tensor(name))
+                out[name] = w if w.dtype == np.uint8 else w.astype(np.float32)  # uint8: MXFP4 blocks / scales
     return out | fp8
 
 
@@ -180,7 +182,7 @@ def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None =
             continue
         scale = weights.get(f"{name}_scale", weights.get(f"{name}_scale_inv"))
         if scale is None or not name.endswith(".weight"):
-            out[name] = np.asarray(w, np.float32)  # float8 -> float32; float32 as it is
+            out[name] = w if w.dtype == np.uint8 else np.asarray(w, np.float32)  # float8 -> float32; float32 as it is
             continue
         if keep_fp8 and (kept := _kept_fp8(w, scale)) is not None:
             out[name] = kept

@@ -58,6 +58,9 @@ def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
     quantized ones (runtime/weight_formats.py) come in their kernel layout and are kept as they are."""
     params: dict = {}
     experts: dict = {}  # path -> {expert index: [in, out] matrix}
+    family = families.family(cfg.model_type)
+    if hasattr(family, "transform_weights"):  # tensors the family splits or re-packs (gpt-oss's experts)
+        hf_weights = family.transform_weights(hf_weights)
     for name, w in hf_weights.items():
         found = expert_param_path(name, cfg.model_type)
         if found is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -102,6 +105,10 @@ def expected_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
             paths.append((l, "self_attn", p, "kernel"))
         if cfg.attention_bias:
             paths += [(l, "self_attn", p, "bias") for p in ("q_proj", "k_proj", "v_proj")]
+        if cfg.o_proj_bias:
+            paths.append((l, "self_attn", "o_proj", "bias"))
+        if cfg.attention_sinks:
+            paths.append((l, "self_attn", "sinks"))
         if cfg.qk_norm:
             paths += [(l, "self_attn", "q_norm", "weight"), (l, "self_attn", "k_norm", "weight")]
         paths += mlp_paths(cfg, i)
@@ -115,6 +122,10 @@ def mlp_paths(cfg: ModelConfig, i: int) -> list[tuple[str, ...]]:
     paths = [(l, "mlp", "gate", "kernel")] + [(l, "mlp", "experts", p) for p in ("gate_proj", "up_proj", "down_proj")]
     if cfg.router == "sigmoid":
         paths.append((l, "mlp", "e_score_correction_bias"))
+    if cfg.router_bias:
+        paths.append((l, "mlp", "gate", "bias"))
+    if cfg.expert_bias:
+        paths += [(l, "mlp", "experts", p) for p in ("gate_bias", "up_bias", "down_bias")]
     if cfg.shared_expert_intermediate_size:
         paths += [(l, "mlp", "shared_expert", p, "kernel") for p in ("gate_proj", "up_proj", "down_proj")]
     if cfg.shared_expert_gate:

@@ -129,16 +129,19 @@ def cpu_ragged_paged_attention(
 ):
     """`xla_ragged_paged_attention` over pages written by `cpu_write_kv` (the `cpu-tiled` KV
     layout): float32 q, float32 or bfloat16 pages, or QuantPages (int8/fp8 and their scales). The
-    backend checks dtypes once (backend.resolve_backend); this is the call itself."""
-    if sinks is not None:  # never silently dropped
-        raise NotImplementedError("attention sinks are not in the native CPU kernel yet: use attention backend xla")
+    backend checks dtypes once (backend.resolve_backend); this is the call itself. ``sinks``:
+    f32[Hq] per-head sink logits (gpt-oss), or None (an empty operand: no sink term)."""
+    if sinks is None:
+        sinks = jnp.zeros((0,), jnp.float32)
+    elif sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be f32[{q.shape[1]}] (one logit per query head), got shape {sinks.shape}")
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     target, pages = "jaxserve_paged_attention", (k_pages, v_pages)
     if isinstance(k_pages, QuantPages):
         target, pages = "jaxserve_paged_attention_quant", (k_pages.data, v_pages.data, k_pages.scale, v_pages.scale)
     return ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
         q, *pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
-        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        sinks.astype(jnp.float32), sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )
 

@@ -40,7 +40,7 @@ from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
-from jaxserve.runtime import compat, deviceless, kv_sizing, memory
+from jaxserve.runtime import compat, deviceless, kv_sizing, memory, mxfp4
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import runner as rt
 from jaxserve.runtime.attention import AttentionMetadata
@@ -102,6 +102,20 @@ class AbstractCheckpoint:
     def restore(self, shardings: dict, dtype) -> dict:
         return jax.tree.map(lambda shape, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s), self._shapes,
                             shardings, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def abstract_packed_params(mc: ModelConfig, dtype) -> dict:
+    """The weights as shapes with the routed experts in their packed checkpoint format (gpt-oss's
+    MXFP4: `ModelConfig.expert_format`), as the loader keeps them: the runner places them through
+    its quantized-weights path."""
+    def leaf(path, shape):
+        if path[-2] == "experts" and path[-1] in ("gate_proj", "up_proj", "down_proj"):
+            e, k, n = shape
+            return mxfp4.Mxfp4Weight(jax.ShapeDtypeStruct((e, n, k // mxfp4.BLOCK, mxfp4.BLOCK // 2), jnp.uint8),
+                                     jax.ShapeDtypeStruct((e, n, k // mxfp4.BLOCK), jnp.uint8))
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    return meshlib._build(param_shapes(mc), leaf)
 
 
 class AbstractRunner(rt.ModelRunner):
@@ -198,8 +212,9 @@ def _experts(mc: ModelConfig) -> str:
     if not mc.is_moe:
         return ""
     split = "whole experts split over the model axis" if mc.expert_parallel else "each expert split on its intermediate axis"
+    packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
     return (f"; {len(mc.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
-            f"({split})")
+            f"({split}{packed})")
 
 
 def _gib(n: float) -> str:
@@ -249,7 +264,8 @@ def prepare(
         mesh = jax.sharding.Mesh(np.array(devices[:tp]).reshape(1, tp), (meshlib.DATA, meshlib.MODEL))
     else:
         mesh = jax.sharding.AbstractMesh((1, tp), (meshlib.DATA, meshlib.MODEL))
-    checkpoint = AbstractCheckpoint(mc)
+    packed = mc.expert_format == "mxfp4"
+    checkpoint = abstract_packed_params(mc, dtype) if packed else AbstractCheckpoint(mc)
     runner = AbstractRunner(mc, checkpoint, cfg, mesh=mesh, backend=backend)
     weights = weight_bytes_per_device(runner.params)
     rc = runner.model_cfg  # kv heads as sharded (repeated when tp > kv heads)
@@ -270,8 +286,12 @@ def prepare(
         tensor_parallel_size=tp, reserved_blocks=1,
     )
     runner.resize_kv(plan.num_blocks)
-    shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
-    total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
+    if packed:  # packed experts count their bytes as stored
+        total = sum(int(np.prod(a.shape)) * (a.dtype.itemsize if a.dtype == jnp.uint8 else runner.dtype.itemsize)
+                    for a in jax.tree.leaves(checkpoint))
+    else:
+        shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
+        total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
     return Lowering(platform, mc, runner, plan, largest, total, estimate)
 
 

@@ -12,6 +12,7 @@ its share of the kv heads).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -261,3 +262,11 @@ def map_count_warning(held: int, limit: int, executables: int) -> str | None:
             f"{executables} compiled steps included; one more compile past the limit crashes XLA. "
             "Raise it (sudo sysctl -w vm.max_map_count=262144) or compile fewer buckets "
             "(a lower --max-num-seqs or --max-num-batched-tokens).")
+
+
+def warn_on_map_count(executables: int) -> None:
+    """Log map_count_warning's warning when this process's memory maps near the limit."""
+    maps = memory_maps()
+    warning = maps and map_count_warning(*maps, executables)
+    if warning:
+        logging.getLogger("jaxserve").warning(warning)

@@ -159,6 +159,10 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, 
     if tp == 1:
         return P()
     name, leaf = path[-2], path[-1]
+    if name == "experts" and leaf.endswith("_bias"):  # gpt-oss: [E, I] gate / up, [E, H] down
+        if cfg.expert_parallel:
+            return P(MODEL, None)
+        return P() if leaf == "down_bias" else P(None, MODEL)
     if name == "experts":  # stacked routed experts [E, H, I] (gate/up) or [E, I, H] (down)
         if cfg.expert_parallel:
             return P(MODEL, None, None)
@@ -273,6 +277,12 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
+        if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 experts: whole, on one device
+            if tp > 1:
+                raise UserError(f"MXFP4 experts ({'/'.join(names)}) under tensor or expert parallelism are not "
+                                "supported yet: use tensor_parallel_size 1, or the model's bfloat16 checkpoint.",
+                                param="tensor_parallel_size")
+            return type(leaf)(*(NamedSharding(mesh, P()) for _ in leaf))
         if weight_formats.is_quantized(leaf):
             return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))
         return NamedSharding(mesh, param_spec(names, tuple(leaf.shape), cfg, tp))

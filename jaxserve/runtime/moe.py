@@ -33,6 +33,33 @@ def route_softmax(logits, k: int, norm_topk_prob: bool):
     return weights, ids
 
 
+def route_topk_softmax(logits, k: int):
+    """gpt-oss routing: top k of the raw logits, softmaxed over those k."""
+    top, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
+    return jax.nn.softmax(top, axis=-1), ids
+
+
+def silu_gate(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_clamp(alpha: float, limit: float):
+    """gpt-oss's expert activation: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
+    def act(gate, up):
+        g = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1) * g * jax.nn.sigmoid(g * alpha)
+
+    return act
+
+
+def expert_matrix(rhs, i, dtype):
+    """Expert i's [K, N] matrix of a stacked [E, K, N] array, or decoded from a packed format
+    (one with an `expert(i, dtype)` method: runtime/mxfp4.py) right where it is multiplied."""
+    if hasattr(rhs, "expert"):
+        return rhs.expert(i, dtype)
+    return jax.lax.dynamic_index_in_dim(rhs, i, keepdims=False)
+
+
 def route_sigmoid(logits, bias, k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scale: float):
     """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores; the choice adds a per-expert correction bias
     and keeps only the `topk_group` groups (of `n_group`) whose two best biased scores sum highest;
@@ -79,20 +106,23 @@ def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None):
     expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), e - 1)
     # one tile at a time: each reads its expert's matrix in place (a gathered [tiles, K, N] copy of
     # the weights is ~20x slower on XLA:CPU)
-    y = jax.lax.map(lambda a: a[0] @ jax.lax.dynamic_index_in_dim(rhs, a[1], keepdims=False),
+    y = jax.lax.map(lambda a: a[0] @ expert_matrix(rhs, a[1], lhs.dtype),
                     (x.reshape(tiles, b, -1), expert)).reshape(tiles * b, -1)
     return jnp.where((g < e)[:, None], y[jnp.minimum(pos, tiles * b - 1)], 0).astype(lhs.dtype)
 
 
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
-                    matmul=jax.lax.ragged_dot):
-    """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = (silu(x Wg_e) * x Wu_e) Wd_e.
+                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate):
+    """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e
+    (act silu(g) * u unless given; `biases` (b_gate, b_up) [E, I] add to x Wg_e and x Wu_e; a down
+    bias is the caller's: sum_j weights * b_down[ids] needs no grouped product).
 
     x: [T, H]; ids: i32[T, k] (global expert ids); weights: f32[T, k];
     w_gate / w_up: [E, H, I]; w_down: [E, I, H] - the E experts this device holds, global ids
     expert_offset .. expert_offset + E - 1 (expert parallelism; 0 otherwise);
     num_rows: i32[1] real tokens (rows past them are never routed); matmul: `jax.lax.ragged_dot` or
-    `blocked_ragged_dot`. -> [T, H] in x's dtype."""
+    `blocked_ragged_dot`; a packed expert format (runtime/mxfp4.py) always goes through the blocked
+    product, which decodes one expert's matrix per tile. -> [T, H] in x's dtype."""
     t, k = ids.shape
     e = w_gate.shape[0]
     local = ids - expert_offset
@@ -102,9 +132,16 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     group = jnp.where(valid, local, e).reshape(-1)  # [T*k], sentinel e: not computed
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros((e + 1,), jnp.int32).at[group].add(1)[:e]
-    xs = x[order // k].astype(w_gate.dtype)  # [T*k, H] rows grouped by expert
-    h = jax.nn.silu(matmul(xs, w_gate, sizes)) * matmul(xs, w_up, sizes)
-    y = matmul(h.astype(w_down.dtype), w_down, sizes)  # [T*k, H]
+    packed = hasattr(w_gate, "expert")
+    dot = blocked_ragged_dot if packed else matmul
+    dtype = x.dtype if packed else w_gate.dtype
+    xs = x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
+    g, u = dot(xs, w_gate, sizes), dot(xs, w_up, sizes)
+    if biases is not None:
+        row_expert = jnp.minimum(group[order], e - 1)
+        g, u = g + biases[0][row_expert].astype(g.dtype), u + biases[1][row_expert].astype(u.dtype)
+    h = act(g, u)
+    y = dot(h.astype(dtype), w_down, sizes)  # [T*k, H]
     y = jnp.where(group[order][:, None] < e, y, 0)  # rows outside every group: exactly zero
     y = y[jnp.argsort(order)].reshape(t, k, -1)  # back to (token, slot) order
     w = jnp.where(valid, weights, 0).astype(jnp.float32)

@@ -40,12 +40,7 @@ from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
 # re-exported for engine.py (owned elsewhere; it reads them as runner.*), until it imports kv_sizing
-from jaxserve.runtime.kv_sizing import (  # noqa: F401
-    default_dtype,
-    default_kv_cache_dtype,
-    kv_bytes_per_block,
-    kv_memory_budget,
-)
+from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype  # noqa: F401
 from jaxserve.runtime.sampler import sample
 from pallas_kernels import kv_quant
 

@@ -208,7 +208,12 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, ke
         chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         verified = jnp.take_along_axis(logp, jnp.maximum(verify, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, k)
-        return chosen, jnp.where(verify >= 0, verified, 0.0), top_ids.astype(jnp.int32), top_lp
+        named = b.logprob_ids[:, :k]  # a row naming its ids lists their logprobs in place of the top-N
+        named_lp = jnp.take_along_axis(logp, jnp.maximum(named, 0), axis=-1)
+        use = (named[:, :1] >= 0)
+        top_ids = jnp.where(use, named, top_ids.astype(jnp.int32))
+        top_lp = jnp.where(use, named_lp, top_lp)
+        return chosen, jnp.where(verify >= 0, verified, 0.0), top_ids, top_lp
 
     def without():
         z = jnp.zeros((s,), jnp.float32)

@@ -4,8 +4,6 @@ the expert weights across devices."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -28,14 +26,17 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
         return attn_fn
     heads, rep = P(None, MODEL, None), P()
 
-    def sharded(q, k, v, k_pages, v_pages, md, **kw):
+    def sharded(q, k, v, k_pages, v_pages, md, sinks=None, **kw):
         pages = page_spec(layout, isinstance(k_pages, QuantPages))
         v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
-        f = jax.shard_map(
-            functools.partial(attn_fn, **kw), mesh=mesh,
-            in_specs=(heads, heads, heads, pages, v_spec, rep), out_specs=(heads, pages, v_spec), check_vma=False,
-        )
-        return f(q, k, v, k_pages, v_pages, md)
+        extra = () if sinks is None else (sinks,)  # per-head sinks (gpt-oss) go with their query heads
+
+        def per_device(*a):
+            return attn_fn(*a[:6], **kw, **({"sinks": a[6]} if extra else {}))
+
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
+                          out_specs=(heads, pages, v_spec), check_vma=False)
+        return f(q, k, v, k_pages, v_pages, md, *extra)
 
     return sharded
 
@@ -50,16 +51,21 @@ def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
     rep = P()
     w_in, w_out = (P(MODEL, None, None),) * 2 if expert_parallel else (P(None, None, MODEL), P(None, MODEL, None))
 
-    def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows):
-        offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
-        y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset)
-        return jax.lax.psum(y, MODEL)
+    # gpt-oss's gate / up biases [E, I] split as their experts' columns do
+    b_in = P(MODEL, None) if expert_parallel else P(None, MODEL)
 
-    def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None):
+    def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None, biases=None, **kw):
         if num_rows is None:
             num_rows = jnp.full((1,), x.shape[0], jnp.int32)
-        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep), out_specs=rep,
-                          check_vma=False)
-        return f(x, ids, weights, w_gate, w_up, w_down, num_rows)
+
+        def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows, biases):
+            offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
+            y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset, biases=biases, **kw)
+            return jax.lax.psum(y, MODEL)
+
+        b_spec = None if biases is None else (b_in, b_in)
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep, b_spec),
+                          out_specs=rep, check_vma=False)
+        return f(x, ids, weights, w_gate, w_up, w_down, num_rows, biases)
 
     return sharded

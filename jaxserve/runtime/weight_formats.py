@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxserve.runtime import kquants
 from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
+from jaxserve.runtime.mxfp4 import Mxfp4Weight
 from jaxserve.runtime.panels import BLOCK, PANEL, from_panels, from_words, nibbles, to_panels, to_words
 
 
@@ -324,8 +325,12 @@ def format_of(w) -> WeightFormat | None:
     return _BY_TYPE.get(type(w))
 
 
+# stacked-expert formats kept as stored, read by the MoE op itself (runtime/moe.py), not by linear
+EXPERT_FORMATS = (Mxfp4Weight,)
+
+
 def is_quantized(w) -> bool:
-    return type(w) in _BY_TYPE
+    return type(w) in _BY_TYPE or isinstance(w, EXPERT_FORMATS)
 
 
 def dequantize(w: QuantWeight) -> jax.Array:

@@ -295,7 +295,7 @@ class _Server(uvicorn.Server):
         """A fault that leaves the engine's state unknown (the loop died, a step hangs past
         --hang-timeout) turns /health to 503; a moment later the process exits with
         FATAL_EXIT_CODE so a supervisor restarts it. A request's own bad data never gets here:
-        the engine aborts that request alone (engine.LLMEngine._fail)."""
+        the engine aborts that request alone (output_processor.OutputProcessor.fail)."""
         aengine = self.app.state.engine
         while not self.should_exit:
             await asyncio.sleep(WATCHDOG_S)

@@ -54,9 +54,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "documents": (),
     "mm_processor_kwargs": (),
     "min_characters": (),
-    # vLLM's logprobs of named token ids (instead of the top-N): the step computes only the
-    # top-N, so a 400 rather than logprobs that silently differ
-    "logprob_token_ids": (),
 }
 
 
@@ -78,6 +75,7 @@ class SamplingRequest(_Model, StructuredFields):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    logprob_token_ids: list[int] | None = None  # vLLM's: these ids' logprobs in place of the top-N
     user: str | None = None  # accepted and ignored
     # vLLM extensions
     top_k: int | None = None
@@ -274,7 +272,8 @@ def to_sampling_params(
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-    for name, ids in (("logit_bias", list(bias)), ("stop_token_ids", req.stop_token_ids or [])):
+    for name, ids in (("logit_bias", list(bias)), ("stop_token_ids", req.stop_token_ids or []),
+                      ("logprob_token_ids", req.logprob_token_ids or [])):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise bad_request(
@@ -287,6 +286,7 @@ def to_sampling_params(
             stop=[] if req.stop is None else req.stop,
             seed=req.seed,
             logprobs=logprobs,
+            logprob_token_ids=req.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,

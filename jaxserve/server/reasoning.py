@@ -4,6 +4,9 @@
 - deepseek_r1: the chat template opens `<think>` in the prompt, so the answer starts inside the
   thinking; everything before `</think>` is reasoning (an opening tag, if written, is dropped),
   and an answer that never closes it is all reasoning.
+- gpt_oss: harmony (server/harmony.py): the `analysis` channel's messages are reasoning; the
+  `final` and plain `commentary` messages' bodies are content; a message to a function stays as
+  written (markup included) for the gpt_oss tool parser to read.
 
 Like the tool parsers, `extract(text, final)` keeps back a half-written tag while streaming, so the
 reported reasoning and content only grow.
@@ -11,6 +14,7 @@ reported reasoning and content only grow.
 
 from __future__ import annotations
 
+from jaxserve.server import harmony
 from jaxserve.server.tool_parsers import Parsed, held_prefix
 
 START, END = "<think>", "</think>"
@@ -19,6 +23,7 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name = "qwen3"
     starts_inside = False  # True: the prompt opened the thinking block
+    skip_special_tokens = True  # False where the markers are special tokens
 
     def extract(self, text: str, final: bool) -> Parsed:
         head = text.lstrip()
@@ -41,7 +46,18 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     starts_inside = True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    name = "gpt_oss"
+    skip_special_tokens = False
+
+    def extract(self, text: str, final: bool) -> Parsed:
+        messages = harmony.parse(text, final)
+        return Parsed(content="".join(m.raw if m.function else m.body for m in messages if m.channel != "analysis"),
+                      reasoning="\n".join(m.body for m in messages if m.channel == "analysis"))
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "gpt_oss": GptOssReasoningParser,
 }

@@ -121,7 +121,10 @@ class OpenAIServing(RequestChecks):
         self.check_lengths(prompts, max_tokens, max_param)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.logprob_token_ids is not None and not req.logprobs:
+            raise bad_request("'logprob_token_ids' needs 'logprobs' set to true.", "logprob_token_ids")
+        default = None if req.logprob_token_ids is not None else 0  # named ids: their count
+        logprobs = (req.top_logprobs if req.top_logprobs is not None else default) if req.logprobs else None
         kind = Kind(
             "chat.completion",
             "chat.completion.chunk",

@@ -14,6 +14,9 @@ sends what grew (output_parser.py), and its sum equals the whole answer's.
   optionally after `<|python_tag|>` (Llama 3.1+ JSON tool calling).
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after optional content (the
   marker is a special token: the server keeps special tokens in the text for this parser).
+- gpt_oss: harmony messages to a function, `<|start|>assistant<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (server/harmony.py, where the
+  parsing lives), any number; every other message's body is content.
 - json_array: the `[{"name", "arguments"}]` array that tool_choice "required" or a named function
   forces with a grammar (structured.spec.ToolCallSpec); no flag selects it.
 """
@@ -23,6 +26,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+
+from jaxserve.server import harmony
 
 _WS = " \t\r\n"
 
@@ -251,6 +256,21 @@ class JsonArrayToolParser(ToolParser):
         return Parsed(calls=_json_array_calls(text, final)[0])
 
 
+class GptOssToolParser(ToolParser):
+    name = "gpt_oss"
+    skip_special_tokens = False
+
+    def extract(self, text: str, final: bool) -> Parsed:
+        out = Parsed()
+        for m in harmony.parse(text, final):
+            if m.function is None:
+                out.content += m.body
+                continue
+            args = m.body.lstrip()
+            out.calls.append(FunctionCall(m.function, args if args or not m.done else "{}"))
+        return out
+
+
 def _calls(text: str, pos: int, args_keys: tuple[str, ...], separators: str
            ) -> tuple[list[FunctionCall], int | None]:
     """Consecutive call objects from text[pos], separated by blanks and `separators`: the calls
@@ -285,7 +305,7 @@ def _json_array_calls(text: str, final: bool) -> tuple[list[FunctionCall], str]:
 def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser a chat template implies, when exactly one format's marker appears in it."""
     markers = {"hermes": HermesToolParser.start, "mistral": MistralToolParser.marker,
-               "llama3": Llama3JsonToolParser.tag}
+               "llama3": Llama3JsonToolParser.tag, "gpt_oss": "<|call|>"}
     found = [name for name, m in markers.items() if m in (chat_template or "")]
     return found[0] if len(found) == 1 else None
 
@@ -296,4 +316,5 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3": Llama3JsonToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "gpt_oss": GptOssToolParser,
 }

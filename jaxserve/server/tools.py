@@ -207,10 +207,12 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
     tools = req.tools or []
     choice = req.tool_choice
     reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
+    # a parser whose markers are special tokens needs them in the text (gpt_oss: harmony)
+    keep = False if reasoning and not reasoning.skip_special_tokens else None
     if not tools:
         if choice not in (None, "none"):  # vLLM's rule and wording
             raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
-        return ToolPlan(None, None, OutputParser(reasoning) if reasoning else None)
+        return ToolPlan(None, None, OutputParser(reasoning) if reasoning else None, keep)
     if len(tools) > limits.MAX_TOOLS:
         raise bad_request(f"'tools' has {len(tools)} entries, more than the limit of {limits.MAX_TOOLS}.",
                           "tools")
@@ -229,7 +231,7 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
         raise bad_request("Invalid 'tool_choice': give 'none', 'auto', 'required' or "
                           '{"type": "function", "function": {"name": ...}}.', "tool_choice")
     if choice == "none":
-        return ToolPlan(template_tools, None, OutputParser(reasoning) if reasoning else None)
+        return ToolPlan(template_tools, None, OutputParser(reasoning) if reasoning else None, keep)
     if choice == "auto":
         if tool_parser is None:
             raise bad_request(
@@ -241,7 +243,7 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
         # parallel_tool_calls false: a model that writes several calls gets its first one (vLLM)
         one = None if req.parallel_tool_calls else 1
         return ToolPlan(template_tools, None, OutputParser(reasoning, parser, one),
-                        None if parser.skip_special_tokens else False)
+                        keep if parser.skip_special_tokens else False)
     name = None if choice == "required" else choice.function.name
     try:
         spec = ToolCallSpec.build(functions, name, req.parallel_tool_calls)

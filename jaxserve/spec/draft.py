@@ -58,8 +58,8 @@ class DraftModel:
             live = [i for i, (_, _, k) in enumerate(seqs) if k > step]
             rows = [RowSpec(seqs[i][0] + drafts[i], len(seqs[i][0]) - 1 + step, 1, seqs[i][1], Sampling())
                     for i in live]
-            batch, key = self.runner.builder.build(rows)
+            batch, key, rowmap = self.runner.builder.build(rows)
             tokens = self.runner.fetch(self.runner.execute(batch, key), key.s, False).tokens
-            for i, r in zip(live, rows):
-                drafts[i].append(int(tokens[r.out_row]))
+            for i, out in zip(live, rowmap.out):
+                drafts[i].append(int(tokens[out]))
         return drafts

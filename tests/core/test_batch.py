@@ -36,7 +36,7 @@ def test_rows_padding_and_slots():
     b = builder()
     rows = [RowSpec([9, 8, 7, 6, 5], 4, 1, [3, 2], Sampling(temperature=0.5, seed=2**63 + 5, step=1)),
             RowSpec([1, 2, 3, 4, 5, 6], 0, 6, [7, 8], None)]
-    batch, key = b.build(rows)
+    batch, key, _ = b.build(rows)
     assert key == BucketKey(8, 8, 0)
     assert batch.input_ids.tolist() == [5, 1, 2, 3, 4, 5, 6, 0]
     assert batch.positions.tolist() == [4, 0, 1, 2, 3, 4, 5, 0]
@@ -51,7 +51,7 @@ def test_rows_padding_and_slots():
 
 
 def test_pending_token_reads_the_previous_step():
-    batch, _ = builder().build([RowSpec([4, 5, PENDING], 2, 1, [1], Sampling(), prev_index=3)])
+    batch, _, _ = builder().build([RowSpec([4, 5, PENDING], 2, 1, [1], Sampling(), prev_index=3)])
     assert batch.input_ids[0] == PENDING and batch.prev_index.tolist() == [3]
     with pytest.raises(AssertionError):
         builder().build([RowSpec([4, PENDING, 6], 0, 3, [1], None)])
@@ -61,22 +61,22 @@ def test_adjustments_are_sparse_unique_and_fixed_width():
     b = builder()
     s = Sampling(temperature=0, repetition=1.2, frequency=0.5, prompt_tokens={4, 5}, output_counts={5: 2, 9: 1},
                  bias={9: 3.0, 11: -np.inf})
-    batch, key = b.build([RowSpec([4, 5, 5, 9, 5], 4, 1, [1, 2], s)])
+    batch, key, _ = b.build([RowSpec([4, 5, 5, 9, 5], 4, 1, [1, 2], s)])
     assert key.w == 512 and batch.adj_ids.shape == (key.s, key.w)
     assert batch.bitmask.shape == (key.s, 4) and (batch.bitmask == -1).all()  # 100 tokens: 4 words, all allowed
     got = {int(t): (c, p, bias) for t, c, p, bias in zip(batch.adj_ids[0], batch.adj_out_counts[0],
                                                            batch.adj_in_prompt[0], batch.adj_bias[0]) if t >= 0}
     assert got == {4: (0, 1, 0), 5: (2, 1, 0), 9: (1, 0, 3.0), 11: (0, 0, -np.inf)}
     assert (batch.adj_ids[1:] == -1).all()
-    plain, key0 = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(repetition=1.0, temperature=1.0))])
+    plain, key0, _ = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(repetition=1.0, temperature=1.0))])
     assert key0.w == 0 and plain.adj_ids.shape == (1, 0) and plain.bitmask.shape == (1, 0)  # neutral: free
-    _, keyc = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(constrained=True))])
+    _, keyc, _ = b.build([RowSpec([4, 5], 1, 1, [1], Sampling(constrained=True))])
     assert keyc.w == 512  # a grammar row takes the narrow bucket, which carries the mask
 
 
 def test_pack_is_one_int32_buffer_in_field_order():
     b = builder()
-    batch, key = b.build([RowSpec([1, 2, 3], 0, 3, [1], Sampling(temperature=0.25, top_p=0.5))])
+    batch, key, _ = b.build([RowSpec([1, 2, 3], 0, 3, [1], Sampling(temperature=0.25, top_p=0.5))])
     flat = batch.pack()
     assert flat.dtype == np.int32 and flat.size == b.packed_size(key)
     off = 0

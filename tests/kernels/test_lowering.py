@@ -69,6 +69,22 @@ def _model_shapes(dtype, heads, block_size=16):
 MODEL_HEADS = sorted(set(MODELS.values()))
 
 
+@pytest.mark.parametrize("decode_only", [False, True], ids=["general", "decode"])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_sinks_lower(platform, decode_only):
+    """gpt-oss's shape (64 q heads, 8 kv heads, head_dim 64) with its 128-token window and the
+    sink logits as an argument (as a layer's weights are)."""
+    backend, target = {"cuda": ("gpu", "mosaic_gpu_v2"), "tpu": ("tpu", "tpu_custom_call")}[platform]
+
+    def fn(*args):
+        *args, sinks = args
+        return ragged_paged_attention(*args, sm_scale=0.125, sliding_window=128, sinks=sinks, backend=backend,
+                                      decode_only=decode_only)
+
+    shapes = [*_model_shapes(jnp.bfloat16, (64, 8, 64)), jax.ShapeDtypeStruct((64,), jnp.float32)]
+    assert target in _custom_calls(fn, platform, shapes)
+
+
 @pytest.mark.parametrize("heads", MODEL_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_model_shapes_lower(platform, heads):

@@ -28,7 +28,7 @@ def hf_logits(path, ids):
 
 
 def run_logits(runner: ModelRunner, ids, start, n, blocks):
-    batch, key = runner.builder.build([RowSpec(ids, start, n, blocks, Sampling())])
+    batch, key, _ = runner.builder.build([RowSpec(ids, start, n, blocks, Sampling())])
     return np.asarray(runner.forward_logits(batch, key))[0]
 
 

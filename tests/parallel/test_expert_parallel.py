@@ -22,6 +22,7 @@ CFG = RunnerConfig(block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs
 @pytest.mark.parametrize("arch,layouts", [
     ("qwen3_moe", [(2, False), (2, True), (4, True)]),  # 8 experts: 4 / 2 per device under EP
     ("qwen2_moe", [(2, True)]),  # shared expert (column/row-parallel) and a dense layer beside EP
+    ("gpt_oss", [(2, False)]),  # expert biases split with their columns, sinks with their heads (xla attention)
 ])
 def test_ep_same_greedy_tokens(tiny_model, arch, layouts):
     lm = load_model(tiny_model(arch))

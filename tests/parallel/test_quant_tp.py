@@ -35,7 +35,7 @@ def greedy_logits(runner: ModelRunner, prompts, steps: int):
     all_logits = []
     for step in range(steps + 1):
         rows = [RowSpec(s, st, len(s) - st, b, Sampling(step=step)) for s, st, b in zip(seqs, starts, blocks)]
-        logits = np.asarray(runner.forward_logits(*runner.builder.build(rows)))[:2]
+        logits = np.asarray(runner.forward_logits(*runner.builder.build(rows)[:2]))[:2]
         all_logits.append(logits)
         starts = [len(x) for x in seqs]
         for x, tok in zip(seqs, logits.argmax(-1)):

@@ -30,7 +30,7 @@ def greedy_run(runner: ModelRunner, prompts, steps: int):
     all_logits, all_tokens = [], []
     for step in range(steps + 1):
         rows = [RowSpec(s, st, len(s) - st, b, Sampling(step=step)) for s, st, b in zip(seqs, starts, blocks)]
-        batch, key = runner.builder.build(rows)
+        batch, key, _ = runner.builder.build(rows)
         logits = runner.forward_logits(batch, key)  # writes the same K/V the step writes again
         assert logits.sharding.is_fully_replicated
         result = runner.execute(batch, key)

@@ -98,6 +98,8 @@ def sampling_fields(rng: random.Random) -> dict:
     if rng.random() < 0.2:
         body.update(structured(rng))
     if rng.random() < 0.05:
+        body["logprob_token_ids"] = rng.choice([[1, 2], [383], [384], [-1], [], list(range(21)), [0] * 20])
+    if rng.random() < 0.05:
         body[rng.choice(["best_of", "echo", "logprob_token_ids", "return_tokens_as_token_ids",
                          "use_beam_search", "suffix", "stream_options"])] = scalar(rng, "int")
     # keep generation short so cases stay cheap (a boundary value is still tried above)

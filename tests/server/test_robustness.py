@@ -92,7 +92,7 @@ def test_tool_defs_with_required_and_closed_objects(server, client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # vLLM's; needs a per-id gather in the step
+    ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # without logprobs: true
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required", "tools": []}, "tool_choice"),
     ({"truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),

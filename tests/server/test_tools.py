@@ -144,6 +144,7 @@ def test_detect_tool_parser():
     assert detect_tool_parser("... <tool_call> ...") == "hermes"
     assert detect_tool_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect_tool_parser("<|python_tag|>") == "llama3"
+    assert detect_tool_parser('{{- "<|start|>assistant to=functions." + name }}...<|call|>') == "gpt_oss"
     assert detect_tool_parser("<tool_call> [TOOL_CALLS]") is None  # ambiguous
     assert detect_tool_parser(None) is None
 

@@ -9,6 +9,7 @@ A family module defines
 and optionally
   text_config(hf) -> dict    the decoder's config.json fields (a multimodal config's text tower)
   canonical_name(name) -> str | None   a tensor name in the decoder-only form (None: not used)
+  transform_weights(weights) -> weights   tensors split or re-packed before the name map (gpt-oss)
 Adding a family is adding a module here and its name to FAMILIES.
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from jaxserve.model.families import gemma3, glm4_moe, llama, mixtral, qwen2_moe, qwen3_moe
+from jaxserve.model.families import gemma3, glm4_moe, gpt_oss, llama, mixtral, qwen2_moe, qwen3_moe
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen2_moe, mixtral, glm4_moe, gemma3)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, qwen2_moe, mixtral, glm4_moe, gemma3, gpt_oss)
 BY_MODEL_TYPE: dict[str, ModuleType] = {t: f for f in FAMILIES for t in f.MODEL_TYPES}
 ARCHITECTURES: dict[str, str] = {t: a for f in FAMILIES for t, a in f.MODEL_TYPES.items()}
 

@@ -4,7 +4,9 @@
 // bfloat16, int8 or fp8 (e4m3fn / e5m2) pages, widened on load): q[T, Hq, D]; sequence
 // s owns the new tokens query_start_loc[s] .. query_start_loc[s+1] and has seq_lens[s] tokens of
 // context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
-// are padding and come out zero.
+// are padding and come out zero. sinks f32[Hq] (gpt-oss), or f32[0] for none: query head h's
+// softmax runs over its scores and the logit sinks[h], which takes probability mass and adds no
+// value (Problem::Normalizer; the one place it enters, once per query vector).
 //
 // Page layout. The cache arrays keep the engine's nominal shape [num_blocks, block_size, Hkv, D],
 // but this backend owns their contents (it writes them and is the only reader) and lays each
@@ -24,7 +26,7 @@
 // The KV write copies each new token's K/V into its slot of the (aliased, so in place) pages;
 // XLA:CPU's scatter does the same element by element, far slower.
 //
-// Built on first use by jaxserve/runtime/cpu_attention.py (g++ -O3 -march=native).
+// Built on first use by jaxserve/runtime/cpu_kernels.py (g++ -O3 -march=native).
 
 #include <algorithm>
 #include <climits>
@@ -62,6 +64,18 @@ struct Problem {
   int64_t window;  // 0: none
   const float* ks = nullptr;  // quantized pages: per-(slot, head) scales, per block [Hkv][bs]
   const float* vs = nullptr;
+  const float* sinks = nullptr;  // attention sinks: a logit per query head [Hq], or none
+
+  // What a query vector's accumulator is multiplied by at the end: 1 / (softmax sum), the sum
+  // taken with query head qh's sink logit when there are sinks (gpt-oss: the sink takes
+  // probability mass and adds no value), both relative to the larger of the running max m and
+  // the sink, so nothing overflows. 0 for a vector that saw nothing and has no sink.
+  float Normalizer(int64_t qh, float m, float l) const {
+    if (sinks == nullptr) return l > 0.0f ? 1.0f / l : 0.0f;
+    const float mx = std::max(m, sinks[qh]);
+    const float corr = std::exp(m - mx);
+    return corr / (l * corr + std::exp(sinks[qh] - mx));
+  }
 
   // The scales of slots c.. of block blk, head h.
   const float* KScale(int64_t blk, int64_t h, int64_t c) const { return ks + (blk * hkv + h) * block_size + c; }
@@ -189,7 +203,8 @@ void GenericItem(const Problem& p, const Item& it) {
       m = mx;
     }
     float* dst = p.out + ((rw.t0 + r) * p.hq + h * g + j) * d;
-    for (int64_t e = 0; e < d; ++e) dst[e] = l > 0.0f ? acc[e] / l : 0.0f;
+    const float inv = p.Normalizer(h * g + j, m, l);
+    for (int64_t e = 0; e < d; ++e) dst[e] = acc[e] * inv;
   }
 }
 
@@ -409,7 +424,7 @@ void TiledItem(const Problem& p, const Item& it) {
   for (int64_t h = 0; h < p.hkv; ++h)
     for (int64_t i = 0; i < rw.n; ++i) {
       const int64_t r = i / g, j = i % g, src = h * nqh + i;
-      const float inv = l[src] > 0.0f ? 1.0f / l[src] : 0.0f;
+      const float inv = p.Normalizer(h * g + j, m[src], l[src]);
       float* dst = p.out + ((rw.t0 + r) * p.hq + h * g + j) * D;
       for (int e = 0; e < DV; ++e) {
         const v16 o = acc[src * DV + e] * inv;
@@ -511,7 +526,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
       for (int64_t h = 0; h < hkv; ++h)
         for (int64_t j = 0; j < g; ++j) {
           const int64_t i = (s * hkv + h) * Q + j;
-          const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+          const float inv = p.Normalizer(h * g + j, m[i], l[i]);
           float* dst = p.out + (t0[s] * p.hq + h * g + j) * D;
           for (int e = 0; e < DV; ++e) {
             const v16 o = acc[i * DV + e] * inv;
@@ -559,8 +574,8 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::AnyBuffer v, const ffi::Buffer<ffi::F32>* k_scale, const ffi::Buffer<ffi::F32>* v_scale,
                      ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> block_tables,
-                     ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t sliding_window,
-                     float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, float sm_scale,
+                     int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
@@ -582,6 +597,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
               block_tables.dimensions()[1], kd[0], kd[1], qd[1], kd[2], qd[2],
               sm_scale, soft_cap, sliding_window};
   if (quant) p.ks = k_scale->typed_data(), p.vs = v_scale->typed_data();
+  if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
+    return ffi::Error::InvalidArgument("paged attention: sinks must be f32[Hq] (or f32[0]: none)");
+  if (sinks.element_count() != 0) p.sinks = sinks.typed_data();
   if (p.hq % p.hkv != 0 || kd[3] != p.d)
     return ffi::Error::InvalidArgument("paged attention: head counts or head_dim do not match");
   const int64_t s_cap = seq_lens.dimensions()[0];
@@ -628,19 +646,21 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
 
 ffi::Error FloatAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
-                          int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
-  return Attention(pool, q, k, v, nullptr, nullptr, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale,
-                   sliding_window, soft_cap, out);
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t sliding_window, float soft_cap,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  return Attention(pool, q, k, v, nullptr, nullptr, seq_lens, query_start_loc, block_tables, num_seqs, sinks,
+                   sm_scale, sliding_window, soft_cap, out);
 }
 
 ffi::Error QuantAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
-                          int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
-  return Attention(pool, q, k, v, &k_scale, &v_scale, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale,
-                   sliding_window, soft_cap, out);
+                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
+                          ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t sliding_window, float soft_cap,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  return Attention(pool, q, k, v, &k_scale, &v_scale, seq_lens, query_start_loc, block_tables, num_seqs, sinks,
+                   sm_scale, sliding_window, soft_cap, out);
 }
 
 // Tokens t0..t1-1 go to consecutive slots c0.. of block blk: for each (head, dim) the run's K
@@ -809,6 +829,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, FloatAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks f32[Hq], or f32[0]: none
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
@@ -837,6 +858,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionQuant, QuantAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks f32[Hq], or f32[0]: none
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")

@@ -1,0 +1,96 @@
+"""MXFP4 (OCP microscaling FP4) weights kept packed, as gpt-oss checkpoints store their experts.
+
+A block is 32 consecutive values along K (the input axis) of one output row: 16 bytes of e2m1
+codes, two per byte (the low nibble the even value, the high nibble the odd one), and one uint8
+E8M0 exponent e (the block's scale is 2^(e - 127)). HF's layout, kept as it is:
+  blocks u8[E, N, K/32, 16], scales u8[E, N, K/32]   (E experts, N output rows)
+that is 4.25 bits per weight. Nothing is ever stored dequantized: `expert(e)` decodes one
+expert's [K, N] matrix inside the step, next to the matmul that reads it (runtime/moe.py's
+blocked grouped matmul multiplies one tile of rows by one expert at a time), so a step holds at
+most one expert's float copy per tile, transiently. e2m1 values times a power of two are exact in
+float32 and bfloat16, so the decode itself is exact.
+
+Not here (see issue 28): a native CPU kernel decoding in registers against int8 activations.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32  # values per scale
+# e2m1 codes 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+BITS_PER_WEIGHT = (BLOCK // 2 * 8 + 8) / BLOCK  # 4.25
+
+
+class Mxfp4Weight(NamedTuple):
+    """Stacked experts' [E, K, N] matrices as MXFP4 blocks along K (HF's gpt-oss layout)."""
+
+    blocks: jax.Array  # u8[E, N, K/32, 16]
+    scales: jax.Array  # u8[E, N, K/32]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The float stack's shape [E, K, N] (what the model's matmuls see)."""
+        e, n, g, _ = self.blocks.shape
+        return (e, g * BLOCK, n)
+
+    def expert(self, i, dtype=jnp.float32):
+        """Expert i's [K, N] matrix, decoded (i may be traced)."""
+        blocks = jax.lax.dynamic_index_in_dim(self.blocks, i, keepdims=False)
+        scales = jax.lax.dynamic_index_in_dim(self.scales, i, keepdims=False)
+        return decode(blocks, scales, dtype).T
+
+    def dequantize(self, dtype=jnp.float32):
+        """The whole [E, K, N] stack (tests and references only: the model never calls this)."""
+        return jnp.swapaxes(decode(self.blocks, self.scales, dtype), -1, -2)
+
+
+def decode(blocks, scales, dtype=jnp.float32):
+    """u8[..., G, 16] codes and u8[..., G] exponents -> [..., G * 32] values (jnp, exact)."""
+    lut = jnp.asarray(E2M1, jnp.float32)
+    b = blocks.astype(jnp.int32)
+    vals = jnp.stack([lut[b & 0xF], lut[b >> 4]], axis=-1).reshape(*b.shape[:-1], BLOCK)
+    vals = jnp.ldexp(vals, scales.astype(jnp.int32)[..., None] - 127)
+    return vals.reshape(*b.shape[:-2], -1).astype(dtype)
+
+
+def decode_numpy(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The reference decode in numpy (float64): u8[..., G, 16], u8[..., G] -> [..., G * 32]."""
+    lut = np.asarray(E2M1, np.float64)
+    vals = np.stack([lut[blocks & 0xF], lut[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
+    vals = vals * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return vals.reshape(*blocks.shape[:-2], -1)
+
+
+def quantize(w: np.ndarray) -> Mxfp4Weight:
+    """Float experts [E, K, N] -> MXFP4 (numpy, round to nearest e2m1 after scaling each block so
+    its largest magnitude fits 6.0): how the tests make an MXFP4 model from a float one."""
+    w = np.swapaxes(np.asarray(w, np.float64), -1, -2)  # [E, N, K]
+    e, n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"MXFP4 needs K a multiple of {BLOCK}, not {k}")
+    blk = w.reshape(e, n, k // BLOCK, BLOCK)
+    amax = np.abs(blk).max(axis=-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127).clip(-127, 127)
+    scaled = blk / np.exp2(exp)[..., None]
+    lut = np.asarray(E2M1[:8])
+    codes = np.abs(np.abs(scaled)[..., None] - lut).argmin(axis=-1).astype(np.uint8)
+    codes |= np.where(scaled < 0, 8, 0).astype(np.uint8)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return Mxfp4Weight(np.ascontiguousarray(packed), np.ascontiguousarray(exp + 127, dtype=np.uint8))
+
+
+def deinterleave_rows(w: Mxfp4Weight) -> tuple[Mxfp4Weight, Mxfp4Weight]:
+    """gpt-oss's gate_up_proj holds gate and up as alternating output rows: the two halves (rows
+    are independent blocks, so this is a slice of the packed data)."""
+    return (Mxfp4Weight(w.blocks[:, 0::2], w.scales[:, 0::2]),
+            Mxfp4Weight(w.blocks[:, 1::2], w.scales[:, 1::2]))
+
+
+def weight_bytes(w: Mxfp4Weight) -> int:
+    return int(np.prod(w.blocks.shape)) + int(np.prod(w.scales.shape))

@@ -1,0 +1,55 @@
+"""gpt-oss presets (configs/models): parameter counts against the published sizes, and the memory
+plan on one H200 with the experts kept in MXFP4 as the checkpoints ship them (test_lower.py lowers
+each preset's one-layer cut for cuda and tpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.errors import UserError
+from jaxserve.runtime import mxfp4
+from jaxserve.runtime.lower import AbstractCheckpoint, load_model_config, prepare
+
+MODELS = Path(__file__).parents[1] / "configs" / "models"
+GiB = 1 << 30
+
+
+def _count(tree) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)))
+
+
+@pytest.mark.parametrize("preset,billions", [("gpt-oss-20b", 20.9), ("gpt-oss-120b", 116.8)])
+def test_gpt_oss_presets_are_the_models_they_name(preset, billions):
+    mc = load_model_config(str(MODELS / f"{preset}.json"))
+    assert mc.expert_format == "mxfp4" and mc.attention_sinks and mc.layer_window(0) == 128
+    assert mc.layer_window(1) is None and mc.rope_theta == 150000 and mc.rope_scaling["factor"] == 32.0
+    assert mc.rope_attention_factors()[0] == pytest.approx(0.1 * math.log(32) + 1)
+    one = AbstractCheckpoint(dataclasses.replace(mc, num_layers=1)).shapes()
+    layer = _count(one.pop("layers_0"))
+    got = (_count(one) + mc.num_layers * layer) / 1e9
+    assert abs(got - billions) / billions < 0.02, (preset, got, billions)
+
+
+def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
+    """60.8 GiB of weights (the published checkpoint's size: experts at 4.25 bits, the rest in
+    bfloat16) on a 141 GiB H200, with room for the full 131072-token context several times over;
+    the plan names the format; the sinks run in the Pallas kernels like any other attention."""
+    lowering = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda", EngineConfig(max_model_len=131072),
+                       device_memory=141 * GiB)
+    assert 60 * GiB < lowering.total_weight_bytes < 61.5 * GiB
+    experts = lowering.runner.params["layers_0"]["mlp"]["experts"]["down_proj"]
+    assert isinstance(experts, mxfp4.Mxfp4Weight) and experts.blocks.shape == (128, 2880, 90, 16)
+    assert lowering.plan.num_blocks * 16 >= 4 * 131072
+    text = "\n".join(lowering.describe())
+    assert "experts in MXFP4" in text and "attention=pallas" in text
+
+
+def test_mxfp4_experts_refuse_tensor_parallel_for_now():
+    with pytest.raises(UserError, match="MXFP4 experts .* tensor_parallel_size 1"):
+        prepare(str(MODELS / "gpt-oss-20b.json"), "cuda", EngineConfig(max_model_len=4096, tensor_parallel_size=2))
