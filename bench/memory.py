@@ -79,10 +79,10 @@ def main(argv=None) -> int:
     llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     mark("first token")
 
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import quant_params
 
     runner = llm.engine.runner
-    weights = quant.weight_bytes(runner.params)
+    weights = quant_params.weight_bytes(runner.params)
     kv = sum(int(x.nbytes) for layer in runner.kv_caches for x in jax.tree_util.tree_leaves(layer))
     lib = cpu_kernels._state.get("lib")
     lib_bytes = os.path.getsize(lib._name) if lib is not None else 0

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from jaxserve.model.loader import resolve_model_path
-    from jaxserve.model.orbax_io import convert_model
+    from jaxserve.convert import convert_model
 
     gguf = resolve_model_path(None if args.model == "default" else args.model)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="jaxserve-load-"))

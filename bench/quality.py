@@ -96,7 +96,7 @@ def greedy_agreement(runner, prompts: list[list[int]], tokens: list[list[int]]) 
 def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None, kv: str | None = None) -> dict:
     """One row: weights in `fmt`, the KV cache in `kv` (None: the engine's default)."""
     from jaxserve import LLM, SamplingParams
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import quant_params
 
     llm = LLM(model, quantization=None if fmt == "none" else fmt, precompile=False, use_tqdm=False,
               max_num_seqs=len(PROMPTS), max_num_batched_tokens=256, num_blocks=args.num_blocks,
@@ -116,7 +116,7 @@ def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None,
         t0 = time.perf_counter()
         llm.generate(PROMPTS[:1], sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-    out = {"format": fmt, "kv_cache_dtype": runner.kv_cache_dtype, "text_tokens": len(ids), "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant.weight_bytes(runner.params),
+    out = {"format": fmt, "kv_cache_dtype": runner.kv_cache_dtype, "text_tokens": len(ids), "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant_params.weight_bytes(runner.params),
            "decode_tok_s": args.decode_tokens / max(times[1] - times[0], 1e-9), "top1": top1, "tokens": tokens}
     if ref is not None:
         out["top1_agreement"] = float(np.mean(top1 == ref["top1"]))

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.runtime import cpu_kernels, quant
+    from jaxserve.runtime import cpu_kernels, quant, quant_params, weight_formats
 
     why = cpu_kernels.available()
     if why is not None:
@@ -51,14 +51,14 @@ def main(argv=None) -> int:
     for k, n in shapes:
         floats = [rng.standard_normal((k, n)).astype(np.float32) * 0.1
                   for _ in range(1 if (k, n) == LM_HEAD else args.weights)]
-        weights = {f: [cpu_kernels.pack_kernel(jnp.asarray(w)) if f == "float32" else jax.device_put(quant.quantize(w, f))
+        weights = {f: [cpu_kernels.pack_kernel(jnp.asarray(w)) if f == "float32" else jax.device_put(weight_formats.quantize(w, f))
                        for w in floats] for f in formats}
         for m in (int(v) for v in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             for f, ws in weights.items():
                 t = timed(run["float32" if f == "float32" else "quant"], x, ws)
                 results.append({"k": k, "n": n, "m": m, "format": f, "gflops": 2 * m * k * n / t / 1e9,
-                                "weight_gb_s": quant.weight_bytes(ws[0]) / t / 1e9})
+                                "weight_gb_s": quant_params.weight_bytes(ws[0]) / t / 1e9})
     print(common.table([(f"{r['k']} x {r['n']}", r["m"], r["format"], r["gflops"], r["weight_gb_s"])
                         for r in results], ("K x N", "M", "format", "GFLOP/s", "weight GB/s"),
                        "Linear-layer matmul per weight format (native kernels)"))

@@ -90,7 +90,7 @@ def _time(fn, *args, repeats: int, min_time: float) -> float:
 
 
 PRECISIONS = ("float32", "bfloat16", "int8")
-_DOT_SCHEME = {"bfloat16": "bfloat16", "int8": "w8a8"}  # runtime/quant.py's native format per precision
+_DOT_SCHEME = {"bfloat16": "bfloat16", "int8": "w8a8"}  # runtime/weight_formats.py's native format per precision
 
 
 def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int = 5, min_time: float = 0.3) -> dict:
@@ -101,7 +101,7 @@ def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int =
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runtime import cpu_kernels, quant
+    from jaxserve.runtime import cpu_kernels, quant, weight_formats
 
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
     a = jax.random.normal(ka, (m, k), jnp.float32)
@@ -112,8 +112,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int =
     out = {"xla": None, "native": None}
     if dtype == "float32" and native_ok and cpu_kernels.packable(b.shape):
         out["native"] = rate(cpu_kernels.cpu_matmul, a, cpu_kernels.pack_kernel(b))
-    elif dtype != "float32" and native_ok and quant.quantizable(b.shape):
-        w = jax.device_put(quant.quantize(jax.device_get(b), _DOT_SCHEME[dtype]))
+    elif dtype != "float32" and native_ok and weight_formats.quantizable(b.shape):
+        w = jax.device_put(weight_formats.quantize(jax.device_get(b), _DOT_SCHEME[dtype]))
         out["native"] = rate(lambda x, w: quant.linear(x, w, native=True), a, w)
     if dtype == "float32" or out["native"] is None:
         acc = jnp.int32 if dtype == "int8" else jnp.float32
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
 
     path = resolve_model_path(args.model)
     cfg = config_only(path)
-    from jaxserve.runtime.runner import default_kv_cache_dtype, dtype_size
+    from jaxserve.runtime.kv_sizing import default_kv_cache_dtype, dtype_size
 
     args.kv_cache_dtype = args.kv_cache_dtype or default_kv_cache_dtype(args.dtype, cfg.checkpoint_dtype)
     dbytes, kvbytes = dtype_size(args.dtype), dtype_size(args.kv_cache_dtype)

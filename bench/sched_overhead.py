@@ -14,7 +14,8 @@ import sys
 import time
 
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_config import SchedulerConfig
 
 
 def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radix",

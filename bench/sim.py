@@ -18,7 +18,8 @@ import numpy as np
 
 from bench.workloads import WORKLOADS, WorkItem
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import ADMISSIONS, Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_config import ADMISSIONS, SchedulerConfig
 
 
 @dataclass(slots=True)

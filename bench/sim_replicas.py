@@ -26,7 +26,8 @@ import numpy as np
 
 from bench.sim import CostModel
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_config import SchedulerConfig
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 

@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jaxserve.model.orbax_io import convert
+    from jaxserve.convert import convert
 
     return convert(args)
 

@@ -1,6 +1,6 @@
 """EngineConfig: every knob a user can set, validated up front with errors that name the fix.
 
-One source of defaults: the scheduler's knobs are the fields of `core.scheduler.SchedulerConfig`
+One source of defaults: the scheduler's knobs are the fields of `core.scheduler_config.SchedulerConfig`
 (EngineConfig holds them as `scheduler`, and `scheduler_config()` adds what the engine derives:
 blocks, lengths, batch limits); the CLI's flags and `--help` are generated from these dataclass
 fields (`args.add_config_args`), so nothing is written twice.
@@ -13,13 +13,13 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from jaxserve.core.scheduler import ADMISSIONS, EVICTIONS, POLICIES, PREFIX_CACHES, SchedulerConfig
+from jaxserve.core.scheduler_config import ADMISSIONS, EVICTIONS, POLICIES, PREFIX_CACHES, SchedulerConfig
 from jaxserve.errors import UserError
 
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")  # pallas_kernels/kv_quant.py: per-(token, head) scales
-QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k")  # runtime/quant.py
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k")  # runtime/weight_formats.py
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).

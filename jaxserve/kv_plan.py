@@ -12,7 +12,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime import memory
-from jaxserve.runtime import runner as rt
+from jaxserve.runtime import kv_sizing
 
 log = logging.getLogger("jaxserve")
 
@@ -23,8 +23,8 @@ def sized_on_device(config: EngineConfig) -> bool:
 
 
 def blocks_from_budget(config: EngineConfig, mc: ModelConfig, dtype: str) -> int:
-    budget = rt.kv_memory_budget(config.kv_cache_memory, config.memory_fraction, 0)
-    per_block = rt.kv_bytes_per_block(mc, config.block_size, dtype, config.tensor_parallel_size)  # per device
+    budget = kv_sizing.kv_memory_budget(config.kv_cache_memory, config.memory_fraction, 0)
+    per_block = kv_sizing.kv_bytes_per_block(mc, config.block_size, dtype, config.tensor_parallel_size)  # per device
     blocks = budget // per_block
     if blocks < 2:
         raise UserError(
@@ -41,7 +41,7 @@ def plan_device_memory(config: EngineConfig, mc: ModelConfig, runner, kv_dtype: 
     plan = memory.plan_kv_memory(  # a GPU pool sized by size_gpu_pool: planned against the whole device
         device_limit=memory.device_total(limit, jax.default_backend()), allocator_limit=limit,
         bytes_in_use=in_use, activation_bytes=runner.peak_step_bytes(),
-        block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, runner.backend.kv_layout),
+        block_bytes=kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, runner.backend.kv_layout),
         block_size=config.block_size, max_model_len=max_model_len,
         utilization=config.gpu_memory_utilization, tensor_parallel_size=tp, reserved_blocks=1,
     )
@@ -57,7 +57,7 @@ def log_kv_cache(config: EngineConfig, mc: ModelConfig, runner, num_blocks: int,
     log.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2f",
         num_blocks - 1, config.block_size, cap_tokens,
-        num_blocks * rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, layout=runner.backend.kv_layout) / 2**20,
+        num_blocks * kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype, layout=runner.backend.kv_layout) / 2**20,
         kv_dtype, max_model_len, cap_tokens / max_model_len,
     )
     return cap_tokens

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.core.batch import BatchBuilder, BucketKey, RowMap, RowSpec, Sampling
-from jaxserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
 from jaxserve.structured.matcher import BitmaskFiller

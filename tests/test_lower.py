@@ -20,6 +20,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.runtime import compat, memory
 from jaxserve.runtime import mesh as meshlib
+from jaxserve.runtime import kv_sizing
 from jaxserve.runtime import runner as rt
 from jaxserve.runtime.backend import resolve_backend
 from jaxserve.runtime.lower import AbstractCheckpoint, AbstractRunner, load_model_config, prepare
@@ -93,9 +94,9 @@ def test_memory_plan_from_shapes(tmp_path, tp):
     h = LLAMA["hidden_size"]
     norms = (2 * LLAMA["num_hidden_layers"] + 1) * h * 2
     assert plan.weight_bytes == (total - norms) // tp + norms
-    assert plan.block_bytes == rt.kv_bytes_per_block(mc, 16, "bfloat16", tp, "tpu-fused")
+    assert plan.block_bytes == kv_sizing.kv_bytes_per_block(mc, 16, "bfloat16", tp, "tpu-fused")
     # the plan counts what is allocated: head_dim 64 padded to 128 lanes doubles the bytes
-    assert plan.block_bytes == 2 * rt.kv_bytes_per_block(mc, 16, "bfloat16", tp)
+    assert plan.block_bytes == 2 * kv_sizing.kv_bytes_per_block(mc, 16, "bfloat16", tp)
     allocated = sum(math.prod(lowering.runner.kv_sharding.shard_shape(a.shape)) * a.dtype.itemsize
                     for a in jax.tree.leaves(lowering.runner.kv.layers))
     assert allocated == plan.kv_bytes == plan.num_blocks * plan.block_bytes
@@ -266,11 +267,11 @@ def test_quantized_weights_lower_under_tp(tmp_path, quantization):
     (about half of them per device), dequantized inside the lowered step."""
     lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE, tensor_parallel_size=2,
                                                                 quantization=quantization))
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import quant_params
     from jaxserve.runtime.lower import weight_bytes_per_device
 
     params = lowering.runner.params
-    assert quant.has_quantized(params)
+    assert quant_params.has_quantized(params)
     float32 = _param_count(json.loads((tmp_path / "config.json").read_text())) * 4
     assert weight_bytes_per_device(params) <= 0.3 * float32 / 2 + 4096
     step = lowering.lower(BucketKey(8, 8, 0))
@@ -286,7 +287,7 @@ def test_tpu_step_lowers_with_quantized_kv(tmp_path, kv, tp):
     assert (lowering.runner.backend.attention, lowering.runner.backend.kv_layout) == ("pallas", "tpu-fused")
     exported = lowering.export(BucketKey(8, 8, 0))
     data, scale = exported.in_avals[len(jax.tree.leaves(lowering.runner.params)):][:2]
-    assert data.shape == (lowering.plan.num_blocks, 4, 32, 128) and data.dtype == rt.kv_storage_dtype(kv)
+    assert data.shape == (lowering.plan.num_blocks, 4, 32, 128) and data.dtype == kv_sizing.kv_storage_dtype(kv)
     assert scale.shape == (lowering.plan.num_blocks, 4, 32) and scale.dtype == jax.numpy.float32
     step = lowering.lower(BucketKey(8, 8, 0))
     assert step.kernel_calls == CALLS_PER_LAYER["tpu"] * LLAMA["num_hidden_layers"], step.describe()

@@ -190,7 +190,7 @@ def test_engine_sizes_kv_after_the_weights_and_the_compiled_step(tiny_model, mon
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
     from jaxserve.errors import UserError
-    from jaxserve.runtime import runner as rt
+    from jaxserve.runtime import kv_sizing
 
     limit, in_use = memory.DEFAULT_MARGIN + (48 << 20), 4 << 20
     monkeypatch.setattr(memory, "has_device_stats", lambda: True)
@@ -200,7 +200,7 @@ def test_engine_sizes_kv_after_the_weights_and_the_compiled_step(tiny_model, mon
     engine = LLMEngine(EngineConfig(**kw))
     peak = engine.runner.peak_step_bytes()
     assert peak > 0
-    block = rt.kv_bytes_per_block(engine.model_config, 16, str(engine.runner.kv_dtype))
+    block = kv_sizing.kv_bytes_per_block(engine.model_config, 16, str(engine.runner.kv_dtype))
     want = (limit - in_use - peak - memory.DEFAULT_MARGIN) // block
     assert engine.num_blocks == want == engine.runner.kv_caches[0][0].shape[0]
     assert engine.scheduler.kv.num_blocks == want

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jaxserve.core.batch import BatchBuilder, RowSpec, Sampling
 from jaxserve.core.request import Request
-from jaxserve.core.scheduler import ScheduledRequest
+from jaxserve.core.scheduler_output import ScheduledRequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics
 from jaxserve.planner import StepPlanner
 from jaxserve.sampling_params import SamplingParams

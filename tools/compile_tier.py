@@ -83,7 +83,7 @@ def layer_op(platform: str, devices: list, hq: int, hkv: int, d: int, kv_dtype: 
 
     from jaxserve.runtime.attention import AttentionMetadata, layer_attention
     from jaxserve.runtime.backend import KernelShape, resolve_backend
-    from jaxserve.runtime.runner import kv_block_shape
+    from jaxserve.runtime.kv_sizing import kv_block_shape
     from pallas_kernels import kv_quant
 
     # the TPU packs 8-bit KV 32 rows to a sublane tile: the engine needs --block-size 32 there

@@ -22,7 +22,7 @@ from .request import Request
 
 if TYPE_CHECKING:
     from .kv_manager import KVManager
-    from .scheduler import SchedulerConfig
+    from .scheduler_config import SchedulerConfig
 
 
 class WaitingQueue:

@@ -22,117 +22,19 @@ Admission (`admission`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from .batch import PENDING
 from .errors import UserError
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
 from .request import Request, RequestStatus
+from .scheduler_config import SchedulerConfig
+from .scheduler_output import Landed, ScheduledRequest, SchedulerOutput
 
-PREFIX_CACHES = ("radix", "hash", "off")
-EVICTIONS = ("lru", "trunk")
-POLICIES = ("fcfs", "priority", "lpm")
-ADMISSIONS = ("optimistic", "conservative")
 # SGLang's defaults for new_token_ratio: the floor is init x 0.14, reached after 600 steps; after a
 # preemption (SGLang: retraction) the estimate assumes every survivor decodes 20 more tokens.
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_blocks: int  # total, including the reserved null block 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    prefix_cache: str = "radix"  # radix | hash | off
-    eviction: str = "lru"  # lru | trunk
-    policy: str = "fcfs"  # fcfs | priority | lpm
-    prefill_first: bool = False  # False: running requests (decodes) are scheduled first
-    lpm_max_wait_steps: int = 32  # lpm aging: after this many passed-over steps, serve in fcfs order
-    lpm_max_queue: int = 128  # lpm falls back to fcfs above this many waiting requests
-    # admission keeps this fraction of blocks free for running requests to grow (vLLM V0's watermark)
-    watermark: float = 0.01
-    admission: str = "optimistic"  # optimistic | conservative (see the module docstring)
-    init_new_token_ratio: float = 0.7  # conservative: share of max_tokens expected still to come
-    dedup_in_batch: bool = True  # defer a request whose uncached prefix another one is computing
-    hash_seed: int = 0
-    # logits rows per step (0: max_num_seqs): a sampling row takes one, a prompt-logprobs prefill one
-    # per token; the engine sets what its step buckets hold
-    max_num_logit_rows: int = 0
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, fix: str) -> None:
-            if not ok:
-                raise UserError(f"SchedulerConfig.{name}={getattr(self, name)!r}: {fix}")
-
-        need(self.num_blocks >= 2, "num_blocks", "need at least 2 (block 0 is the reserved null block)")
-        need(self.block_size >= 1, "block_size", "must be a positive number of tokens, e.g. 16")
-        need(self.max_num_seqs >= 1, "max_num_seqs", "must be at least 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be at least 1")
-        need(self.max_model_len >= 2, "max_model_len", "must be at least 2 tokens")
-        need(self.prefix_cache in PREFIX_CACHES, "prefix_cache", f"choose one of {PREFIX_CACHES}")
-        need(self.eviction in EVICTIONS, "eviction", f"choose one of {EVICTIONS}")
-        need(self.policy in POLICIES, "policy", f"choose one of {POLICIES}")
-        need(self.lpm_max_wait_steps >= 0, "lpm_max_wait_steps", "must be >= 0")
-        need(self.lpm_max_queue >= 0, "lpm_max_queue", "must be >= 0")
-        need(0 <= self.watermark < 1, "watermark", "must be a fraction in [0, 1)")
-        need(self.admission in ADMISSIONS, "admission", f"choose one of {ADMISSIONS}")
-        need(0 <= self.init_new_token_ratio <= 1, "init_new_token_ratio", "must be a fraction in [0, 1]")
-        need(self.max_num_logit_rows in (0,) or self.max_num_logit_rows >= self.max_num_seqs,
-             "max_num_logit_rows", "must be 0 (max_num_seqs) or at least max_num_seqs")
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    start: int  # request.num_computed_tokens when scheduled; block_ids cover [0, start + num_new_tokens)
-    num_tokens: int = -1  # request.num_tokens when scheduled
-    num_draft: int = 0  # of num_new_tokens, drafted tokens to verify (request.spec_token_ids[:n])
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            self.num_tokens = self.request.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """This row reaches the end of the known tokens, so it produces the next token(s)."""
-        return self.start + self.num_new_tokens - self.num_draft == self.num_tokens
-
-
-@dataclass(slots=True)
-class Landed:
-    """What `update_from_output` did with one request's sampled tokens: the tokens it kept, in
-    order (those after a stop are dropped), and the token-level stop it applied, if any."""
-
-    tokens: list[int]
-    stop: tuple[RequestStatus, int | None] | None = None  # (status, stop_reason)
-
-    @property
-    def finished(self) -> bool:
-        return self.stop is not None
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
-    preempted: list[Request] = field(default_factory=list)
-    # requests the scheduler ended itself: one that alone outgrew the whole KV cache (FINISHED_LENGTH)
-    finished: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    step: int = 0
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if not (s.num_new_tokens == 1 and s.samples))
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_batched_tokens - self.num_prefill_tokens
 
 
 class Scheduler:

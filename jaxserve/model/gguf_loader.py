@@ -4,7 +4,7 @@
 
 Architectures (model/gguf_arch.py: what each one's metadata and tensor names mean): llama, mistral,
 qwen2, qwen3, gemma3, qwen3moe, qwen2moe. With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
-matrices stay in their blocks (runtime/quant.py formats). Stacked expert tensors (`ffn_*_exps`,
+matrices stay in their blocks (runtime/weight_formats.py formats). Stacked expert tensors (`ffn_*_exps`,
 [E, out, in]) are always dequantized at load, to float32 per-expert matrices, whatever their type
 (Q8_0, Q4_K, Q6_K as llama.cpp's Q4_K_M writes them): the MoE op (runtime/moe.py) multiplies float
 or MXFP4 experts, not GGUF blocks, so a quantized MoE file costs its experts' float size in memory.
@@ -24,10 +24,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
 
 from jaxserve.errors import UserError
 from jaxserve.model.gguf_arch import EXPERT, NORM_SHIFT, PERMUTED_QK, gguf_config, hf_tensor_name
+from jaxserve.runtime import weight_formats
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -153,8 +155,6 @@ class GGUFFile:
 
 def _type_name(ggml_type: int) -> str:
     try:
-        import gguf
-
         return gguf.GGMLQuantizationType(ggml_type).name
     except Exception:
         return f"#{ggml_type}"
@@ -173,8 +173,6 @@ def dequantize_raw(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> n
     elif name == "BF16":
         out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     else:
-        import gguf.quants
-
         out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
     return np.ascontiguousarray(out.reshape(shape), dtype=np.float32)
 
@@ -189,16 +187,14 @@ KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # block types `keep_quant
 
 
 def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
-    """Tensor `info` in its quantized format (runtime/quant.py: the [in, out] kernel's panels), or
+    """Tensor `info` in its quantized format (runtime/weight_formats.py: the [in, out] kernel's panels), or
     None where it is dequantized instead (another type, or a shape without whole panels).
     qk_heads: the heads of a llama-permuted q/k projection, whose rows are put back in order."""
-    from jaxserve.runtime import quant
-
-    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not quant.quantizable(
-            info.shape[::-1], quant.block_of(info.type_name)):
+    if info.type_name not in KEPT_TYPES or len(info.shape) != 2 or not weight_formats.quantizable(
+            info.shape[::-1], weight_formats.block_of(info.type_name)):
         return None
     raw = g.raw(info)  # (out rows, bytes per row): a permutation of rows applies to it as is
-    return quant.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)
+    return weight_formats.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)
 
 
 def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:

@@ -6,16 +6,23 @@ Orbax directory (`jaxserve convert` output) is returned unread, for the runner t
 
 from __future__ import annotations
 
-from jaxserve.errors import MissingFileError, UserError
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
+from jaxserve.errors import MissingFileError, UserError
 from jaxserve.model.config import ModelConfig
+from jaxserve.model.default_model import default_model_path
+from jaxserve.model.gguf_loader import load_gguf
+from jaxserve.model.orbax_io import open_orbax
 from jaxserve.model.weights import hf_to_params
+from jaxserve.runtime import panels, weight_formats
 
 
 @dataclass
@@ -33,8 +40,6 @@ GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 def resolve_model_path(model: str | None) -> Path:
     if model is None or model in ("default", "SmolLM2-135M-Instruct"):
-        from jaxserve.model.default_model import default_model_path
-
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
@@ -46,8 +51,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
-    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/quant.py);
-    "w4a8" keeps them too, and quant.quantize_params lays the 4-bit ones out for int8 activations."""
+    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/weight_formats.py);
+    "w4a8" keeps them too, and quant_params.quantize_params lays the 4-bit ones out for int8 activations."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
@@ -56,13 +61,9 @@ def load_model(model: str | None, dtype=np.float32, quantization: str | None = N
         raise UserError(f"quantization='gguf' keeps a GGUF file's blocks, but {str(path)!r} is not a .gguf file: "
                         "use int8, q8_0, q4_0 or q4_1 for other checkpoints.", param="quantization")
     if is_gguf:
-        from jaxserve.model.gguf_loader import load_gguf
-
         hf_config, weights = load_gguf(path, keep_quantized=quantization in ("gguf", "w4a8"))
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
-        from jaxserve.model.orbax_io import open_orbax
-
         hf_config, params, gen = open_orbax(path)  # lazy: the runner restores it onto the mesh
     elif path.is_dir():
         hf_config, weights, gen = _load_hf_dir(path, keep_fp8=quantization == "fp8")
@@ -90,8 +91,6 @@ def load_model(model: str | None, dtype=np.float32, quantization: str | None = N
 
 
 def _replace(cfg: ModelConfig, **kw) -> ModelConfig:
-    import dataclasses
-
     return dataclasses.replace(cfg, **kw)
 
 
@@ -142,8 +141,6 @@ def check_checkpoint_quantization(hf_config: dict, path: Path) -> None:
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
     if not file.exists():
         raise MissingFileError(f"Weight file {str(file)!r} named in the index is missing.")
     out = {}
@@ -159,8 +156,6 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
 def _fp8_tensors(file: Path) -> dict[str, np.ndarray]:
     """The file's float8 tensors (ml_dtypes arrays), read from the safetensors layout directly (u64 header
     size, JSON header of dtype / shape / data_offsets, then the data)."""
-    import ml_dtypes
-
     kinds = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
     data = np.memmap(file, dtype=np.uint8, mode="r")
     size = int(data[:8].view("<u8")[0])
@@ -180,7 +175,7 @@ def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None =
     `X.weight_scale_inv` (HF's fp8 layout: one scale per `block` = [bn, bk] tile, default 128 x 128).
     Activation scales (`input_scale`) are dropped: activations are not quantized here. With
     `keep_fp8`, float8_e4m3fn matrices with per-tensor / per-channel scales stay as they are stored
-    (runtime/quant.py's Fp8Weight of their [in, out] kernel)."""
+    (runtime/weight_formats.py's Fp8Weight of their [in, out] kernel)."""
     out = {}
     for name, w in weights.items():
         if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
@@ -208,14 +203,10 @@ def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None =
 
 def _kept_fp8(w: np.ndarray, scale: np.ndarray):
     """An e4m3 [N, K] matrix with one scale or one per output channel as an Fp8Weight, else None."""
-    import ml_dtypes
-
-    from jaxserve.runtime import quant
-
-    if w.dtype != ml_dtypes.float8_e4m3fn or w.ndim != 2 or not quant.quantizable(w.shape[::-1]):
+    if w.dtype != ml_dtypes.float8_e4m3fn or w.ndim != 2 or not weight_formats.quantizable(w.shape[::-1]):
         return None
     if scale.size not in (1, w.shape[0]):
         return None
     per_channel = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (w.shape[0],))
-    return quant.Fp8Weight(np.ascontiguousarray(quant.to_panels(w.view(np.uint8).T)),
+    return weight_formats.Fp8Weight(np.ascontiguousarray(panels.to_panels(w.view(np.uint8).T)),
                            np.ascontiguousarray(per_channel))

@@ -13,7 +13,7 @@ import numpy as np
 from jaxserve.errors import UserError
 from jaxserve.model import families
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime.quant import is_quantized
+from jaxserve.runtime.weight_formats import is_quantized
 
 _ATTN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
 _LAYER_NORM = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm"
@@ -55,7 +55,7 @@ def _common_path(name: str) -> tuple[str, ...] | None:
 
 def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
     """Build the nested param dict (numpy, on host). Linear weights go from [out, in] to [in, out];
-    quantized ones (runtime/quant.py) come in their kernel layout and are kept as they are."""
+    quantized ones (runtime/weight_formats.py) come in their kernel layout and are kept as they are."""
     params: dict = {}
     experts: dict = {}  # path -> {expert index: [in, out] matrix}
     family = families.family(cfg.model_type)
@@ -71,7 +71,7 @@ def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        if is_quantized(w):  # already in its kernel layout (a GGUF's blocks, runtime/quant.py)
+        if is_quantized(w):  # already in its kernel layout (a GGUF's blocks, runtime/weight_formats.py)
             node[path[-1]] = w
             continue
         w = np.asarray(w)

@@ -18,8 +18,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+from jaxserve.config import DTYPES
 from jaxserve.errors import UserError
+from jaxserve.runtime import compat, cpu_kernels, quant
+from jaxserve.runtime.attention import layer_attention
 from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
+from jaxserve.runtime.sampler import greedy_argmax
+from pallas_kernels import kv_quant
 
 log = logging.getLogger("jaxserve")
 
@@ -48,9 +54,7 @@ def _dot_gated(linear):
 
 def _embed_lookup(table, ids):
     if isinstance(table, PackedWeight):  # the tied table held as LM-head panels [V/64, H, 64]
-        from jaxserve.runtime.cpu_kernels import PANEL
-
-        return table.panels[ids // PANEL, :, ids % PANEL]
+        return table.panels[ids // cpu_kernels.PANEL, :, ids % cpu_kernels.PANEL]
     return jnp.take(table, ids, axis=0)
 
 
@@ -85,9 +89,7 @@ class Backend:
     def describe(self) -> str:
         linear = "XLA dot"
         if self.native_linear:
-            from jaxserve.runtime.cpu_kernels import kernel_paths
-
-            paths = kernel_paths()
+            paths = cpu_kernels.kernel_paths()
             linear = (f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')}, "
                       f"w4a8: {paths.get('w4a8')})")
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
@@ -100,49 +102,39 @@ class Backend:
         return self.attention == "pallas" and self.platform in ("gpu", "tpu")
 
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
-        """The model's ops; each also takes weights in runtime/quant.py's formats.
+        """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py).
 
         ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
         t), where the pallas backend runs the split-KV decode kernel on GPU."""
-        from jaxserve.runtime import quant
-
         return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear)
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
-        from jaxserve.runtime.attention import layer_attention
-
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
         # XLA:CPU expands ragged_dot into a product over every expert: tiles there (runtime/moe.py)
         moe = functools.partial(grouped_experts, matmul=blocked_ragged_dot) if self.platform == "cpu" else grouped_experts
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend, moe)
-        from jaxserve.runtime import cpu_kernels as ck
-
         def linear(x, w, num_rows=None):
             if isinstance(w, PackedWeight):
-                return ck.cpu_matmul(x.astype(jnp.float32), w.panels, num_rows)
+                return cpu_kernels.cpu_matmul(x.astype(jnp.float32), w.panels, num_rows)
             return _dot_linear(x, w)
 
         def gated(x, w_gate, w_up, num_rows=None):
             if isinstance(w_gate, PackedWeight) and isinstance(w_up, PackedWeight):
-                return ck.cpu_matmul_gated(x.astype(jnp.float32), w_gate.panels, w_up.panels, num_rows)
+                return cpu_kernels.cpu_matmul_gated(x.astype(jnp.float32), w_gate.panels, w_up.panels, num_rows)
             return _dot_gated(linear)(x, w_gate, w_up, num_rows)
 
         def lm_head(x, table, num_rows=None):
             if isinstance(table, PackedWeight):
-                return ck.cpu_matmul(x.astype(jnp.float32), table.panels, num_rows)
+                return cpu_kernels.cpu_matmul(x.astype(jnp.float32), table.panels, num_rows)
             return jnp.dot(x, table.T.astype(x.dtype))
 
         return ModelOps(linear, gated, _embed_lookup, lm_head, attend, moe)
 
     def argmax(self) -> Callable:
-        from jaxserve.runtime.sampler import greedy_argmax
-
         if self.native_argmax:
-            from jaxserve.runtime.cpu_kernels import argmax_rows
-
-            return argmax_rows
+            return cpu_kernels.argmax_rows
         return greedy_argmax
 
     def prepare_params(self, params: dict, tied_embeddings: bool) -> dict:
@@ -150,14 +142,12 @@ class Backend:
         (every linear kernel whose N is a multiple of 64, and a tied embedding as its transpose)."""
         if not self.native_linear:
             return params
-        from jaxserve.runtime import cpu_kernels as ck
-
         def pack(path, leaf):
             names = [getattr(k, "key", None) for k in path]
-            if names[-1] == "kernel" and ck.packable(leaf.shape):
-                return PackedWeight(ck.pack_kernel(leaf))
-            if tied_embeddings and names[-2:] == ["embed_tokens", "embedding"] and ck.packable(leaf.T.shape):
-                return PackedWeight(ck.pack_kernel(leaf.T))
+            if names[-1] == "kernel" and cpu_kernels.packable(leaf.shape):
+                return PackedWeight(cpu_kernels.pack_kernel(leaf))
+            if tied_embeddings and names[-2:] == ["embed_tokens", "embedding"] and cpu_kernels.packable(leaf.T.shape):
+                return PackedWeight(cpu_kernels.pack_kernel(leaf.T))
             return leaf
 
         return jax.tree_util.tree_map_with_path(pack, params)
@@ -180,10 +170,6 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
 
     ``target`` (``cuda``/``gpu``/``tpu``) decides for that platform instead of this host's, with
     ``compute_capability`` standing in for the GPU's: what `jaxserve lower` exports for."""
-    from jaxserve.config import DTYPES
-    from jaxserve.runtime import compat
-    from pallas_kernels import kv_quant
-
     if kv_dtype not in DTYPES and not kv_quant.is_quantized(kv_dtype):
         raise UserError(f"Unknown KV cache dtype {kv_dtype!r}: choose one of "
                         f"{', '.join(DTYPES + tuple(kv_quant.KV_QUANT_DTYPES))}.", param="kv_cache_dtype")
@@ -203,8 +189,6 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         name = requested or "pallas"
         reason = "requested" if requested else f"default on {platform}"
         if name == "pallas" and shape is not None:
-            import pallas_kernels
-
             # Quantized pages are widened to the compute dtype inside the kernel.
             why = pallas_kernels.supported(
                 platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
@@ -225,8 +209,6 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                        fallback="xla" if name == "pallas" and not requested else None)
     native_dtypes = dtype == "float32" and (kv_dtype in ("float32", "bfloat16") or kv_quant.is_quantized(kv_dtype))
     if requested in (None, "cpu"):
-        from jaxserve.runtime import cpu_kernels
-
         why = None if native_dtypes else (
             f"the native kernels compute in float32 with float32, bfloat16, int8 or fp8 KV, not {dtype} with {kv_dtype} KV "
             "(bfloat16 weights on them: --dtype float32 --quantization bfloat16)")

@@ -3,15 +3,13 @@ paged attention), the float32 matmul of the model's linear layers (and the MLP's
 them), the quantized and dot-product (bfloat16, W8A8) matmuls of runtime/quant.py, and greedy
 sampling's argmax.
 
-The C++ sources (`csrc/*.cc`) are compiled on first use with the system C++ compiler (`$CXX`,
-else `g++`/`c++`) against the XLA FFI headers that ship with jaxlib, for this machine's CPU
-(-march=native), into one library cached under `$JAXSERVE_CACHE_DIR/kernels`, keyed by the
-sources, the flags, jaxlib's version and the CPU. Where no compiler works, `available()` says why
-and the backend (backend.py) chooses XLA's own ops (the `xla` attention backend, XLA's dot)
-instead; the functions here are the calls themselves and check nothing at trace time.
+The library is built on first use (runtime/native_build.py) and registered here. Where no
+compiler works, `available()` says why and the backend (backend.py) chooses XLA's own ops (the
+`xla` attention backend, XLA's dot) instead; the functions here are the calls themselves and check
+nothing at trace time.
 
 Which instructions a kernel uses is decided at run time too, not only by the build: `dot_isa`
-takes the CPU's flags (`cpu_features`), what the library was compiled with and what Linux grants
+takes the CPU's flags (runtime/cpu_isa.py), what the library was compiled with and what Linux grants
 (AMX's tile state), and passes the choice to the call: AMX tiles where present, else
 AVX512_BF16 / AVX512_VNNI, else the portable path of the same kernel (`$JAXSERVE_CPU_ISA=avx512`
 or `portable` caps it).
@@ -20,28 +18,18 @@ or `portable` caps it).
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model.default_model import cache_dir
 from jaxserve.runtime.compat import ffi
+from jaxserve.runtime.cpu_isa import AMX_BIT, AMX_PATHS, DOT_PATHS, ISA_ENV, cpu_features, isa_cap
+from jaxserve.runtime.native_build import build
 from pallas_kernels.kv_quant import QuantPages
 
-logger = logging.getLogger("jaxserve")
-CSRC = Path(__file__).with_name("csrc")
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
            "jaxserve_paged_attention_quant": "JaxservePagedAttentionQuant",
            "jaxserve_write_kv_quant": "JaxserveWriteKvQuant",
@@ -50,54 +38,9 @@ TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write
            "jaxserve_quant_matmul": "JaxserveQuantMatmul",
            "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated",
            "jaxserve_dot_matmul": "JaxserveDotMatmul", "jaxserve_dot_matmul_gated": "JaxserveDotMatmulGated"}
-# $JAXSERVE_CXXFLAGS is appended (e.g. "-fsanitize=address -g" to check the kernels' memory accesses).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", *os.environ.get("JAXSERVE_CXXFLAGS", "").split()]
-# Linking with -ffast-math (GCC < 13) adds crtfastmath.o, whose constructor switches the thread that
-# loads the library (Python's main thread, where numpy and XLA's inline thunks run) to flush-to-zero
-# and denormals-are-zero for the rest of the process. -ffast-math is for compiling the kernels only.
-LINK_FLAGS = [f for f in FLAGS if f not in ("-ffast-math", "-Ofast")]
 
 _lock = threading.Lock()
 _state: dict = {}  # "error": str | None once a build was tried
-
-
-def _cpuinfo_flags_line() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return None
-
-
-def _cpu_fingerprint() -> str:
-    return _cpuinfo_flags_line() or platform.processor() or platform.machine()
-
-
-@functools.cache  # read once: dot_isa asks at every traced linear layer
-def cpu_features() -> frozenset[str]:
-    """This CPU's feature flags as Linux names them (/proc/cpuinfo: "avx512_bf16", "avx512_vnni",
-    "amx_bf16", ...); empty where that file is not there (then only portable kernels run)."""
-    line = _cpuinfo_flags_line()
-    return frozenset(line.split(":", 1)[1].split()) if line and ":" in line else frozenset()
-
-
-# The dot-product kernels (csrc/dot_matmul.cc) per weight format: the CPU flag their fast path
-# needs, and the bit of JaxserveDotIsa() saying the library was built with it; and the AMX tiles'.
-DOT_PATHS = {"bfloat16": ("avx512_bf16", 1), "w8a8": ("avx512_vnni", 2), "w4a8": ("avx512_vnni", 2),
-             "q8a8": ("avx512_vnni", 2)}
-AMX_PATHS = {"bfloat16": "amx_bf16", "w8a8": "amx_int8", "w4a8": "amx_int8", "q8a8": "amx_int8"}
-AMX_BIT = 4
-ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable" / "avx512": cap the instructions below what the CPU has
-ISA_CHOICES = ("auto", "avx512", "portable")
-
-
-def _isa_cap() -> str:
-    cap = os.environ.get(ISA_ENV, "auto")
-    if cap not in ISA_CHOICES:
-        raise ValueError(f"${ISA_ENV}={cap!r}: expected one of {', '.join(ISA_CHOICES)} (unset means auto)")
-    return cap
 
 
 def amx_permitted() -> str | None:
@@ -123,7 +66,7 @@ def dot_isa(fmt: str) -> int:
     `$JAXSERVE_CPU_ISA` caps the choice: `avx512` (no AMX) or `portable`. The native library must
     be available()."""
     flag, bit = DOT_PATHS[fmt]
-    cap = _isa_cap()
+    cap = isa_cap()
     if cap == "portable" or not (flag in cpu_features() and _state["lib"].JaxserveDotIsa() & bit):
         return 0
     if cap == "auto" and AMX_PATHS[fmt] in cpu_features() and amx_permitted() is None:
@@ -147,87 +90,8 @@ def kernel_paths() -> dict[str, str]:
     elif used:
         paths["amx"] = f"{amx}: used by {', '.join(used)}"
     else:
-        paths["amx"] = f"{amx} present, not used ({amx_permitted() or f'${ISA_ENV}={_isa_cap()}'})"
+        paths["amx"] = f"{amx} present, not used ({amx_permitted() or f'${ISA_ENV}={isa_cap()}'})"
     return paths
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build() -> Path:
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++ or set $CXX)")
-    sources = sorted(CSRC.glob("*.cc"))
-    key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in sources + sorted(CSRC.glob("*.h"))), " ".join([cxx, *FLAGS, "|", *LINK_FLAGS]).encode(), jax.__version__.encode(),
-                 _cpu_fingerprint().encode()):
-        key.update(part)
-    out = cache_dir() / "kernels" / f"jaxserve_cpu-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        if _verified(out):
-            return out
-        logger.warning("The cached CPU kernel library %s is damaged (truncated or changed): rebuilding it", out)
-        out.unlink(missing_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        # One compiler process per source, side by side (the attention source alone takes ~10 s).
-        objs = [Path(tmp) / f"{src.stem}.o" for src in sources]
-        logs = [Path(tmp) / f"{src.stem}.log" for src in sources]
-        procs = []
-        for src, obj, log in zip(sources, objs, logs):
-            with open(log, "w") as err:  # a file, not a pipe: a chatty compiler cannot block on it
-                procs.append(subprocess.Popen([cxx, *FLAGS, "-c", f"-I{ffi.include_dir()}", str(src), "-o", str(obj)],
-                                              stdout=subprocess.DEVNULL, stderr=err))
-        results = [(proc.wait(), log.read_text()) for proc, log in zip(procs, logs)]
-        tmp_so = Path(tmp) / out.name
-        if all(rc == 0 for rc, _ in results):
-            link = subprocess.run([cxx, *LINK_FLAGS, *map(str, objs), "-o", str(tmp_so)], capture_output=True, text=True,
-                                  check=False)
-            results.append((link.returncode, link.stderr))
-        for rc, err in results:
-            if rc != 0:
-                raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
-        os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
-    _write_digest(out)
-    return out
-
-
-def _digest_path(so: Path) -> Path:
-    return so.with_suffix(".so.sha256")
-
-
-def _write_digest(so: Path) -> None:
-    """The library's size and sha256 beside it (written atomically after it), checked before
-    every load: loading a truncated library kills the process with SIGBUS."""
-    data = so.read_bytes()
-    tmp = so.with_suffix(f".so.sha256.{os.getpid()}.tmp")
-    tmp.write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
-    os.replace(tmp, _digest_path(so))
-
-
-def _verified(so: Path) -> bool:
-    """Whether `so` is whole: its digest matches, or (a library cached before digests were
-    written) a child process loads it without dying, and then the digest is written."""
-    try:
-        data = so.read_bytes()
-        want = _digest_path(so).read_text().split()
-    except FileNotFoundError:
-        want = None
-    except OSError:
-        return False
-    if want is not None:
-        return want == [str(len(data)), hashlib.sha256(data).hexdigest()]
-    probe = subprocess.run([sys.executable, "-c", "import ctypes, sys; ctypes.CDLL(sys.argv[1])", str(so)],
-                           capture_output=True, check=False, timeout=120)
-    if probe.returncode != 0:
-        return False
-    _write_digest(so)
-    return True
 
 
 def available() -> str | None:
@@ -235,7 +99,7 @@ def available() -> str | None:
     with _lock:
         if "error" not in _state:
             try:
-                lib = ctypes.cdll.LoadLibrary(str(_build()))
+                lib = ctypes.cdll.LoadLibrary(str(build()))
                 for target, symbol in TARGETS.items():
                     ffi.register_ffi_target(target, ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state["lib"], _state["error"] = lib, None

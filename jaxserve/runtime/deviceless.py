@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxserve.errors import UserError
+from jaxserve.runtime import compat
 
 TARGET_DIR = Path(__file__).resolve().parents[2] / "configs" / "targets"
 GPU_TARGETS = ("h100", "h200", "b200")
@@ -80,8 +81,6 @@ def missing(platform: str) -> str | None:
 
 def prepare_env(platforms: tuple[str, ...] = ("cuda", "tpu")) -> None:
     """Set what the compilers read; call before anything starts jax's backends."""
-    from jaxserve.runtime import compat
-
     if compat.backends_started() and os.environ.get("JAX_PLATFORMS") != "cpu":
         raise RuntimeError("deviceless compile: jax started its backends before prepare_env(); "
                            "call it first (it sets JAX_PLATFORMS=cpu and the CUDA directory)")
@@ -222,8 +221,6 @@ def capture_output() -> Iterator[list[str]]:
 @contextlib.contextmanager
 def record_smem() -> Iterator[list[int]]:
     """The dynamic shared memory of each Mosaic GPU kernel lowered inside the block, in bytes."""
-    from jaxserve.runtime import compat
-
     with compat.mosaic_gpu_smem_sizes() as sizes:
         yield sizes
 
@@ -260,8 +257,6 @@ def compile_report(lower: Callable[[], object]) -> CompileReport:
     """Lower and compile (``lower()`` returns a ``jax.stages.Lowered``), reading back the seconds,
     the temporaries, and ptxas' figures for each Mosaic GPU kernel; a compile error is a report
     with ``ok=False`` and its first line, not an exception."""
-    from jaxserve.runtime import compat
-
     t0, c0 = time.perf_counter(), _cpu_seconds()
     with capture_output() as printed, record_smem() as smem:
         try:

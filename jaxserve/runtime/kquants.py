@@ -1,5 +1,5 @@
 """GGUF's K-quants Q4_K and Q6_K kept packed: super-blocks of 256 weights along K, their layout in
-the 64-column panels of runtime/quant.py, read from a GGUF file's bytes, made from float weights,
+the 64-column panels of runtime/panels.py, read from a GGUF file's bytes, made from float weights,
 and decoded (numpy or jnp, inside the computation: no float copy is stored).
 
   Q4_K  W = q * (d * sc) - dmin * m       q 4 bits; per 32 weights a 6-bit scale sc and min m;
@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+
+from jaxserve.runtime.panels import to_panels
 
 SUPER = 256  # weights per super-block, along K
 GGUF_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per super-block in a GGUF file (ggml-common.h)
@@ -45,9 +47,7 @@ FORMATS = {"Q4_K": Q4KWeight, "Q6_K": Q6KWeight}
 
 
 def _to_panels(a):
-    """[K, N, ...] -> [N / 64, K, 64, ...] (quant.to_panels; imported late to avoid a cycle)."""
-    from jaxserve.runtime.quant import to_panels
-
+    """[K, N, ...] -> [N / 64, K, 64, ...] (panels.to_panels, contiguous)."""
     return np.ascontiguousarray(to_panels(np.ascontiguousarray(a)))
 
 

@@ -39,9 +39,11 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime import compat, memory
+from jaxserve.model.decoder import CausalLM
+from jaxserve.runtime import compat, deviceless, kv_sizing, memory, mxfp4
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import runner as rt
+from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 
 GiB = memory.GiB
@@ -76,9 +78,6 @@ def load_model_config(path: str) -> ModelConfig:
 
 def param_shapes(mc: ModelConfig) -> dict:
     """{path: shape} of the model's parameters, from the model's own init (traced, not run)."""
-    from jaxserve.model.decoder import CausalLM
-    from jaxserve.runtime.attention import AttentionMetadata
-
     ops = Backend("cpu", "xla", "paged", False, False, "shapes").ops()
     model = CausalLM(mc, ops, jnp.float32)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -109,8 +108,6 @@ def abstract_packed_params(mc: ModelConfig, dtype) -> dict:
     """The weights as shapes with the routed experts in their packed checkpoint format (gpt-oss's
     MXFP4: `ModelConfig.expert_format`), as the loader keeps them: the runner places them through
     its quantized-weights path."""
-    from jaxserve.runtime import mxfp4
-
     def leaf(path, shape):
         if path[-2] == "experts" and path[-1] in ("gate_proj", "up_proj", "down_proj"):
             e, k, n = shape
@@ -191,8 +188,6 @@ class Lowering:
     def compile(self, key: BucketKey):
         """One bucket compiled by the target's compiler (needs `prepare(devices=...)`): a
         `deviceless.CompileReport`."""
-        from jaxserve.runtime import deviceless
-
         jitted, args = self.runner.step_function(key)
         return deviceless.compile_report(lambda: jitted.lower(*args))
 
@@ -254,7 +249,7 @@ def prepare(
     tp = config.tensor_parallel_size
     meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
-    kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
+    kv_dtype = config.kv_cache_dtype or kv_sizing.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
     shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
     backend = resolve_backend(config.attention_backend, dtype, kv_dtype, tp, shape, target=platform,
                               compute_capability=compute_capability)
@@ -286,7 +281,7 @@ def prepare(
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(
         device_limit=device_memory or DEFAULT_DEVICE_MEMORY[platform], bytes_in_use=weights,
-        activation_bytes=estimate(largest), block_bytes=rt.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
+        activation_bytes=estimate(largest), block_bytes=kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
         block_size=config.block_size, max_model_len=max_model_len, utilization=config.gpu_memory_utilization,
         tensor_parallel_size=tp, reserved_blocks=1,
     )

@@ -24,14 +24,14 @@ Mixture-of-experts layers: the router and the shared expert's gate are replicate
 expert shards like a dense MLP, and the routed experts [E, H, I] / [E, I, H] either split their
 intermediate axis like a dense MLP (P(None, None, "model") / P(None, "model", None)) or, with
 expert parallelism (`--enable-expert-parallel`, EP size = TP size as in vLLM), split the expert
-axis (P("model", None, None)): each device holds E / tp whole experts. Either way `shard_moe` runs
+axis (P("model", None, None)): each device holds E / tp whole experts. Either way `sharded_ops.shard_moe` runs
 the grouped matmul per device under `shard_map`: the residual stream is replicated after the
 attention's all-reduce, so dispatch is local (each device takes the rows routed to its experts)
 and the combine is one all-reduce of [T, H] per MoE layer, the collective a row-parallel down_proj
 costs anyway. An all-to-all dispatch pays off only once tokens are sharded (data-parallel
 attention), which this mesh does not do.
 
-Quantized weights (runtime/quant.py: [N / 64, K-ish, ...] panels and their block scales) shard as
+Quantized weights (runtime/weight_formats.py: [N / 64, K-ish, ...] panels and their block scales) shard as
 their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
 with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
 so each device holds whole blocks with their own scales (`quantized_shardings`).
@@ -39,16 +39,19 @@ so each device holds whole blocks with their own scales (`quantized_shardings`).
 
 from __future__ import annotations
 
-from jaxserve.errors import UserError
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
+from jaxserve.runtime import panels, weight_formats
+from pallas_kernels.kv_quant import QuantPages
 
 DATA, MODEL = "data", "model"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -80,8 +83,6 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
         )
     devs = devices[:need]
     try:
-        from jax.experimental import mesh_utils
-
         grid = mesh_utils.create_device_mesh((dp, tp), devices=devs)
     except Exception:  # noqa: BLE001 - topology-unaware fallback (e.g. CPU subsets)
         grid = np.array(devs).reshape(dp, tp)
@@ -242,10 +243,8 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
     """PartitionSpecs of a quantized weight's parts (a NamedTuple of them, like `w`): its float
     kernel's spec (param_spec) carried to the panels. A UserError names the weight and the valid
     sizes where tp would split a panel or a block."""
-    from jaxserve.runtime import quant
-
     q = w[0]
-    k, n = jax.eval_shape(quant.dequantize, w).shape
+    k, n = jax.eval_shape(weight_formats.dequantize, w).shape
 
     def spec(shape):
         return (tuple(param_spec(path, shape, cfg, tp)) + (None, None))[:2]
@@ -259,7 +258,7 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
     splits = (spec_n and q.shape[0] % tp) or (spec_k and any(a.shape[1] % tp for a in parts))
     if splits:
         count = q.shape[0] if spec_n else min(a.shape[1] for a in parts)  # panels, or K's coarsest blocks
-        unit = f"{quant.PANEL}-column panels" if spec_n else f"blocks of {k // count} along K"
+        unit = f"{panels.PANEL}-column panels" if spec_n else f"blocks of {k // count} along K"
         fits = [t for t in valid_tp_sizes(cfg) if count % t == 0]
         raise UserError(f"tensor_parallel_size={tp} splits the {unit} of the quantized {name} "
                         f"({type(w).__name__}, K={k}, N={n}): use one of {', '.join(map(str, fits))}.",
@@ -270,8 +269,6 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
 def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     """NamedShardings for a tree holding quantized weights: theirs from `quantized_specs`, the
     float leaves' from param_spec."""
-    from jaxserve.runtime import quant
-
     tp = tp_size(mesh)
     if kv_replication(cfg, tp) > 1:
         raise UserError(f"tensor_parallel_size={tp} > num_key_value_heads={cfg.num_kv_heads} repeats kv heads, "
@@ -280,24 +277,22 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
-        if isinstance(leaf, quant.EXPERT_FORMATS):  # MXFP4 experts: whole, on one device
+        if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 experts: whole, on one device
             if tp > 1:
                 raise UserError(f"MXFP4 experts ({'/'.join(names)}) under tensor or expert parallelism are not "
                                 "supported yet: use tensor_parallel_size 1, or the model's bfloat16 checkpoint.",
                                 param="tensor_parallel_size")
             return type(leaf)(*(NamedSharding(mesh, P()) for _ in leaf))
-        if quant.is_quantized(leaf):
+        if weight_formats.is_quantized(leaf):
             return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))
         return NamedSharding(mesh, param_spec(names, tuple(leaf.shape), cfg, tp))
 
-    return jax.tree_util.tree_map_with_path(f, params, is_leaf=quant.is_quantized)
+    return jax.tree_util.tree_map_with_path(f, params, is_leaf=weight_formats.is_quantized)
 
 
 def kv_cache_sharding(mesh: Mesh, layout: str = "paged", quantized: bool = False):
     """One layer's KV array's sharding: kv heads over "model"; quantized pages' scales
     ([nb, bs, Hkv]) go with their heads (a kv_quant.QuantPages of two shardings)."""
-    from pallas_kernels.kv_quant import QuantPages
-
     spec = page_spec(layout, quantized) if tp_size(mesh) > 1 else (QuantPages(P(), P()) if quantized else P())
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec, is_leaf=lambda x: isinstance(x, P))
 
@@ -306,8 +301,6 @@ def page_spec(layout: str = "paged", quantized: bool = False):
     """Where a layer's KV array splits over the model axis: its kv heads (dim 2 of paged
     [nb, bs, Hkv, D], dim 1 of tpu-fused [nb, 2*Hkv, bs, Dp]); for quantized pages a QuantPages
     of the data's and the scales' specs (scales [nb, bs, Hkv], tpu-fused [nb, 2*Hkv, bs])."""
-    from pallas_kernels.kv_quant import QuantPages
-
     if layout == "tpu-fused":
         pages = P(None, MODEL, None, None)
         return QuantPages(pages, P(None, MODEL, None)) if quantized else pages
@@ -362,66 +355,6 @@ def bytes_per_device(tree) -> dict:
         for shard in leaf.addressable_shards:
             out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
     return out
-
-
-# ---- attention under shard_map ----------------------------------------------------------------
-def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
-    """Run a layer's attention (KV write + kernel) per model shard: each device writes and attends
-    over its own q and kv heads.
-
-    Same signature as `attention.layer_attention`'s function; the batch metadata is replicated.
-    Needed for Pallas kernels and the native CPU kernel, and keeps XLA from ever gathering the
-    cache across devices.
-    """
-    if tp_size(mesh) == 1:
-        return attn_fn
-    heads, rep = P(None, MODEL, None), P()
-
-    def sharded(q, k, v, k_pages, v_pages, md, sinks=None, **kw):
-        from pallas_kernels.kv_quant import QuantPages
-
-        pages = page_spec(layout, isinstance(k_pages, QuantPages))
-        v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
-        extra = () if sinks is None else (sinks,)  # per-head sinks (gpt-oss) go with their query heads
-
-        def per_device(*a):
-            return attn_fn(*a[:6], **kw, **({"sinks": a[6]} if extra else {}))
-
-        f = jax.shard_map(per_device, mesh=mesh, in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
-                          out_specs=(heads, pages, v_spec), check_vma=False)
-        return f(q, k, v, k_pages, v_pages, md, *extra)
-
-    return sharded
-
-
-# ---- routed experts under shard_map ------------------------------------------------------------
-def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
-    """Run `ops.moe` (runtime/moe.py's signature) per device over its slice of the experts (whole
-    experts with expert parallelism, else every expert's slice of the intermediate axis), then sum
-    the partial outputs over the model axis (see the module docstring for why no all-to-all)."""
-    if tp_size(mesh) == 1:
-        return moe_fn
-    rep = P()
-    w_in, w_out = (P(MODEL, None, None),) * 2 if expert_parallel else (P(None, None, MODEL), P(None, MODEL, None))
-
-    # gpt-oss's gate / up biases [E, I] split as their experts' columns do
-    b_in = P(MODEL, None) if expert_parallel else P(None, MODEL)
-
-    def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None, biases=None, **kw):
-        if num_rows is None:
-            num_rows = jnp.full((1,), x.shape[0], jnp.int32)
-
-        def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows, biases):
-            offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
-            y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset, biases=biases, **kw)
-            return jax.lax.psum(y, MODEL)
-
-        b_spec = None if biases is None else (b_in, b_in)
-        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep, b_spec),
-                          out_specs=rep, check_vma=False)
-        return f(x, ids, weights, w_gate, w_up, w_down, num_rows, biases)
-
-    return sharded
 
 
 # ---- host <-> global arrays (multi-process) ---------------------------------------------------

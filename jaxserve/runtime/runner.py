@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,11 +34,13 @@ from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import cache_dir
 from jaxserve.model.decoder import CausalLM
-from jaxserve.runtime import fallback
+from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime import quant
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
+from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
+# re-exported for engine.py (owned elsewhere; it reads them as runner.*), until it imports kv_sizing
+from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype  # noqa: F401
 from jaxserve.runtime.sampler import sample
 from pallas_kernels import kv_quant
 
@@ -74,7 +77,7 @@ class RunnerConfig:
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # default: dtype
-    quantization: str | None = None  # int8, q8_0, ...: float weights quantized here (runtime/quant.py)
+    quantization: str | None = None  # int8, q8_0, ...: float weights quantized here (runtime/quant_params.py)
     enable_expert_parallel: bool = False  # MoE: split whole experts over the model axis (runtime/mesh.py)
 
 
@@ -108,16 +111,6 @@ def unpack_batch(flat, specs) -> StepBatch:
         out.append(x if dt == "int32" else jax.lax.bitcast_convert_type(x, jnp.dtype(dt)))
         off += n
     return StepBatch(*out)
-
-
-def dtype_size(dtype: str) -> int:
-    return np.dtype(kv_storage_dtype(dtype)).itemsize
-
-
-def kv_storage_dtype(name: str):
-    """The dtype a KV cache's values are stored in: the dtype itself, or a quantized format's data
-    dtype (int8, float8_e4m3fn, float8_e5m2)."""
-    return kv_quant.KV_QUANT_DTYPES.get(name) or jnp.dtype(name)
 
 
 class ModelRunner:
@@ -180,9 +173,9 @@ class ModelRunner:
         self.kv = self._allocate_kv(self.cfg.num_blocks)
 
     def _ops(self, decode_only: bool):
-        ops = self.backend.ops(lambda attend: meshlib.shard_attention(attend, self.mesh, self.backend.kv_layout),
+        ops = self.backend.ops(lambda attend: sharded_ops.shard_attention(attend, self.mesh, self.backend.kv_layout),
                                decode_only=decode_only)
-        return dataclasses.replace(ops, moe=meshlib.shard_moe(ops.moe, self.mesh, self.model_cfg.expert_parallel))
+        return dataclasses.replace(ops, moe=sharded_ops.shard_moe(ops.moe, self.mesh, self.model_cfg.expert_parallel))
 
     def _put(self, x: np.ndarray):
         """A small host array, replicated over the mesh (lower.AbstractRunner keeps it on the host)."""
@@ -208,8 +201,6 @@ class ModelRunner:
 
     def peak_step_bytes(self) -> int:
         """Peak temporary bytes of the largest bucket's executable (XLA's memory analysis)."""
-        from jaxserve.runtime import compat
-
         return compat.peak_temp_bytes(self.executable(max(self.all_buckets())))
 
     def _place_params(self, params) -> dict:
@@ -218,10 +209,10 @@ class ModelRunner:
         if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
             params = params.restore(meshlib.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
         if quantize:
-            params = quant.quantize_params(params, self.cfg.quantization)
-        if quant.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
+            params = quant_params.quantize_params(params, self.cfg.quantization)
+        if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
             self.param_shardings = meshlib.quantized_shardings(params, mc, mesh)
-            return quant.place_params(params, self.dtype, self.param_shardings)
+            return quant_params.place_params(params, self.dtype, self.param_shardings)
         if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
             shapes = params.shapes()
             params = params.restore(meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)
@@ -293,8 +284,6 @@ class ModelRunner:
     def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None) -> float:
         """Compile every bucket (or `keys`) now, so no request waits on a compile: in parallel,
         one XLA compile per core (compiling releases the GIL), largest first."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
         t0 = time.perf_counter()
         keys = self.all_buckets() if keys is None else keys
         hits0, misses0 = CACHE_EVENTS.values()
@@ -357,62 +346,3 @@ class ModelRunner:
         logits, layers = fn(self.params, self.kv.layers, flat, self.last_tokens)
         self.kv = KVCaches(layers, self.kv.layout)
         return logits
-
-
-def kv_block_shape(layout: str, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> tuple:
-    """One block of one layer's KV array (K and V together for tpu-fused, else each of the two)."""
-    if layout == "tpu-fused":
-        from pallas_kernels import tpu
-
-        return tpu.fused_shape(1, block_size, num_kv_heads, head_dim, dtype)[1:]
-    return block_size, num_kv_heads, head_dim
-
-
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1,
-                       layout: str = "paged") -> int:
-    """KV bytes of one block on one device (kv heads split over tp, at least one head each), as
-    allocated: the tpu-fused layout's head-dim padding counts, so the budget is physical memory; a
-    quantized cache counts its data and its float32 scale per (token, kv head) (tpu-fused: the
-    scales' [2 * Hkv, block_size] tile as HBM pads it, ``tpu.scale_page_bytes``)."""
-    tp = tensor_parallel_size
-    heads = max(model_cfg.num_kv_heads // tp, 1) if tp > 1 else model_cfg.num_kv_heads
-    arrays = 1 if layout == "tpu-fused" else 2
-    shape = kv_block_shape(layout, block_size, heads, model_cfg.head_dim, kv_storage_dtype(dtype))
-    scales = 4 * int(np.prod(shape[:-1])) if kv_quant.is_quantized(dtype) else 0
-    if scales and layout == "tpu-fused":
-        from pallas_kernels import tpu
-
-        scales = tpu.scale_page_bytes(block_size, heads)
-    return arrays * model_cfg.num_layers * (int(np.prod(shape)) * dtype_size(dtype) + scales)
-
-
-def default_dtype() -> str:
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def default_kv_cache_dtype(dtype: str, checkpoint_dtype: str | None) -> str:
-    """The KV cache's dtype when none is asked for: the compute dtype, except that a bfloat16
-    checkpoint (a quantized GGUF counts as one) computed in float32 keeps its K/V in bfloat16, the
-    precision the model has always run at (vLLM's `auto` stores the checkpoint's dtype too). That
-    halves the KV memory and the bytes each decode step reads; matmuls and attention math stay
-    float32."""
-    return "bfloat16" if dtype == "float32" and checkpoint_dtype == "bfloat16" else dtype
-
-
-def kv_memory_budget(kv_cache_memory: int | None, memory_fraction: float, weight_bytes: int) -> int:
-    """Bytes for the KV cache: an explicit budget, else a fraction of the device's free memory.
-
-    CPU backends report no memory stats; there the fraction applies to available host RAM, and
-    the default is capped at 1 GiB (as vLLM's CPU backend caps its KV space by default).
-    """
-    if kv_cache_memory is not None:
-        return int(kv_cache_memory)
-    from jaxserve.runtime import compat
-
-    stats = compat.memory_stats(jax.devices()[0])
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * memory_fraction)
-    import psutil
-
-    return int(min(psutil.virtual_memory().available * memory_fraction, 1 << 30))

@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.server.async_engine import EngineDeadError
 from jaxserve.server.chat_bridge import Answer, Block, ChatRun, Close, Finished, Open, Piece, Usage
 from jaxserve.server.errors import APIError, anthropic_error_body, bad_request, internal_error
-from jaxserve.server.serving import OpenAIServing, parse, shutting_down
+from jaxserve.server.request_checks import parse, shutting_down
+from jaxserve.server.serving import OpenAIServing
 from jaxserve.server.streaming import EventStream, sse_event
 
 log = logging.getLogger("jaxserve.server")

@@ -45,7 +45,8 @@ from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.openai_responses import OpenAIResponses
 from jaxserve.server.pooling_api import PoolingAPI
 from jaxserve.server.responses_input import ResponseStore
-from jaxserve.server.serving import OpenAIServing, parse, served_names
+from jaxserve.server.request_checks import parse, served_names
+from jaxserve.server.serving import OpenAIServing
 
 log = logging.getLogger("jaxserve.server")
 

@@ -27,7 +27,8 @@ from jaxserve.server.responses_input import (
     output_messages,
     to_chat,
 )
-from jaxserve.server.serving import OpenAIServing, parse, shutting_down
+from jaxserve.server.request_checks import parse, shutting_down
+from jaxserve.server.serving import OpenAIServing
 from jaxserve.server.streaming import EventStream, sse_event
 
 log = logging.getLogger("jaxserve.server")

@@ -25,7 +25,8 @@ from jaxserve.pooling import PoolingParams, pooling_request
 from jaxserve.rerank import PREFIX, SUFFIX, pair_text
 from jaxserve.server import protocol as P
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.serving import OpenAIServing, shutting_down
+from jaxserve.server.request_checks import shutting_down
+from jaxserve.server.serving import OpenAIServing
 
 
 class _Strict(BaseModel):

@@ -15,13 +15,12 @@ import numpy as np
 
 from jaxserve.core.batch import BucketKey, RowSpec, Sampling, StepBatch
 from jaxserve.errors import UserError
+from jaxserve.model.loader import load_model
+from jaxserve.runtime.runner import ModelRunner
 
 
 class DraftModel:
     def __init__(self, path: str, target_cfg, num_blocks: int, target_vocab: int):
-        from jaxserve.model.loader import load_model
-        from jaxserve.runtime.runner import ModelRunner
-
         try:
             loaded = load_model(path)
         except UserError as e:

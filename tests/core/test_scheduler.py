@@ -5,7 +5,8 @@ import random
 import pytest
 
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import ADMISSIONS, RETRACT_DECODE_STEPS, Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import RETRACT_DECODE_STEPS, Scheduler
+from jaxserve.core.scheduler_config import ADMISSIONS, SchedulerConfig
 
 from .util import run, step
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 
 
 def step(sched: Scheduler, rng: random.Random, vocab: int = 5, check: bool = True) -> SchedulerOutput:

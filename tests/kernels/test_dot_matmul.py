@@ -1,4 +1,4 @@
-"""The dot-product formats (runtime/quant.py's Bf16Weight, W8A8Weight and W4A8Weight,
+"""The dot-product formats (runtime/weight_formats.py's Bf16Weight, W8A8Weight and W4A8Weight,
 csrc/dot_matmul.cc): the native kernel against float64 on bfloat16-rounded inputs (bfloat16) and
 against the exact integer arithmetic (W8A8, W4A8), its rows independent of the batch, the portable path against the AVX-512
 instructions, AMX tiles against both (where the CPU has them), the XLA reference path, the layouts,
@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.runtime import cpu_kernels, quant
+from jaxserve.runtime import cpu_isa, cpu_kernels, native_build, panels, quant, quant_params, weight_formats
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
@@ -31,14 +31,14 @@ def problem(seed: int, m: int, k: int, n: int, fmt: str):
     if m > 2:
         x[2] = 0
     w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
-    return x, w, jax.device_put(quant.quantize(w, fmt))
+    return x, w, jax.device_put(weight_formats.quantize(w, fmt))
 
 
 def w8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """W8A8 by hand in numpy: int8 weights per column, int8 activations per block of 32 along k
     (scale max |x_block| / 127), each block's exact integer sum times its scale, then scale[n]."""
-    qw = quant.quantize_int8(w)
-    q = quant.from_panels(qw.q).astype(np.int64)
+    qw = weight_formats.quantize_int8(w)
+    q = panels.from_panels(qw.q).astype(np.int64)
     k = x.shape[1]
     xq, sx = activation_blocks(x)
     sums = np.einsum("mbk,bkn->mbn", xq, q.reshape(k // 32, 32, -1)).astype(np.float64)
@@ -58,10 +58,10 @@ def activation_blocks(x: np.ndarray):
 def w4a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """W4A8 by hand: Q4_1's values Q, d and m (gguf's quantizer), the activations' blocks, and per
     block sx (d sum(xq Q) + m sum(xq)) in float64."""
-    q4 = quant.quantize(w, "q4_1")
+    q4 = weight_formats.quantize(w, "q4_1")
     k = x.shape[1]
-    q = quant.from_panels(quant._nibbles(np.asarray(q4.q))).astype(np.int64).reshape(k // 32, 32, -1)
-    d, mins = (quant.from_panels(np.asarray(a)).astype(np.float64) for a in (q4.d, q4.m))  # [K / 32, N]
+    q = panels.from_panels(panels.nibbles(np.asarray(q4.q))).astype(np.int64).reshape(k // 32, 32, -1)
+    d, mins = (panels.from_panels(np.asarray(a)).astype(np.float64) for a in (q4.d, q4.m))  # [K / 32, N]
     xq, sx = activation_blocks(x)
     sums = np.einsum("mbk,bkn->mbn", xq, q).astype(np.float64)
     return (sx * (d * sums + mins * xq.sum(axis=2, keepdims=True))).sum(axis=1)
@@ -69,10 +69,10 @@ def w4a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def q8a8_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Q8_0's values and d (gguf's quantizer) times the activations' blocks: per block sx d sum(xq Q)."""
-    q8 = quant.quantize(w, "q8_0")
+    q8 = weight_formats.quantize(w, "q8_0")
     k = x.shape[1]
-    q = quant.from_panels(np.asarray(q8.q)).astype(np.int64).reshape(k // 32, 32, -1)
-    d = quant.from_panels(np.asarray(q8.d)).astype(np.float64)
+    q = panels.from_panels(np.asarray(q8.q)).astype(np.int64).reshape(k // 32, 32, -1)
+    d = panels.from_panels(np.asarray(q8.d)).astype(np.float64)
     xq, sx = activation_blocks(x)
     return (sx * d * np.einsum("mbk,bkn->mbn", xq, q)).sum(axis=1)
 
@@ -90,29 +90,29 @@ def reference(x: np.ndarray, w: np.ndarray, fmt: str) -> np.ndarray:
 
 def test_layouts_round_trip():
     w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
-    b = quant.quantize_bf16(w)
+    b = weight_formats.quantize_bf16(w)
     assert b.q.dtype == jnp.bfloat16 and b.q.shape == (2, 48, 128)
     assert b.q[1, 5, 2 * 7 + 1] == w[2 * 5 + 1, 64 + 7].astype(ml_dtypes.bfloat16)  # [p, i, 2j + t]
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(b)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
-    a = quant.quantize_w8a8(w)
-    i8 = quant.quantize_int8(w)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(b)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    a = weight_formats.quantize_w8a8(w)
+    i8 = weight_formats.quantize_int8(w)
     assert a.q.dtype == np.uint8 and a.q.shape == (2, 24, 256)
-    np.testing.assert_array_equal(quant.from_words(a.q, 4).astype(np.int32) - 128, i8.q)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(a)), np.asarray(quant.dequantize(i8)))
-    q4 = quant.quantize(w, "q4_1")
-    f = quant.to_w4a8(q4)  # Q4_1's values and blocks, two k quads a byte
+    np.testing.assert_array_equal(panels.from_words(a.q, 4).astype(np.int32) - 128, i8.q)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(a)), np.asarray(weight_formats.dequantize(i8)))
+    q4 = weight_formats.quantize(w, "q4_1")
+    f = weight_formats.to_w4a8(q4)  # Q4_1's values and blocks, two k quads a byte
     assert f.q.dtype == np.uint8 and f.q.shape == (2, 12, 256) and f.d.shape == f.m.shape == (2, 3, 64)
-    vals = quant.from_panels(quant._nibbles(q4.q))  # [K, N] in 0..15
+    vals = panels.from_panels(panels.nibbles(q4.q))  # [K, N] in 0..15
     assert f.q[1, 5, 4 * 7 + 2] == vals[8 * 5 + 2, 64 + 7] | vals[8 * 5 + 4 + 2, 64 + 7] << 4  # [p, g, 4j + t]
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(f)), np.asarray(quant.dequantize(q4)))
-    q8 = quant.quantize(w, "q8_0")
-    e = quant.to_q8a8(q8)  # Q8_0's values + 128 in quads, m = -128 d
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(f)), np.asarray(weight_formats.dequantize(q4)))
+    q8 = weight_formats.quantize(w, "q8_0")
+    e = weight_formats.to_q8a8(q8)  # Q8_0's values + 128 in quads, m = -128 d
     assert e.q.shape == (2, 24, 256) and e.q[1, 5, 4 * 7 + 2] == int(q8.q[1, 4 * 5 + 2, 7]) + 128
     np.testing.assert_array_equal(np.asarray(e.m, np.float32), -128 * np.asarray(e.d, np.float32))
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(e)), np.asarray(quant.dequantize(q8)))
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(e)), np.asarray(weight_formats.dequantize(q8)))
     ids = jnp.asarray([0, 5, 63, 64, 127, 5], jnp.int32)
     for qw in (b, a, f, e):
-        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(quant.dequantize(qw)).T[ids])
+        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(weight_formats.dequantize(qw)).T[ids])
 
 
 @needs_kernel
@@ -137,7 +137,7 @@ def test_native_matches_reference(fmt, m, k, n):
 def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
     """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset,
     plain and gated, on either path."""
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, isa)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, isa)
     x, _, qw = problem(0, 100, 576, 192, fmt)
     lin = jax.jit(lambda x, w: quant.linear(x, w))  # new functions: traced under this isa
     gat = jax.jit(lambda x, w, u: quant.linear_gated(x, w, u))
@@ -149,7 +149,7 @@ def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
 
 def run_under(monkeypatch, cap: str, fn, *args):
     """fn(*args) jitted afresh (so traced, and its isa chosen) under $JAXSERVE_CPU_ISA=cap."""
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, cap)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, cap)
     return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
 
 
@@ -175,7 +175,7 @@ def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
     np.testing.assert_allclose(port, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <= cpu_kernels.cpu_features()
+needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <= cpu_isa.cpu_features()
                                or cpu_kernels.amx_permitted() is not None,
                                reason="no AMX tiles here (CPU, build or Linux: cpu_kernels.amx_permitted)")
 
@@ -188,7 +188,7 @@ def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
     isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's and W4A8's block sums
     are exact, so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps
     and to the float64 reference. K = 96: an odd number of 32-k tile steps."""
-    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
     assert cpu_kernels.dot_isa(fmt) == 2
     x, w, qw = problem(k + n, 113, k, n, fmt)
     fns = {(cap, g): compile_under(monkeypatch, cap, g, x, qw) for cap in ("auto", "avx512") for g in (False, True)}
@@ -208,7 +208,7 @@ def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
 def compile_under(monkeypatch, cap: str, gated_call: bool, x, w):
     """linear (or linear_gated, the weight twice) with traced real rows, compiled now for (x, w),
     under $JAXSERVE_CPU_ISA=cap (the isa is chosen at trace time)."""
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, cap)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, cap)
     if gated_call:
         fn = jax.jit(lambda x, w, rows: quant.linear_gated(x, w, w, rows))
     else:
@@ -217,7 +217,7 @@ def compile_under(monkeypatch, cap: str, gated_call: bool, x, w):
 
 
 def test_isa_cap_is_checked(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "amx512")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "amx512")
     with pytest.raises(ValueError, match="JAXSERVE_CPU_ISA='amx512': expected one of auto, avx512, portable"):
         cpu_kernels.dot_isa("bfloat16")
 
@@ -227,7 +227,7 @@ def test_isa_cap_is_checked(monkeypatch):
 @pytest.mark.parametrize("m,rows", [(1, 1), (9, 7), (64, 58)])
 def test_gated_matches_silu_times_up(fmt, m, rows):
     x, w, qg = problem(m, m, 576, 1536, fmt)
-    qu = jax.device_put(quant.quantize(w[:, ::-1] * 2, fmt))
+    qu = jax.device_put(weight_formats.quantize(w[:, ::-1] * 2, fmt))
     got = np.asarray(gated(x, qg, qu, rows))
     g, u = (np.asarray(linear(x, q, rows)) for q in (qg, qu))
     np.testing.assert_allclose(got[:rows], (jax.nn.silu(g) * u)[:rows], rtol=2e-6, atol=2e-6)
@@ -238,20 +238,20 @@ def test_gated_matches_silu_times_up(fmt, m, rows):
 
 @needs_kernel
 def test_instructions_follow_the_cpu_flags(monkeypatch):
-    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
-    flags = cpu_kernels.cpu_features()
+    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    flags = cpu_isa.cpu_features()
     paths = cpu_kernels.kernel_paths()
-    for fmt, (flag, _) in cpu_kernels.DOT_PATHS.items():
-        isa, amx = cpu_kernels.dot_isa(fmt), cpu_kernels.AMX_PATHS[fmt]
+    for fmt, (flag, _) in cpu_isa.DOT_PATHS.items():
+        isa, amx = cpu_kernels.dot_isa(fmt), cpu_isa.AMX_PATHS[fmt]
         if flag not in flags:  # a CPU without the instruction runs the portable path
             assert isa == 0 and paths[fmt] == "portable"
         # AMX wherever the CPU has it and Linux grants it
         assert (isa == 2) == (isa > 0 and amx in flags and cpu_kernels.amx_permitted() is None)
         assert paths[fmt] == {2: amx, 1: flag, 0: "portable"}[isa]
     assert paths["amx"].startswith("amx") == any(f.startswith("amx") for f in flags)
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512")
-    assert all(cpu_kernels.dot_isa(fmt) < 2 for fmt in cpu_kernels.DOT_PATHS)
-    monkeypatch.setenv(cpu_kernels.ISA_ENV, "portable")
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512")
+    assert all(cpu_kernels.dot_isa(fmt) < 2 for fmt in cpu_isa.DOT_PATHS)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "portable")
     assert cpu_kernels.kernel_paths()["w8a8"] == cpu_kernels.kernel_paths()["bfloat16"] == "portable"
 
 
@@ -259,13 +259,13 @@ def test_quantize_params_makes_the_dot_formats():
     rng = np.random.default_rng(1)
     params = {"embed_tokens": {"embedding": rng.standard_normal((128, 64)).astype(np.float32)},
               "layers_0": {"mlp": {"up_proj": {"kernel": rng.standard_normal((64, 128)).astype(np.float32)}}}}
-    before = quant.weight_bytes(params)
-    for fmt, cls, share in (("bfloat16", quant.Bf16Weight, 0.5), ("w8a8", quant.W8A8Weight, 0.3),
-                            ("w4a8", quant.W4A8Weight, 0.17)):
-        out = quant.quantize_params(params, fmt)
+    before = quant_params.weight_bytes(params)
+    for fmt, cls, share in (("bfloat16", weight_formats.Bf16Weight, 0.5), ("w8a8", weight_formats.W8A8Weight, 0.3),
+                            ("w4a8", weight_formats.W4A8Weight, 0.17)):
+        out = quant_params.quantize_params(params, fmt)
         assert isinstance(out["layers_0"]["mlp"]["up_proj"]["kernel"], cls)
         assert isinstance(out["embed_tokens"]["embedding"], cls)
-        assert quant.weight_bytes(out) <= before * share
+        assert quant_params.weight_bytes(out) <= before * share
 
 
 @needs_kernel
@@ -296,13 +296,13 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         runs[name] = {"llm": llm, "ppl": float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())),
                       "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
-                      "bytes": quant.weight_bytes(llm.engine.runner.params)}
+                      "bytes": quant_params.weight_bytes(llm.engine.runner.params)}
     ref, got = runs[base], runs[scheme]
-    cls, share, ppl_tol, agree = {"bfloat16": (quant.Bf16Weight, 0.55, 0.01, 0.95),
-                                  "w8a8": (quant.W8A8Weight, 0.30, 0.02, 0.90),
-                                  "w4a8": (quant.W4A8Weight, 0.17, 0.02, 0.90)}[scheme]
+    cls, share, ppl_tol, agree = {"bfloat16": (weight_formats.Bf16Weight, 0.55, 0.01, 0.95),
+                                  "w8a8": (weight_formats.W8A8Weight, 0.30, 0.02, 0.90),
+                                  "w4a8": (weight_formats.W4A8Weight, 0.17, 0.02, 0.90)}[scheme]
     params = got["llm"].engine.runner.params
-    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]
+    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=weight_formats.is_quantized)[0]
                if getattr(p[-1], "key", None) in ("kernel", "embedding")]
     assert kernels and all(isinstance(w, cls) for w in kernels)
     assert got["bytes"] <= share * runs[None]["bytes"]
@@ -310,10 +310,10 @@ def test_engine_runs_the_dot_formats(tiny_model, arch, scheme):
     assert greedy_agreement(got["llm"].engine.runner, got["prompts"], ref["tokens"]) >= agree
 
 
-@pytest.mark.skipif(cpu_kernels._compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
+@pytest.mark.skipif(native_build.compiler() is None or platform.machine() not in ("x86_64", "AMD64"),
                     reason="needs an x86 C++ compiler")
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
-@pytest.mark.parametrize("source", sorted(p.name for p in cpu_kernels.CSRC.glob("*.cc")))
+@pytest.mark.parametrize("source", sorted(p.name for p in native_build.CSRC.glob("*.cc")))
 def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
     """The portable paths compile for an AVX2 (haswell) and a baseline x86-64 CPU: the library is
     built -march=native on the machine that runs it, so these are what such machines get."""
@@ -323,8 +323,8 @@ def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
 
     # -O1: an intrinsic the target lacks fails at any level (always_inline target mismatch), and
     # -O3 tripled the cost (paged_attention.cc: 80 s against 21 s on 2 cores)
-    flags = [f for f in cpu_kernels.FLAGS if f not in ("-march=native", "-shared", "-O3")]
-    cmd = [cpu_kernels._compiler(), *flags, "-O1", f"-march={march}", "-c", f"-I{ffi.include_dir()}",
-           str(cpu_kernels.CSRC / source), "-o", str(tmp_path / "out.o")]
+    flags = [f for f in native_build.FLAGS if f not in ("-march=native", "-shared", "-O3")]
+    cmd = [native_build.compiler(), *flags, "-O1", f"-march={march}", "-c", f"-I{ffi.include_dir()}",
+           str(native_build.CSRC / source), "-o", str(tmp_path / "out.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runtime import cpu_kernels, kquants, quant
+from jaxserve.runtime import cpu_kernels, kquants, quant, quant_params, weight_formats
 from tests.kernels.test_quant import check_gated, check_matches_float64, check_rows_do_not_depend_on_the_batch
 
 WHY = cpu_kernels.available()
@@ -40,8 +40,8 @@ def make(type_name: str, k: int, n: int):
     """(weight from float weights through quantize_params' path, float64 [K, N] it stands for)."""
     w = RNG.standard_normal((k, n)).astype(np.float32) * 0.1
     raw = kquants.quantize_gguf(w.T, type_name)
-    qw = quant.quantize(w, type_name.lower())
-    for a, b in zip(qw, quant.from_gguf(raw, type_name)):
+    qw = weight_formats.quantize(w, type_name.lower())
+    for a, b in zip(qw, weight_formats.from_gguf(raw, type_name)):
         np.testing.assert_array_equal(a, b)
     return qw, reference(raw, type_name, n, k).astype(np.float64)
 
@@ -51,9 +51,9 @@ def make(type_name: str, k: int, n: int):
 def test_blocks_read_as_gguf_dequantizes(type_name, n, k):
     raw = random_blocks(type_name, n, k)
     ref = reference(raw, type_name, n, k)
-    qw = quant.from_gguf(raw, type_name)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(qw)), ref)
-    np.testing.assert_array_equal(np.asarray(jax.jit(quant.dequantize)(qw)), ref)
+    qw = weight_formats.from_gguf(raw, type_name)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(qw)), ref)
+    np.testing.assert_array_equal(np.asarray(jax.jit(weight_formats.dequantize)(qw)), ref)
     ids = jnp.asarray([0, n - 1, 5, 63, 5], jnp.int32)
     np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), ref.T[np.asarray(ids)])
 
@@ -74,9 +74,9 @@ def test_bytes_per_weight():
     k, n = 512, 256
     float_bytes = k * n * 4
     q4k, q6k = make("Q4_K", k, n)[0], make("Q6_K", k, n)[0]
-    assert quant.weight_bytes(q4k) / float_bytes == 4.625 / 32  # 14.5%: the file's 4.5 bits + 6-bit scales in bytes
-    assert quant.weight_bytes(q6k) / float_bytes == 6.5625 / 32  # 20.5%: as in the file
-    assert quant.weight_bytes(q4k) / float_bytes <= 0.17
+    assert quant_params.weight_bytes(q4k) / float_bytes == 4.625 / 32  # 14.5%: the file's 4.5 bits + 6-bit scales in bytes
+    assert quant_params.weight_bytes(q6k) / float_bytes == 6.5625 / 32  # 20.5%: as in the file
+    assert quant_params.weight_bytes(q4k) / float_bytes <= 0.17
 
 
 @needs_kernel
@@ -91,8 +91,8 @@ def test_native_matmul_matches_float64(type_name, m, rows):
 def test_native_equals_the_float32_kernel_on_its_values(type_name, m):
     """Random blocks decode exactly and are summed in the float32 packed kernel's order."""
     n, k = 128, 512
-    qw = quant.from_gguf(random_blocks(type_name, n, k), type_name)
-    wp = cpu_kernels.pack_kernel(quant.dequantize(qw))
+    qw = weight_formats.from_gguf(random_blocks(type_name, n, k), type_name)
+    wp = cpu_kernels.pack_kernel(weight_formats.dequantize(qw))
     x = RNG.standard_normal((m, k)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(x, qw)),
                                   np.asarray(jax.jit(cpu_kernels.cpu_matmul)(x, wp)))
@@ -115,7 +115,7 @@ def test_native_gated(type_name):
 def test_quantize_params_k_quants_fall_back_where_k_is_not_in_super_blocks():
     params = {"layers_0": {"mlp": {"down_proj": {"kernel": RNG.standard_normal((512, 64)).astype(np.float32)},
                                    "up_proj": {"kernel": RNG.standard_normal((96, 64)).astype(np.float32)}}}}
-    for scheme, kind, fallback in (("q4_k", quant.Q4KWeight, quant.Q4Weight), ("q6_k", quant.Q6KWeight, quant.Q8Weight)):
-        out = quant.quantize_params(params, scheme)["layers_0"]["mlp"]
+    for scheme, kind, fallback in (("q4_k", kquants.Q4KWeight, weight_formats.Q4Weight), ("q6_k", kquants.Q6KWeight, weight_formats.Q8Weight)):
+        out = quant_params.quantize_params(params, scheme)["layers_0"]["mlp"]
         assert isinstance(out["down_proj"]["kernel"], kind)
         assert isinstance(out["up_proj"]["kernel"], fallback)  # K = 96: 32-blocks

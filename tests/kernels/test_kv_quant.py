@@ -16,7 +16,7 @@ import pallas_kernels
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime import cpu_kernels, memory
-from jaxserve.runtime import runner as rt
+from jaxserve.runtime import kv_sizing
 from jaxserve.runtime.attention import xla_ragged_paged_attention
 from jaxserve.runtime.backend import KernelShape, resolve_backend
 from pallas_kernels import gpu, gpu_decode, kv_quant, reference
@@ -166,10 +166,10 @@ def test_gpu_kernels_match_the_oracle_interpreted(name, case, heads, window, blo
 def test_memory_plan_counts_data_and_scales():
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64)
-    bf16 = rt.kv_bytes_per_block(cfg, 16, "bfloat16")
+    bf16 = kv_sizing.kv_bytes_per_block(cfg, 16, "bfloat16")
     assert bf16 == 2 * 30 * 3 * 64 * 16 * 2
     for name in NAMES:
-        per_block = rt.kv_bytes_per_block(cfg, 16, name)
+        per_block = kv_sizing.kv_bytes_per_block(cfg, 16, name)
         assert per_block == 2 * 30 * 3 * (64 + 4) * 16
         plans = [memory.plan_kv_memory(device_limit=8 << 30, bytes_in_use=1 << 30, activation_bytes=1 << 28,
                                        block_bytes=b, block_size=16, max_model_len=2048) for b in (bf16, per_block)]
@@ -187,9 +187,9 @@ def test_memory_plan_counts_tpu_fused_scales_as_padded():
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64)
     for bs, scale_bytes in ((32, 8 * 128 * 4), (256, 8 * 256 * 4)):
-        assert rt.kv_bytes_per_block(cfg, bs, "int8", 1, "tpu-fused") == 30 * (6 * bs * 128 + scale_bytes)
-    assert rt.kv_bytes_per_block(cfg, 32, "int8", 3, "tpu-fused") == 30 * (2 * 32 * 128 + 8 * 128 * 4)
-    shape = (7, *rt.kv_block_shape("tpu-fused", 32, 3, 64, rt.kv_storage_dtype("fp8_e5m2")))
+        assert kv_sizing.kv_bytes_per_block(cfg, bs, "int8", 1, "tpu-fused") == 30 * (6 * bs * 128 + scale_bytes)
+    assert kv_sizing.kv_bytes_per_block(cfg, 32, "int8", 3, "tpu-fused") == 30 * (2 * 32 * 128 + 8 * 128 * 4)
+    shape = (7, *kv_sizing.kv_block_shape("tpu-fused", 32, 3, 64, kv_sizing.kv_storage_dtype("fp8_e5m2")))
     pages = jax.eval_shape(lambda: kv_quant.empty(shape, "fp8_e5m2"))
     assert pages.data.shape == tpu.fused_shape(7, 32, 3, 64, jnp.int8)
     assert pages.scale.shape == tpu.fused_scale_shape(7, 32, 3) and pages.scale.dtype == jnp.float32

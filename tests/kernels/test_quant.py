@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import UserError
-from jaxserve.runtime import cpu_kernels, quant
+from jaxserve.runtime import cpu_kernels, panels, quant, quant_params, weight_formats
 
 WHY = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(WHY is not None, reason=f"native CPU kernel unavailable: {WHY}")
@@ -30,17 +30,17 @@ def make(fmt: str, k: int, n: int):
     """(quantized weight for the [K, N] kernel, float64 [K, N] it stands for by gguf/reference)."""
     w = RNG.standard_normal((k, n)).astype(np.float32) * 0.1
     if fmt == "int8":
-        qw = quant.quantize_int8(w)
-        ref = quant.from_panels(qw.q).astype(np.float64) * qw.scale.astype(np.float64)
+        qw = weight_formats.quantize_int8(w)
+        ref = panels.from_panels(qw.q).astype(np.float64) * qw.scale.astype(np.float64)
         return qw, ref
     if fmt == "fp8":
-        qw = quant.quantize_fp8(w)
-        ref = quant.from_panels(qw.q).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * qw.scale
+        qw = weight_formats.quantize_fp8(w)
+        ref = panels.from_panels(qw.q).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * qw.scale
         return qw, ref
     raw = gguf_bytes(fmt, w.T)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(n, k).T
-    qw = quant.quantize(w, fmt.lower())  # the same blocks, through quantize_params' path
-    for a, b in zip(qw, quant.from_gguf(raw, fmt)):
+    qw = weight_formats.quantize(w, fmt.lower())  # the same blocks, through quantize_params' path
+    for a, b in zip(qw, weight_formats.from_gguf(raw, fmt)):
         np.testing.assert_array_equal(a, b)
     return qw, ref.astype(np.float64)
 
@@ -48,12 +48,12 @@ def make(fmt: str, k: int, n: int):
 def test_int8_round_trip():
     w = RNG.standard_normal((96, 128)).astype(np.float32)
     w[:, 3] = 0  # an all-zero channel keeps a usable scale
-    qw = quant.quantize_int8(w)
+    qw = weight_formats.quantize_int8(w)
     assert qw.q.dtype == np.int8 and qw.q.shape == (2, 96, 64) and qw.scale.shape == (128,)
-    np.testing.assert_array_equal(np.abs(quant.from_panels(qw.q)).max(axis=0)[[0, 1, 2, 4]], 127)
-    deq = np.asarray(quant.dequantize(qw))
+    np.testing.assert_array_equal(np.abs(panels.from_panels(qw.q)).max(axis=0)[[0, 1, 2, 4]], 127)
+    deq = np.asarray(weight_formats.dequantize(qw))
     # dequantize is exactly q * scale, and within half a step of the original
-    np.testing.assert_array_equal(deq, quant.from_panels(qw.q).astype(np.float32) * qw.scale)
+    np.testing.assert_array_equal(deq, panels.from_panels(qw.q).astype(np.float32) * qw.scale)
     assert np.all(np.abs(deq - w) <= qw.scale / 2 + 1e-7)
     assert np.all(deq[:, 3] == 0)
 
@@ -62,15 +62,15 @@ def test_int8_round_trip():
 def test_gguf_blocks_read_as_gguf_dequantizes(fmt):
     """Random bytes (any nibble, any fp16 scale incl. negative and subnormal) read bit for bit."""
     n, k = 128, 96
-    bb = quant.GGUF_BLOCK_BYTES[fmt]
+    bb = weight_formats.GGUF_BLOCK_BYTES[fmt]
     raw = RNG.integers(0, 256, size=(n, k // 32, bb), dtype=np.uint8)
     for off in (0, 2) if fmt == "Q4_1" else (0,):
         scale = (RNG.uniform(-0.05, 0.05, size=(n, k // 32)) * RNG.choice([1, 1e-4], size=(n, k // 32)))
         raw[:, :, off:off + 2] = scale.astype(np.float16)[..., None].view(np.uint8)
     raw = raw.reshape(n, -1)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).reshape(n, k)
-    qw = quant.from_gguf(raw, fmt)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(qw)), ref.T)
+    qw = weight_formats.from_gguf(raw, fmt)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(qw)), ref.T)
     np.testing.assert_array_equal(np.asarray(quant.embed(qw, jnp.arange(n))), ref)
 
 
@@ -84,10 +84,10 @@ def test_embed_rows(fmt):
 def test_bytes_per_weight():
     k, n = 256, 512
     float_bytes = k * n * 4
-    assert quant.weight_bytes(make("int8", k, n)[0]) / float_bytes <= 0.26
-    assert quant.weight_bytes(make("Q8_0", k, n)[0]) / float_bytes <= 0.27
+    assert quant_params.weight_bytes(make("int8", k, n)[0]) / float_bytes <= 0.26
+    assert quant_params.weight_bytes(make("Q8_0", k, n)[0]) / float_bytes <= 0.27
     for fmt in ("Q4_0", "Q4_1"):
-        assert quant.weight_bytes(make(fmt, k, n)[0]) / float_bytes <= 0.16
+        assert quant_params.weight_bytes(make(fmt, k, n)[0]) / float_bytes <= 0.16
 
 
 @needs_kernel
@@ -150,21 +150,21 @@ def test_quantize_params_replaces_kernels_and_names_bad_schemes():
               "layers_0": {"mlp": {"up_proj": {"kernel": RNG.standard_normal((64, 128)).astype(np.float32)}},
                            "self_attn": {"k_proj": {"kernel": np.ones((64, 32), np.float32)}}},
               "norm": {"weight": np.ones(64, np.float32)}}
-    before = quant.weight_bytes(params)
-    out = quant.quantize_params(params, "int8")
+    before = quant_params.weight_bytes(params)
+    out = quant_params.quantize_params(params, "int8")
     up = out["layers_0"]["mlp"]["up_proj"]["kernel"]
-    assert isinstance(up, quant.Int8Weight) and up.q.shape == (2, 64, 64)
+    assert isinstance(up, weight_formats.Int8Weight) and up.q.shape == (2, 64, 64)
     emb = out["embed_tokens"]["embedding"]  # held as the LM head [H, V]: 2 panels of 64 tokens
-    assert isinstance(emb, quant.Int8Weight) and emb.q.shape == (2, 64, 64)
+    assert isinstance(emb, weight_formats.Int8Weight) and emb.q.shape == (2, 64, 64)
     np.testing.assert_allclose(np.asarray(quant.embed(emb, jnp.arange(128))),
                                params["embed_tokens"]["embedding"], atol=float(emb.scale.max()) / 2 + 1e-6)
     assert out["layers_0"]["self_attn"]["k_proj"]["kernel"].shape == (64, 32)  # N = 32: no panels
-    assert quant.weight_bytes(out) < before * 0.4
-    assert quant.quantize_params(out, "int8")["layers_0"]["mlp"]["up_proj"]["kernel"] is up
-    q4 = quant.quantize_params(params, "q4_1")["layers_0"]["mlp"]["up_proj"]["kernel"]
-    assert isinstance(q4, quant.Q4Weight) and q4.q.shape == (2, 32, 64)
+    assert quant_params.weight_bytes(out) < before * 0.4
+    assert quant_params.quantize_params(out, "int8")["layers_0"]["mlp"]["up_proj"]["kernel"] is up
+    q4 = quant_params.quantize_params(params, "q4_1")["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert isinstance(q4, weight_formats.Q4Weight) and q4.q.shape == (2, 32, 64)
     with pytest.raises(UserError, match="'fp4'.*int8, fp8, q8_0, q4_0, q4_1") as e:
-        quant.quantize_params(params, "fp4")
+        quant_params.quantize_params(params, "fp4")
     assert e.value.param == "quantization"
 
 
@@ -174,7 +174,7 @@ def test_quantize_params_replaces_kernels_and_names_bad_schemes():
 def test_native_blocks_equal_the_float32_kernel_on_their_values(fmt, m):
     """GGUF blocks decode exactly and are summed in the float32 packed kernel's order: the same bits."""
     qw, _ = make(fmt, 192, 128)
-    wp = cpu_kernels.pack_kernel(quant.dequantize(qw))
+    wp = cpu_kernels.pack_kernel(weight_formats.dequantize(qw))
     x = RNG.standard_normal((m, 192)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(x, qw)),
                                   np.asarray(jax.jit(cpu_kernels.cpu_matmul)(x, wp)))
@@ -189,8 +189,8 @@ def test_fp8_decodes_every_value_exactly():
     bits = np.arange(256, dtype=np.uint8)
     bits[[0x7F, 0xFF]] = 0  # NaN
     q = np.tile(bits, (64, 1))  # [K = 64, N = 256]: column n holds bits[n]
-    w = quant.Fp8Weight(quant.to_panels(q), np.ones(256, np.float32))
+    w = weight_formats.Fp8Weight(panels.to_panels(q), np.ones(256, np.float32))
     want = q.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(quant.linear)(np.eye(64, dtype=np.float32), w)), want)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(w)), want)
     np.testing.assert_array_equal(np.asarray(quant.embed(w, jnp.arange(256))), want.T)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime.runner import default_kv_cache_dtype
+from jaxserve.runtime.kv_sizing import default_kv_cache_dtype
 from tests.conftest import ENGINE_KW
 
 HF = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from jaxserve.errors import UserError
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.loader import load_model
-from jaxserve.runtime import kquants, quant
+from jaxserve.runtime import kquants, weight_formats
 from jaxserve.runtime.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import BS, run_logits
 
@@ -152,7 +152,7 @@ def test_gguf_logits_match_transformers(tiny_model, tmp_path, arch, layers, qtyp
                    for p in ("gate_proj", "up_proj", "down_proj"))  # dequantized at load, stacked
     if quantization:
         kept = lm.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
-        assert isinstance(kept, quant.Q8Weight)  # the dense matrices stay in their blocks
+        assert isinstance(kept, weight_formats.Q8Weight)  # the dense matrices stay in their blocks
     ref_dir = hf_dir if qtype == "F32" else _hf_copy(hf_dir, held, tmp_path / "ref")
     err = _logit_error(lm, ref_dir, quantization)
     assert err <= 1e-4, f"{arch} {qtype}: max abs logit diff {err:.2e} relative to logit scale"
@@ -201,7 +201,7 @@ def test_k_quant_experts_dequantized_per_expert(tmp_path):
         "qwen3_moe", 4, 2, 256)
     assert cfg["mlp_only_layers"] == [] and cfg["norm_topk_prob"] is True  # llama.cpp's qwen3moe default
     _, kept = load_gguf(path, keep_quantized=True)
-    assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], quant.Q4KWeight)
+    assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], weight_formats.Q4KWeight)
     for proj, kind in (("gate_proj", "Q4_K"), ("up_proj", "Q4_K"), ("down_proj", "Q6_K")):
         raw = stored[f"blk.0.ffn_{proj[:-5]}_exps.weight"]
         for e in range(4):

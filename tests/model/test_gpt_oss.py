@@ -228,7 +228,7 @@ def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
 
 def test_mxfp4_checkpoint_convert_is_refused_by_name(gpt_oss, tmp_path):
     from jaxserve.errors import UserError
-    from jaxserve.model.orbax_io import convert_model
+    from jaxserve.convert import convert_model
 
     packed_dir, _ = _mxfp4_checkpoints(gpt_oss, tmp_path)
     with pytest.raises(UserError, match="MXFP4.*serve the Hugging Face directory"):

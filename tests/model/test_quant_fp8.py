@@ -76,15 +76,15 @@ def test_fp8_checkpoint_kept_as_stored(tiny_model, tmp_path):
     """quantization='fp8' on an fp8 checkpoint with per-channel scales keeps its bits and scales."""
     from pathlib import Path
 
-    from jaxserve.runtime import quant
+    from jaxserve.runtime import weight_formats
 
     src = Path(tiny_model("llama", hidden=128, heads=4, kv_heads=2))
     write_fp8(src, tmp_path / "fp8", "channel")
     kept = load_model(str(tmp_path / "fp8"), quantization="fp8").params
     floats = load_model(str(tmp_path / "fp8")).params
     w = kept["layers_0"]["mlp"]["up_proj"]["kernel"]
-    assert isinstance(w, quant.Fp8Weight)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), floats["layers_0"]["mlp"]["up_proj"]["kernel"])
+    assert isinstance(w, weight_formats.Fp8Weight)
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(w)), floats["layers_0"]["mlp"]["up_proj"]["kernel"])
     llm = LLM(str(tmp_path / "fp8"), quantization="fp8", precompile=False, max_model_len=64, num_blocks=16,
               use_tqdm=False)
     same = LLM(str(tmp_path / "fp8" / "ref"), precompile=False, max_model_len=64, num_blocks=16, use_tqdm=False)

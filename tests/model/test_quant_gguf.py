@@ -12,7 +12,7 @@ from jaxserve.model import default_model as dm
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.weights import hf_to_params
-from jaxserve.runtime import kquants, quant
+from jaxserve.runtime import kquants, quant_params, weight_formats
 
 RNG = np.random.default_rng(0)
 HIDDEN, HEADS, KV_HEADS, INTER, VOCAB = 64, 2, 2, 128, 128
@@ -22,8 +22,8 @@ def float_bytes(params) -> int:
     """Bytes of the same weights in float32."""
     import jax
 
-    shapes = [jax.eval_shape(quant.dequantize, x) if quant.is_quantized(x) else x
-              for x in jax.tree.leaves(params, is_leaf=quant.is_quantized)]
+    shapes = [jax.eval_shape(weight_formats.dequantize, x) if weight_formats.is_quantized(x) else x
+              for x in jax.tree.leaves(params, is_leaf=weight_formats.is_quantized)]
     return sum(int(np.prod(x.shape)) * 4 for x in shapes)
 
 
@@ -69,8 +69,8 @@ def assert_kept_exactly(path) -> dict:
     _, kept = load_gguf(path, keep_quantized=True)
     assert set(kept) == set(floats)
     for name, w in kept.items():
-        if quant.is_quantized(w):
-            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)).T, floats[name], err_msg=name)
+        if weight_formats.is_quantized(w):
+            np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(w)).T, floats[name], err_msg=name)
         else:
             np.testing.assert_array_equal(w, floats[name], err_msg=name)
     return kept
@@ -85,7 +85,7 @@ def test_tiny_gguf_kept_packed(tmp_path, matrix_type, budget):
     assert len(matrices) == 1 + 2 * 7  # every matrix stayed in its blocks
     cfg = ModelConfig.from_hf(load_gguf(p)[0])
     params = hf_to_params(kept, cfg)
-    assert quant.weight_bytes(params) <= budget * float_bytes(params)
+    assert quant_params.weight_bytes(params) <= budget * float_bytes(params)
 
 
 def test_default_model_kept_as_q4_1_and_q8_0():
@@ -94,7 +94,7 @@ def test_default_model_kept_as_q4_1_and_q8_0():
     kinds = {type(w).__name__ for w in kept.values()}
     assert kinds == {"Q4Weight", "Q8Weight", "ndarray"}  # Q4_1 layers, a Q8_0 embedding, F32 norms
     assert sum(isinstance(w, np.ndarray) and w.ndim == 2 for w in kept.values()) == 0
-    total = quant.weight_bytes(kept)
+    total = quant_params.weight_bytes(kept)
     assert total <= 0.18 * 134_515_008 * 4  # 4.5-5 bits a weight (the Q8_0 embedding: 8.5)
 
 
@@ -107,12 +107,12 @@ def test_tiny_k_quant_gguf_kept_packed(tmp_path, matrix_type, types, budget):
     p = tmp_path / "m.gguf"
     write_tiny_gguf(p, matrix_type, types=types, **K_SIZES)
     kept = assert_kept_exactly(p)
-    kinds = {type(w).__name__ for w in kept.values() if quant.is_quantized(w)}
+    kinds = {type(w).__name__ for w in kept.values() if weight_formats.is_quantized(w)}
     assert kinds == ({"Q4KWeight", "Q6KWeight"} if types else {f"{matrix_type[:2]}KWeight"})
-    assert sum(quant.is_quantized(w) for w in kept.values()) == 1 + 2 * 7
+    assert sum(weight_formats.is_quantized(w) for w in kept.values()) == 1 + 2 * 7
     cfg = ModelConfig.from_hf(load_gguf(p)[0])
     params = hf_to_params(kept, cfg)
-    assert quant.weight_bytes(params) <= budget * float_bytes(params)
+    assert quant_params.weight_bytes(params) <= budget * float_bytes(params)
 
 
 def test_k_quant_gguf_runs_as_its_float_model(tmp_path):
@@ -127,7 +127,7 @@ def test_k_quant_gguf_runs_as_its_float_model(tmp_path):
     write_tiny_gguf(p, "Q4_K", types={"ffn_down": "Q6_K"}, **K_SIZES)
     prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
     packed = make_runner(load_model(str(p), quantization="gguf"), 1)
-    assert quant.has_quantized(packed.params)
+    assert quant_params.has_quantized(packed.params)
     logits, tokens = greedy_run(packed, prompts, 4)
     ref_logits, ref_tokens = greedy_run(make_runner(load_model(str(p)), 1), prompts, 4)
     np.testing.assert_array_equal(tokens, ref_tokens)
@@ -160,16 +160,16 @@ def test_tiny_gguf_as_w4a8(tmp_path, matrix_type, kind, budget):
             quantization=quantization))
 
     w4, ref = runner("w4a8"), runner(None)
-    kept = {type(w) for w in jax.tree.leaves(w4.params, is_leaf=quant.is_quantized) if quant.is_quantized(w)}
-    assert kept == {getattr(quant, kind)}
-    assert quant.weight_bytes(w4.params) <= budget * float_bytes(w4.params)
+    kept = {type(w) for w in jax.tree.leaves(w4.params, is_leaf=weight_formats.is_quantized) if weight_formats.is_quantized(w)}
+    assert kept == {getattr(weight_formats, kind)}
+    assert quant_params.weight_bytes(w4.params) <= budget * float_bytes(w4.params)
     _, floats = load_gguf(p)
-    got = dict(jax.tree_util.tree_flatten_with_path(w4.params, is_leaf=quant.is_quantized)[0])
+    got = dict(jax.tree_util.tree_flatten_with_path(w4.params, is_leaf=weight_formats.is_quantized)[0])
     q_proj = next(w for path, w in got.items() if "q_proj" in jax.tree_util.keystr(path))
     assert q_proj.q.shape[1] == HIDDEN // (8 if kind == "W4A8Weight" else 4)  # two k quads a byte, or one
     layer0 = [w for path, w in got.items() if "layers_0" in jax.tree_util.keystr(path) and "down_proj" in
               jax.tree_util.keystr(path)][0]
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(layer0)).T, floats["model.layers.0.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(layer0)).T, floats["model.layers.0.mlp.down_proj.weight"])
     prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
     logits, tokens = greedy_run(w4, prompts, 3)
     ref_logits, ref_tokens = greedy_run(ref, prompts, 3)

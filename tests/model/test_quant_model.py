@@ -13,7 +13,7 @@ import pytest
 from bench.quality import PROMPTS, greedy_agreement, quality_text, text_logprobs
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import UserError
-from jaxserve.runtime import quant
+from jaxserve.runtime import quant_params, weight_formats
 
 ENGINE_KW = {"precompile": False, "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
              "num_blocks": 96, "use_tqdm": False}
@@ -21,8 +21,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def float32_bytes(params) -> int:
-    shapes = [jax.eval_shape(quant.dequantize, x) if quant.is_quantized(x) else x
-              for x in jax.tree.leaves(params, is_leaf=quant.is_quantized)]
+    shapes = [jax.eval_shape(weight_formats.dequantize, x) if weight_formats.is_quantized(x) else x
+              for x in jax.tree.leaves(params, is_leaf=weight_formats.is_quantized)]
     return sum(int(np.prod(x.shape)) * 4 for x in shapes)
 
 
@@ -32,7 +32,7 @@ def evaluate(llm: LLM, ids: list[int], ref_tokens=None) -> dict:
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     result = {"perplexity": float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean())),
               "prompts": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
-              "bytes": quant.weight_bytes(runner.params), "float32_bytes": float32_bytes(runner.params)}
+              "bytes": quant_params.weight_bytes(runner.params), "float32_bytes": float32_bytes(runner.params)}
     if ref_tokens is not None:
         result["greedy"] = greedy_agreement(runner, result["prompts"], ref_tokens)
     return result
@@ -65,9 +65,9 @@ def test_quantized_tiny_model(reference, arch, scheme):
     budget, ppl_tol, agree = BUDGETS[scheme]
     llm = LLM(path, quantization=scheme, **ENGINE_KW)
     params = llm.engine.runner.params
-    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=quant.is_quantized)[0]
+    kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=weight_formats.is_quantized)[0]
                if getattr(p[-1], "key", None) in ("kernel", "embedding")]
-    assert kernels and all(quant.is_quantized(w) for w in kernels)  # no float copy survives
+    assert kernels and all(weight_formats.is_quantized(w) for w in kernels)  # no float copy survives
     got = evaluate(llm, ids, ref["tokens"])
     assert got["bytes"] <= budget * got["float32_bytes"]
     assert got["float32_bytes"] == ref["bytes"]  # the same weights, counted in float32
@@ -82,7 +82,7 @@ def test_xla_backend_dequantizes_inside_the_computation(reference):
     native = evaluate(LLM(path, quantization="q4_1", **ENGINE_KW), ids)
     llm = LLM(path, quantization="q4_1", attention_backend="xla", **ENGINE_KW)
     assert not llm.engine.runner.backend.native_linear
-    assert quant.has_quantized(llm.engine.runner.params)
+    assert quant_params.has_quantized(llm.engine.runner.params)
     got = evaluate(llm, ids, native["tokens"])
     assert got["bytes"] == native["bytes"]
     assert abs(got["perplexity"] / native["perplexity"] - 1) < 1e-3 and got["greedy"] >= 0.95
@@ -101,7 +101,7 @@ def test_bfloat16_compute_keeps_scales_and_runs(reference):
 
 def test_orbax_checkpoint_quantized_once_restored(reference, tmp_path):
     """A lazy (Orbax) checkpoint is restored, then quantized: the same weights as from safetensors."""
-    from jaxserve.model.orbax_io import convert_model
+    from jaxserve.convert import convert_model
 
     path = reference("llama")[0]
     convert_model(path, tmp_path / "orbax")
@@ -127,5 +127,5 @@ def test_default_model_kept_as_gguf_blocks_generates_as_float32():
     ref = [o.outputs[0].token_ids for o in LLM(None, **kw).generate(prompts, GREEDY, use_tqdm=False)]
     llm = LLM(None, quantization="gguf", **kw)
     params = llm.engine.runner.params
-    assert quant.weight_bytes(params) <= 0.18 * float32_bytes(params)
+    assert quant_params.weight_bytes(params) <= 0.18 * float32_bytes(params)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxserve.model.loader import load_model
-from jaxserve.model.orbax_io import OrbaxCheckpoint, convert_model, is_orbax_dir
+from jaxserve.convert import convert_model
+from jaxserve.model.orbax_io import OrbaxCheckpoint, is_orbax_dir
 from jaxserve.runtime import mesh as ml
 
 ENGINE_KW = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=48, precompile=False,

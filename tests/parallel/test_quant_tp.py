@@ -12,7 +12,7 @@ import pytest
 from jaxserve.errors import UserError
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import mesh as ml
-from jaxserve.runtime import quant
+from jaxserve.runtime import quant_params, weight_formats
 from jaxserve.core.batch import RowSpec, Sampling
 from jaxserve.runtime.runner import ModelRunner, RunnerConfig
 from tests.parallel.test_tensor_parallel import BS
@@ -52,12 +52,12 @@ def test_tp2_same_greedy_tokens_as_tp1(tiny_model, quantization):
     results = {}
     for tp in (1, 2):
         runner = make_runner(lm, tp, quantization)
-        kinds = {type(w).__name__ for w in jax.tree.leaves(runner.params, is_leaf=quant.is_quantized)
-                 if quant.is_quantized(w)}
-        assert len(kinds) == 1 and quant.weight_bytes(runner.params) < 0.3 * sum(
+        kinds = {type(w).__name__ for w in jax.tree.leaves(runner.params, is_leaf=weight_formats.is_quantized)
+                 if weight_formats.is_quantized(w)}
+        assert len(kinds) == 1 and quant_params.weight_bytes(runner.params) < 0.3 * sum(
             np.asarray(w).nbytes for w in jax.tree.leaves(lm.params)), kinds
         per_dev = ml.bytes_per_device(runner.params)
-        assert len(per_dev) == tp and max(per_dev.values()) <= 1.02 * quant.weight_bytes(runner.params) / tp
+        assert len(per_dev) == tp and max(per_dev.values()) <= 1.02 * quant_params.weight_bytes(runner.params) / tp
         results[tp] = greedy_logits(runner, prompts, steps=4)
     (ref_logits, ref_tokens), (logits, tokens) = results[1], results[2]
     np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{quantization}: TP=2 greedy tokens differ")

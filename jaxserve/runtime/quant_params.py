@@ -1,0 +1,112 @@
+"""The parameter tree with quantized weights: every linear kernel (and a tied embedding table, held
+once as its LM head's [H, V] panels, as the float packed path does) replaced by a format of
+runtime/weight_formats.py at load time, or as shapes only for lowering; placed on devices; and
+measured."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import QUANTIZATIONS
+from jaxserve.errors import UserError
+from jaxserve.runtime.panels import PANEL
+from jaxserve.runtime.weight_formats import (
+    DOT_SCHEMES,
+    Q4Weight,
+    Q8Weight,
+    QuantWeight,
+    block_of,
+    is_quantized,
+    quantizable,
+    quantize,
+    to_q8a8,
+    to_w4a8,
+)
+
+# what `quantize_params` makes
+SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf") + tuple(s for s in DOT_SCHEMES if s not in QUANTIZATIONS)
+
+
+def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> None:
+    """A UserError naming `name` and the choices unless it is one of them."""
+    if name not in choices:
+        raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
+                        "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; the others are made at load time; bfloat16, "
+                        "w8a8 and w4a8 run on the CPU's dot-product instructions).",
+                        param="quantization")
+
+
+K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
+
+
+def quantize_params(params: dict, scheme: str) -> dict:
+    """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
+    panels: see the module docstring) by `scheme`'s format; leaves whose shape has no quantized
+    layout stay as they are. A K-quant scheme falls back, for a kernel whose K is not a multiple
+    of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
+    quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
+    kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout and a Q8_0 one in Q8A8Weight's, the
+    same values). The float leaves
+    are dropped: nothing here holds on to them."""
+    check_quantization(scheme, SCHEMES)
+    fallback = K_FALLBACK.get(scheme, scheme)
+
+    def convert(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        if isinstance(leaf, (Q4Weight, Q8Weight)) and scheme == "w4a8":
+            return to_w4a8(leaf) if isinstance(leaf, Q4Weight) else to_q8a8(leaf)
+        if is_quantized(leaf):
+            return leaf
+        on_device = isinstance(leaf, jax.Array)
+        if names[-1] == "kernel":
+            kernel = leaf
+        elif names[-2:] == ["embed_tokens", "embedding"]:
+            kernel = jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype) if isinstance(
+                leaf, jax.ShapeDtypeStruct) else np.asarray(leaf).T
+        else:
+            return leaf
+        kind = scheme if quantizable(kernel.shape, block_of(scheme)) else fallback
+        if not quantizable(kernel.shape, block_of(kind)):
+            return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # lowering: only the shapes
+            return abstract(kernel.shape, kind)
+        w = quantize(kernel, kind)
+        return type(w)(*map(jnp.asarray, w)) if on_device else w
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+
+
+def abstract(shape, scheme: str) -> QuantWeight:
+    """`scheme`'s format for a [K, N] kernel as ShapeDtypeStructs (jaxserve lower: no weights),
+    from the layout of one block of 64 columns: parts grow with K along axis 1, with N along
+    axis 0 (or along their one axis: per-channel scales)."""
+    k, n = shape
+    block = block_of(scheme)
+    one = quantize(np.zeros((block, PANEL), np.float32), scheme)
+    return type(one)(*(jax.ShapeDtypeStruct((n,) if a.ndim == 1 else (n // PANEL, a.shape[1] * k // block, *a.shape[2:]),
+                                            a.dtype) for a in one))
+
+
+def has_quantized(params) -> bool:
+    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def place_params(params: dict, dtype, shardings) -> dict:
+    """Put a tree holding quantized weights on devices, laid out by `shardings` (a tree like it,
+    mesh.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
+    scales stay float32 / float16 whatever the compute dtype)."""
+    def put(w, sharding):
+        if isinstance(w, jax.ShapeDtypeStruct) or is_quantized(w) and isinstance(w[0], jax.ShapeDtypeStruct):
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype if is_quantized(w) else dtype,
+                                                                  sharding=s), w, sharding)
+        return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)
+
+    return jax.tree.map(put, params, shardings, is_leaf=is_quantized)
+
+
+def weight_bytes(params) -> int:
+    """Bytes of every array in the tree (quantized formats count their parts): what the weights
+    hold in memory."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

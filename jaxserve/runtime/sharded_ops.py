@@ -1,0 +1,71 @@
+"""A layer's attention and its routed experts under shard_map on the ("data", "model") mesh
+(runtime/mesh.py): each device runs its own heads or experts, so XLA never gathers the KV cache or
+the expert weights across devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.runtime.mesh import MODEL, page_spec, tp_size
+from pallas_kernels.kv_quant import QuantPages
+
+
+# ---- attention under shard_map ----------------------------------------------------------------
+def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
+    """Run a layer's attention (KV write + kernel) per model shard: each device writes and attends
+    over its own q and kv heads.
+
+    Same signature as `attention.layer_attention`'s function; the batch metadata is replicated.
+    Needed for Pallas kernels and the native CPU kernel, and keeps XLA from ever gathering the
+    cache across devices.
+    """
+    if tp_size(mesh) == 1:
+        return attn_fn
+    heads, rep = P(None, MODEL, None), P()
+
+    def sharded(q, k, v, k_pages, v_pages, md, sinks=None, **kw):
+        pages = page_spec(layout, isinstance(k_pages, QuantPages))
+        v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
+        extra = () if sinks is None else (sinks,)  # per-head sinks (gpt-oss) go with their query heads
+
+        def per_device(*a):
+            return attn_fn(*a[:6], **kw, **({"sinks": a[6]} if extra else {}))
+
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
+                          out_specs=(heads, pages, v_spec), check_vma=False)
+        return f(q, k, v, k_pages, v_pages, md, *extra)
+
+    return sharded
+
+
+# ---- routed experts under shard_map ------------------------------------------------------------
+def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
+    """Run `ops.moe` (runtime/moe.py's signature) per device over its slice of the experts (whole
+    experts with expert parallelism, else every expert's slice of the intermediate axis), then sum
+    the partial outputs over the model axis (see mesh.py's module docstring for why no all-to-all)."""
+    if tp_size(mesh) == 1:
+        return moe_fn
+    rep = P()
+    w_in, w_out = (P(MODEL, None, None),) * 2 if expert_parallel else (P(None, None, MODEL), P(None, MODEL, None))
+
+    # gpt-oss's gate / up biases [E, I] split as their experts' columns do
+    b_in = P(MODEL, None) if expert_parallel else P(None, MODEL)
+
+    def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None, biases=None, **kw):
+        if num_rows is None:
+            num_rows = jnp.full((1,), x.shape[0], jnp.int32)
+
+        def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows, biases):
+            offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
+            y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset, biases=biases, **kw)
+            return jax.lax.psum(y, MODEL)
+
+        b_spec = None if biases is None else (b_in, b_in)
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep, b_spec),
+                          out_specs=rep, check_vma=False)
+        return f(x, ids, weights, w_gate, w_up, w_down, num_rows, biases)
+
+    return sharded
