@@ -29,6 +29,7 @@ from jaxserve.planner import Inflight, StepPlanner
 from jaxserve.pooling import PoolingConfig, score_head
 from jaxserve.runtime import memory
 from jaxserve.runtime import runner as rt
+from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
 from jaxserve.spec.draft import DraftModel
@@ -45,10 +46,10 @@ class LLMEngine:
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
         if config.compilation_cache:
             rt.enable_compilation_cache()
-        dtype = config.dtype or rt.default_dtype()
+        dtype = config.dtype or default_dtype()
         self.loaded = load_model(config.model, quantization=config.quantization)
         self.model_config = mc = self.loaded.config
-        kv_dtype = config.kv_cache_dtype or rt.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
+        kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
         self.pooling_config = PoolingConfig.from_model(self.loaded.path)
         # rerank / score: the LM-head columns of the two score tokens, or why there are none

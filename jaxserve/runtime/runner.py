@@ -39,8 +39,6 @@ from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
-# re-exported for engine.py (owned elsewhere; it reads them as runner.*), until it imports kv_sizing
-from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype  # noqa: F401
 from jaxserve.runtime.sampler import sample
 from pallas_kernels import kv_quant
 
