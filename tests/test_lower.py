@@ -319,3 +319,19 @@ def test_num_layers_cut_plans_the_whole_model(preset, tp):
     assert cut.runner.model_cfg.num_layers == 2
     assert cut.plan == whole.plan and cut.total_weight_bytes == whole.total_weight_bytes
     assert cut.runner.kv.layers[0][0].shape == whole.runner.kv.layers[0][0].shape
+
+
+def test_moe_estimate_counts_xla_gpus_dense_expert_product():
+    """XLA:GPU turns the experts' ragged_dot into one masked dot over every expert (its operand is
+    the T x k routed rows repeated per expert: 2 GiB at Qwen3-30B-A3B's T=512, compiled by ptxas):
+    the cuda estimate counts that operand; TPU's and the packed-MXFP4 (blocked product) do not."""
+    models = Path(__file__).parents[1] / "configs" / "models"
+    config = EngineConfig(max_model_len=4096)
+    key = BucketKey(512, 64, 0)
+    cuda = prepare(str(models / "qwen3-30b-a3b.json"), "cuda", config, device_memory=141 * 2**30, num_layers=1)
+    tpu = prepare(str(models / "qwen3-30b-a3b.json"), "tpu", config, device_memory=141 * 2**30, num_layers=1)
+    mc = cuda.model
+    assert cuda.estimate(key) - tpu.estimate(key) == 512 * mc.num_experts_per_tok * mc.num_experts * mc.hidden_size * 2
+    oss = prepare(str(models / "gpt-oss-20b.json"), "cuda", config, device_memory=141 * 2**30, num_layers=1)
+    oss_tpu = prepare(str(models / "gpt-oss-20b.json"), "tpu", config, device_memory=141 * 2**30, num_layers=1)
+    assert oss.estimate(key) == oss_tpu.estimate(key)

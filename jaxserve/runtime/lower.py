@@ -337,13 +337,20 @@ def prepare(
     weights = full_weight_bytes(runner.params, full, layers)
     rc = runner.model_cfg  # kv heads as sharded (repeated when tp > kv heads)
 
+    # XLA:GPU expands `jax.lax.ragged_dot` into a product over every expert (runtime/moe.py's
+    # grouped_experts; packed experts take the blocked product instead)
+    dense_experts = 0
+    if platform == "cuda" and rc.is_moe and not packed:
+        dense_experts = rc.num_experts // tp if rc.expert_parallel else rc.num_experts
+
     def estimate(key: BucketKey) -> int:
         return memory.estimate_step_bytes(
             num_tokens=key.t, num_seqs=key.s, hidden_size=rc.hidden_size, intermediate_size=rc.intermediate_size,
             num_heads=rc.num_heads, num_kv_heads=rc.num_kv_heads, head_dim=rc.head_dim, vocab_size=rc.vocab_size,
             dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp,
             num_experts_per_tok=rc.num_experts_per_tok if rc.is_moe else 0,
-            moe_intermediate_size=rc.moe_intermediate_size, expert_parallel=rc.expert_parallel)
+            moe_intermediate_size=rc.moe_intermediate_size, expert_parallel=rc.expert_parallel,
+            dense_experts=dense_experts)
 
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(
