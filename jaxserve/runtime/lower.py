@@ -269,6 +269,8 @@ def _whole_model(leaf_bytes: dict, full: ModelConfig, layers: tuple[int, ...]) -
             per_layer[k] = per_layer.get(k, 0) + n
         else:
             rest += n
+    if len(layers) == full.num_layers:  # no cut: every layer as it is
+        return rest + sum(per_layer.values())
     by_kind = {full.is_moe_layer(i): per_layer.get(k, 0) for k, i in enumerate(layers)}
     return rest + sum(by_kind[full.is_moe_layer(i)] for i in range(full.num_layers))
 
