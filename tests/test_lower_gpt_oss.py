@@ -39,7 +39,7 @@ def test_gpt_oss_presets_are_the_models_they_name(preset, billions):
 def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
     """60.8 GiB of weights (the published checkpoint's size: experts at 4.25 bits, the rest in
     bfloat16) on a 141 GiB H200, with room for the full 131072-token context several times over;
-    the plan names the format and the xla attention backend the sinks need for now."""
+    the plan names the format and the Pallas attention backend (it takes the sinks)."""
     lowering = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda", EngineConfig(max_model_len=131072),
                        device_memory=141 * GiB)
     assert 60 * GiB < lowering.total_weight_bytes < 61.5 * GiB
@@ -47,7 +47,7 @@ def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
     assert isinstance(experts, mxfp4.Mxfp4Weight) and experts.blocks.shape == (128, 2880, 90, 16)
     assert lowering.plan.num_blocks * 16 >= 4 * 131072
     text = "\n".join(lowering.describe())
-    assert "experts in MXFP4" in text and "attention=xla" in text
+    assert "experts in MXFP4" in text and "attention=pallas" in text
 
 
 def test_mxfp4_experts_refuse_tensor_parallel_for_now():
