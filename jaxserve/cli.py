@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     lw.add_argument("--buckets", choices=("all", "largest"), default="all",
                     help="with --compile: every bucket, or the largest mixed and decode buckets")
     lw.add_argument("--num-layers", type=int, default=None, metavar="N",
-                    help="with --compile: compile N layers instead of the model's count (same shapes)")
+                    help="with --compile: compile N layers instead of the model's count (same shapes; one layer "
+                    "of each kind first: MoE/dense, sliding/global); the memory plan stays the whole model's")
     lw.add_argument("--json", default=None, metavar="PATH", help="with --compile: write the figures as JSON")
     add_engine_args(lw, skip=tuple(n for n in EngineConfig.field_names() if n not in LOWER_FIELDS))
     lw.set_defaults(func=cmd_lower, command_parser=lw)

@@ -150,3 +150,33 @@ def test_tier_compiles_the_sink_kernels(tmp_path):
     gpu = [k for i, r in rows.items() if i.startswith("cuda/") for k in r["kernels"]]
     assert {k["name"] for k in gpu} == {"rpa_general_mosaic_gpu_kernel"}
     assert all(k["spill_stores"] == 0 and k["spill_loads"] == 0 for k in gpu), gpu
+
+
+STEP_IDS = """
+import sys
+sys.path.insert(0, {root!r})
+from tools import compile_tier as ct
+from jaxserve.runtime import deviceless
+deviceless.prepare_env(("cuda", "tpu"))
+for platform, name in (("cuda", ct.GPU_TARGET), ("tpu", ct.TPU_TARGETS[0])):
+    for case in ct.step_cases(platform, deviceless.target(platform, name)):
+        print("ID", case.id)
+"""
+
+
+@pytest.mark.skipif(bool(deviceless.missing("cuda") or deviceless.missing("tpu")),
+                    reason="needs jaxserve[compile-cuda] and jaxserve[compile-tpu]")
+def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
+    """The tier's engine-step cases (set up, not compiled): besides Llama, one bucket each of an MoE
+    preset, Gemma 3 and gpt-oss, at a tensor parallel size where the whole model's plan fits the
+    target (prepare refuses one that does not)."""
+    script = tmp_path / "ids.py"
+    script.write_text(textwrap.dedent(STEP_IDS.format(root=str(ROOT))))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = [x[3:] for x in proc.stdout.splitlines() if x.startswith("ID ")]
+    assert {"cuda/h100/step/qwen3-30b-a3b/tp1/mixed-T512-S64", "cuda/h100/step/gemma-3-27b/tp1/decode-T64-S64",
+            "cuda/h100/step/gpt-oss-120b/tp1/mixed-T512-S64", "tpu/v5e/step/qwen3-30b-a3b/tp8/mixed-T512-S64",
+            "tpu/v5e/step/gemma-3-27b/tp8/decode-T64-S64", "tpu/v5e/step/gpt-oss-20b/tp1/mixed-T512-S64"} <= set(ids), ids
+    assert sum(i.startswith("cuda/h100/step/tp") for i in ids) == 4, ids  # Llama: mixed and decode at TP 1 and 8
+    assert sum(i.startswith("tpu/v5e/step/tp") for i in ids) == 4 and not [i for i in ids if i.endswith("/plan")], ids

@@ -23,7 +23,8 @@ from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import kv_sizing
 from jaxserve.runtime import runner as rt
 from jaxserve.runtime.backend import resolve_backend
-from jaxserve.runtime.lower import AbstractCheckpoint, AbstractRunner, load_model_config, prepare
+from jaxserve.errors import UserError
+from jaxserve.runtime.lower import AbstractCheckpoint, AbstractRunner, cut_layers, load_model_config, prepare
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
@@ -292,3 +293,46 @@ def test_tpu_step_lowers_with_quantized_kv(tmp_path, kv, tp):
     step = lowering.lower(BucketKey(8, 8, 0))
     assert step.kernel_calls == CALLS_PER_LAYER["tpu"] * LLAMA["num_hidden_layers"], step.describe()
     assert step.num_devices == tp
+
+
+def test_num_layers_cut_keeps_each_layer_kind():
+    """`--num-layers N` compiles one layer of each kind first: Gemma 3's global layer (every 6th),
+    GLM-4.5-Air's MoE layer after its dense one; a cut that cannot hold both MLP kinds is refused."""
+    models = Path(__file__).parents[1] / "configs" / "models"
+    gemma = load_model_config(str(models / "gemma-3-27b.json"))
+    cut, layers = cut_layers(gemma, 2)
+    assert layers == (0, 5) and [cut.layer_window(i) for i in range(2)] == [gemma.sliding_window, None]
+    glm = load_model_config(str(models / "glm-4.5-air.json"))
+    cut, layers = cut_layers(glm, 3)
+    assert layers == (0, 1, 2) and (cut.is_moe_layer(0), cut.is_moe_layer(1), cut.moe_layers) == (False, True, (1, 2))
+    with pytest.raises(UserError, match="--num-layers 1 cannot hold both .* pass --num-layers 2"):
+        cut_layers(glm, 1)
+
+
+@pytest.mark.parametrize("preset,tp", [("gemma-3-1b", 1), ("glm-4.5-air", 8), ("gpt-oss-20b", 1)])
+def test_num_layers_cut_plans_the_whole_model(preset, tp):
+    """The memory plan of a cut (`lower --compile --num-layers`) is the whole model's: its weights
+    (dense, MoE and MXFP4-packed layers counted by kind) and its KV blocks, whose per-layer shape the
+    cut compiles."""
+    path = str(Path(__file__).parents[1] / "configs" / "models" / f"{preset}.json")
+    config = EngineConfig(tensor_parallel_size=tp, max_model_len=4096)
+    whole, cut = prepare(path, "cuda", config), prepare(path, "cuda", config, num_layers=2)
+    assert cut.runner.model_cfg.num_layers == 2
+    assert cut.plan == whole.plan and cut.total_weight_bytes == whole.total_weight_bytes
+    assert cut.runner.kv.layers[0][0].shape == whole.runner.kv.layers[0][0].shape
+
+
+def test_moe_estimate_counts_xla_gpus_dense_expert_product():
+    """XLA:GPU turns the experts' ragged_dot into one masked dot over every expert (its operand is
+    the T x k routed rows repeated per expert: 2 GiB at Qwen3-30B-A3B's T=512, compiled by ptxas):
+    the cuda estimate counts that operand; TPU's and the packed-MXFP4 (blocked product) do not."""
+    models = Path(__file__).parents[1] / "configs" / "models"
+    config = EngineConfig(max_model_len=4096)
+    key = BucketKey(512, 64, 0)
+    cuda = prepare(str(models / "qwen3-30b-a3b.json"), "cuda", config, device_memory=141 * 2**30, num_layers=1)
+    tpu = prepare(str(models / "qwen3-30b-a3b.json"), "tpu", config, device_memory=141 * 2**30, num_layers=1)
+    mc = cuda.model
+    assert cuda.estimate(key) - tpu.estimate(key) == 512 * mc.num_experts_per_tok * mc.num_experts * mc.hidden_size * 2
+    oss = prepare(str(models / "gpt-oss-20b.json"), "cuda", config, device_memory=141 * 2**30, num_layers=1)
+    oss_tpu = prepare(str(models / "gpt-oss-20b.json"), "tpu", config, device_memory=141 * 2**30, num_layers=1)
+    assert oss.estimate(key) == oss_tpu.estimate(key)

@@ -39,7 +39,7 @@ def test_gpt_oss_presets_are_the_models_they_name(preset, billions):
 def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
     """60.8 GiB of weights (the published checkpoint's size: experts at 4.25 bits, the rest in
     bfloat16) on a 141 GiB H200, with room for the full 131072-token context several times over;
-    the plan names the format; the sinks run in the Pallas kernels like any other attention."""
+    the plan names the format and the Pallas attention backend (it takes the sinks)."""
     lowering = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda", EngineConfig(max_model_len=131072),
                        device_memory=141 * GiB)
     assert 60 * GiB < lowering.total_weight_bytes < 61.5 * GiB

@@ -7,8 +7,10 @@ Cases: each model layer's attention op as the engine builds it (KV write + ragge
 mixed and decode steps) at the shape of every family in configs/models (one per distinct GQA group
 and head_dim, at that family's kv heads), bfloat16 and quantized (int8, fp8) KV; head_dim 256 as a
 variant no shipped family has yet; attention sinks at gpt-oss's shape (64 q heads, 8 kv heads,
-head_dim 64) with its 128-token sliding window (``*-sink-*``, bfloat16 and int8 KV); and the whole engine step (Llama-3.1-8B shapes, 2 layers) for the
-largest mixed and decode buckets at tensor parallel 1 and 8.
+head_dim 64) with its 128-token sliding window (``*-sink-*``, bfloat16 and int8 KV); and the whole engine step
+(2 layers): Llama-3.1-8B for the largest mixed and decode buckets at tensor parallel 1 and 8 (TPU: 4
+and 8), and one
+bucket each of Qwen3-30B-A3B (MoE), Gemma 3 27B and gpt-oss (FAMILY_STEPS).
 
 Verdicts: a compile error fails; so does any register spill in a bfloat16-KV kernel and shared
 memory over the target's opt-in limit (Mosaic GPU refuses a kernel over it, and Mosaic TPU/XLA:TPU
@@ -48,6 +50,18 @@ GPU_TARGET, TPU_TARGETS = "h100", ("v5e", "v6e")
 STEP_MODEL = ROOT / "configs" / "models" / "llama-3.1-8b.json"
 BLOCK_SIZE, MAX_BLOCKS, NUM_BLOCKS = 16, 512, 1024  # 8K tokens of context per sequence
 STEPS = {"mixed": (512, 64), "decode": (64, 64)}  # (tokens, sequences)
+# The Llama step's tensor parallel sizes: its 14.96 GiB of bf16 weights do not fit one 16 GiB v5e
+# (the plan is the whole model's, however few layers compile), so TPU starts at 4 chips (v5e:2x2)
+STEP_TP = {"cuda": (1, 8), "tpu": (4, 8)}
+# One bucket of the engine step, 2 layers (one of each layer kind: lower.cut_layers), for the other
+# families' own code paths: an MoE block (ragged-dot experts), Gemma 3's per-layer windows and RoPE
+# (layers 0 and 5: sliding, global), gpt-oss's sinks, YaRN and MXFP4 experts (packed; TP 1 only, by
+# design). {preset: (bucket, {platform: tensor parallel size}, max_model_len)}: sizes at which the
+# whole model's plan fits the tier's target (h100, v5e) with at least one request of that length
+# (gpt-oss-20b on one 16 GiB v5e: 12.8 GiB of weights leave KV for ~9K tokens)
+FAMILY_STEPS = {"qwen3-30b-a3b": ("mixed", {"cuda": 1, "tpu": 8}, 32768),
+                "gemma-3-27b": ("decode", {"cuda": 1, "tpu": 8}, 32768),
+                "gpt-oss-120b": ("mixed", {"cuda": 1}, 32768), "gpt-oss-20b": ("mixed", {"tpu": 1}, 8192)}
 SINK_SHAPE = (64, 8, 64, 128)  # gpt-oss-20b/120b: q heads, kv heads, head_dim, sliding window
 
 
@@ -138,21 +152,42 @@ def kernel_cases(platform: str, target: deviceless.Target) -> list[Case]:
 
 
 def step_cases(platform: str, target: deviceless.Target) -> list[Case]:
+    """The Llama step (both largest buckets, at STEP_TP), then one bucket of each FAMILY_STEPS model.
+    A model whose whole-model plan does not fit the target at that TP is one failing case (the
+    plan's message), not a crash of the tier."""
     from jaxserve.config import EngineConfig
+    from jaxserve.errors import UserError
     from jaxserve.runtime import compile_cmd, lower
 
     cases = []
-    for tp in (1, 8):
-        lowering = functools.cache(lambda tp=tp: lower.prepare(
-            str(STEP_MODEL), platform, EngineConfig(tensor_parallel_size=tp), device_memory=target.memory_bytes,
-            compute_capability=target.compute_capability, devices=target.devices(tp), num_layers=2))
-        for key in compile_cmd.pick_buckets(lowering().runner.all_buckets(), "largest"):
+    runs = [(STEP_MODEL, EngineConfig(tensor_parallel_size=tp), ("mixed", "decode"), "") for tp in STEP_TP[platform]]
+    runs += [(ROOT / "configs" / "models" / f"{name}.json",
+              EngineConfig(tensor_parallel_size=tps[platform], max_model_len=length), (kind,), f"{name}/")
+             for name, (kind, tps, length) in FAMILY_STEPS.items() if platform in tps]
+    for model, config, kinds, prefix in runs:
+        tp = config.tensor_parallel_size
+        lowering = functools.cache(lambda model=model, config=config: lower.prepare(
+            str(model), platform, config, device_memory=target.memory_bytes,
+            compute_capability=target.compute_capability, devices=target.devices(config.tensor_parallel_size),
+            num_layers=2))
+        try:
+            keys = compile_cmd.pick_buckets(lowering().runner.all_buckets(), "largest")
+        except UserError as e:
+            def refused(e=e):
+                raise e
+
+            cases.append(Case(f"{platform}/{target.name}/step/{prefix}tp{tp}/plan", platform, target.name, refused, True))
+            continue
+        for key in keys:
+            kind = "decode" if key.decode else "mixed"
+            if kind not in kinds:
+                continue
+
             def build(key=key, lowering=lowering):
                 jitted, args = lowering().runner.step_function(key)
                 return jitted.lower(*args)
 
-            kind = "decode" if key.decode else "mixed"
-            cases.append(Case(f"{platform}/{target.name}/step/tp{tp}/{kind}-T{key.t}-S{key.s}", platform,
+            cases.append(Case(f"{platform}/{target.name}/step/{prefix}tp{tp}/{kind}-T{key.t}-S{key.s}", platform,
                               target.name, build, True))
     return cases
 

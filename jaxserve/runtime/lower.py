@@ -164,13 +164,18 @@ class Lowering:
     activation_key: BucketKey  # the bucket the activation estimate comes from
     total_weight_bytes: int
     estimate: Callable[[BucketKey], int]  # a bucket's temporaries by memory.estimate_step_bytes
+    full_model: ModelConfig | None = None  # the model as configured, when `model` is a cut of it
+    layers: tuple[int, ...] = ()  # the full model's layers the cut's layers are (cut_layers)
 
     def describe(self) -> list[str]:
         mc, r = self.model, self.runner
+        full = self.full_model or mc
+        cut = (f" (compiling {mc.num_layers}: layers {', '.join(map(str, self.layers))}; the plan is the "
+               f"whole model's)" if full.num_layers != mc.num_layers else "")
         return [
-            f"model: {mc.model_type}, {mc.num_layers} layers, hidden {mc.hidden_size}, {mc.num_heads} q / "
+            f"model: {mc.model_type}, {full.num_layers} layers{cut}, hidden {mc.hidden_size}, {mc.num_heads} q / "
             f"{mc.num_kv_heads} kv heads x {mc.head_dim}, vocab {mc.vocab_size}: "
-            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}" + _experts(r.model_cfg),
+            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}" + _experts(full, r.model_cfg),
             f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} "
             f"({'abstract mesh' if isinstance(r.mesh, jax.sharding.AbstractMesh) else 'compile-only devices'}), "
             f"KV {r.kv_dtype.name}, {len(r.all_buckets())} buckets",
@@ -208,13 +213,73 @@ class Lowering:
         return LoweredStep(key, self.platform, exported.nr_devices, time.perf_counter() - t0, len(text), calls)
 
 
-def _experts(mc: ModelConfig) -> str:
-    if not mc.is_moe:
+def _experts(full: ModelConfig, mc: ModelConfig) -> str:
+    if not full.is_moe:
         return ""
     split = "whole experts split over the model axis" if mc.expert_parallel else "each expert split on its intermediate axis"
     packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
-    return (f"; {len(mc.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
+    return (f"; {len(full.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
             f"({split}{packed})")
+
+
+def cut_layers(mc: ModelConfig, n: int) -> tuple[ModelConfig, tuple[int, ...]]:
+    """`mc` cut to `n` layers for a quick compile of the same shapes, and which of its layers they
+    are: one of each layer kind first (MoE or dense MLP; sliding window or global attention, as
+    `layer_types` and `moe_layers` say), then the following layers in order. A cut that cannot hold
+    both a dense and an MoE layer of a model that has both is refused (the plan needs each kind's
+    weights)."""
+    if n < 1:
+        raise UserError(f"--num-layers {n}: pass at least 1.", param="num_layers")
+    if n >= mc.num_layers:
+        return mc, tuple(range(mc.num_layers))
+    kinds = {}
+    for i in range(mc.num_layers):
+        kinds.setdefault((mc.is_moe_layer(i), mc.layer_window(i)), i)
+    first = list(kinds.values())
+    layers = tuple(sorted((first + [i for i in range(mc.num_layers) if i not in first])[:n]))
+    mlps = {mc.is_moe_layer(i) for i in range(mc.num_layers)}
+    if len({mc.is_moe_layer(i) for i in layers}) < len(mlps):
+        raise UserError(f"--num-layers {n} cannot hold both of {mc.model_type}'s layer kinds (dense and MoE "
+                        f"MLPs): pass --num-layers {len(mlps)} or more.", param="num_layers")
+    cut = dataclasses.replace(
+        mc, num_layers=n, moe_layers=tuple(k for k, i in enumerate(layers) if mc.is_moe_layer(i)),
+        layer_types=tuple(mc.layer_types[i] for i in layers) if mc.layer_types else ())
+    return cut, layers
+
+
+def _leaves(tree, tuples: bool = True) -> list[tuple[tuple[str, ...], object]]:
+    """(path of keys, leaf) of a params tree; `tuples`: shape tuples (and quantized weights) are leaves."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=(lambda x: isinstance(x, tuple)) if tuples else None)[0]
+    return [(tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path), leaf) for path, leaf in flat]
+
+
+def _whole_model(leaf_bytes: dict, full: ModelConfig, layers: tuple[int, ...]) -> int:
+    """Bytes of the whole model from a cut's per-leaf bytes: the cut's layer of each kind stands for
+    every full-model layer of that kind (same MLP kind, same parameter shapes)."""
+    per_layer: dict[int, int] = {}
+    rest = 0
+    for path, n in leaf_bytes.items():
+        if path and str(path[0]).startswith("layers_"):
+            k = int(str(path[0]).removeprefix("layers_"))
+            per_layer[k] = per_layer.get(k, 0) + n
+        else:
+            rest += n
+    if len(layers) == full.num_layers:  # no cut: every layer as it is
+        return rest + sum(per_layer.values())
+    by_kind = {full.is_moe_layer(i): per_layer.get(k, 0) for k, i in enumerate(layers)}
+    return rest + sum(by_kind[full.is_moe_layer(i)] for i in range(full.num_layers))
+
+
+def full_weight_bytes(params, full: ModelConfig, layers: tuple[int, ...]) -> int:
+    """Bytes per device (the device holding the most) of the whole model's weights, from the cut's
+    placed params."""
+    leaf_bytes = {}
+    for i, (path, leaf) in enumerate(_leaves(params)):
+        size = 0
+        for a in jax.tree.leaves(leaf):
+            size += int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+        leaf_bytes[path + (i,)] = size
+    return _whole_model(leaf_bytes, full, layers)
 
 
 def _gib(n: float) -> str:
@@ -243,9 +308,8 @@ def prepare(
     `num_layers`: fewer layers than the model has (a quick compile of the same shapes)."""
     if platform not in PLATFORMS:
         raise UserError(f"Unknown platform {platform!r}: choose one of {', '.join(PLATFORMS)}.", param="platform")
-    mc = load_model_config(model)
-    if num_layers is not None:
-        mc = dataclasses.replace(mc, num_layers=num_layers)
+    full = load_model_config(model)
+    mc, layers = cut_layers(full, num_layers) if num_layers is not None else (full, tuple(range(full.num_layers)))
     tp = config.tensor_parallel_size
     meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
@@ -267,8 +331,14 @@ def prepare(
     packed = mc.expert_format == "mxfp4"
     checkpoint = abstract_packed_params(mc, dtype) if packed else AbstractCheckpoint(mc)
     runner = AbstractRunner(mc, checkpoint, cfg, mesh=mesh, backend=backend)
-    weights = weight_bytes_per_device(runner.params)
+    weights = full_weight_bytes(runner.params, full, layers)
     rc = runner.model_cfg  # kv heads as sharded (repeated when tp > kv heads)
+
+    # XLA:GPU expands `jax.lax.ragged_dot` into a product over every expert (runtime/moe.py's
+    # grouped_experts; packed experts take the blocked product instead)
+    dense_experts = 0
+    if platform == "cuda" and rc.is_moe and not packed:
+        dense_experts = rc.num_experts // tp if rc.expert_parallel else rc.num_experts
 
     def estimate(key: BucketKey) -> int:
         return memory.estimate_step_bytes(
@@ -276,23 +346,25 @@ def prepare(
             num_heads=rc.num_heads, num_kv_heads=rc.num_kv_heads, head_dim=rc.head_dim, vocab_size=rc.vocab_size,
             dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp,
             num_experts_per_tok=rc.num_experts_per_tok if rc.is_moe else 0,
-            moe_intermediate_size=rc.moe_intermediate_size, expert_parallel=rc.expert_parallel)
+            moe_intermediate_size=rc.moe_intermediate_size, expert_parallel=rc.expert_parallel,
+            dense_experts=dense_experts)
 
     largest = max(runner.all_buckets(), key=estimate)
     plan = memory.plan_kv_memory(
         device_limit=device_memory or DEFAULT_DEVICE_MEMORY[platform], bytes_in_use=weights,
-        activation_bytes=estimate(largest), block_bytes=kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype, tp, backend.kv_layout),
+        activation_bytes=estimate(largest),
+        block_bytes=kv_sizing.kv_bytes_per_block(full, config.block_size, kv_dtype, tp, backend.kv_layout),
         block_size=config.block_size, max_model_len=max_model_len, utilization=config.gpu_memory_utilization,
         tensor_parallel_size=tp, reserved_blocks=1,
     )
-    runner.resize_kv(plan.num_blocks)
+    runner.resize_kv(plan.num_blocks)  # per layer: the whole model's KV cache, whatever the cut
     if packed:  # packed experts count their bytes as stored
-        total = sum(int(np.prod(a.shape)) * (a.dtype.itemsize if a.dtype == jnp.uint8 else runner.dtype.itemsize)
-                    for a in jax.tree.leaves(checkpoint))
+        leaf_bytes = {p: int(np.prod(a.shape)) * (a.dtype.itemsize if a.dtype == jnp.uint8 else runner.dtype.itemsize)
+                      for p, a in _leaves(checkpoint, tuples=False)}
     else:
-        shapes = jax.tree.leaves(checkpoint.shapes(), is_leaf=lambda x: isinstance(x, tuple))
-        total = sum(int(np.prod(shape)) for shape in shapes) * runner.dtype.itemsize
-    return Lowering(platform, mc, runner, plan, largest, total, estimate)
+        leaf_bytes = {p: int(np.prod(shape)) * runner.dtype.itemsize for p, shape in _leaves(checkpoint.shapes())}
+    total = _whole_model(leaf_bytes, full, layers)
+    return Lowering(platform, mc, runner, plan, largest, total, estimate, full, layers)
 
 
 def run(args, out: Callable[[str], None] = print) -> int:

@@ -211,6 +211,7 @@ def estimate_step_bytes(
     num_experts_per_tok: int = 0,
     moe_intermediate_size: int = 0,
     expert_parallel: bool = False,
+    dense_experts: int = 0,
 ) -> int:
     """Peak temporary bytes of one step on one device, where no compiled executable can say
     (lowering for another platform): one layer's live activations - the residual stream and its
@@ -219,7 +220,10 @@ def estimate_step_bytes(
     Layers run one after another, so one layer's worth is live at a time. A mixture-of-experts layer
     (runtime/moe.py) holds T x k dispatched rows: the gathered input, the experts' three [I] arrays
     (I / tp of each expert, or whole experts under expert parallelism) and a float32 output row;
-    dropless with static shapes, every device holds all T x k rows whatever the routing."""
+    dropless with static shapes, every device holds all T x k rows whatever the routing.
+    ``dense_experts``: the experts per device where the compiler turns the grouped product into a
+    masked product over every expert (XLA:GPU on jax 0.10: ``ragged_dot`` becomes one dot whose
+    operand is the T x k rows repeated per expert, [T*k, E*max(H, I)]): that operand counts too."""
     tp = tensor_parallel_size
     heads = max(num_heads // tp, 1)
     kv_heads = max(num_kv_heads // tp, 1)
@@ -233,6 +237,7 @@ def estimate_step_bytes(
     if num_experts_per_tok:
         inter = moe_intermediate_size if expert_parallel else moe_intermediate_size // tp
         per_token += num_experts_per_tok * (hidden_size * dtype_bytes + 3 * inter * dtype_bytes + hidden_size * 4)
+        per_token += num_experts_per_tok * dense_experts * max(hidden_size, inter) * dtype_bytes
     return num_tokens * per_token + num_seqs * vocab_size * 4 * SAMPLER_ROW_COPIES
 
 
