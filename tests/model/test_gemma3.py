@@ -16,16 +16,9 @@ import pytest
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import load_model
 from jaxserve.runtime.runner import ModelRunner, RunnerConfig
-from tests.model.test_hf_parity import BS, run_logits
+from tests.model.test_hf_parity import BS, assert_greedy_matches_hf, hf_model, run_logits
 
 LAYERS = 4
-
-
-def hf_model(path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
@@ -79,24 +72,15 @@ def test_gemma3_logits_pallas_interpreted(tiny_model):
 
 
 def test_gemma3_greedy_chunked_and_cached(gemma):
-    import torch
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     llm = LLM(gemma, precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=32,
               prefix_cache="hash")
     prompt = "The capital of France is Paris. The capital of Italy is Rome. def add(a, b):\n    return a + b\n" * 2
     ids = llm.get_tokenizer().encode(prompt)
     assert 40 < len(ids) < 100
-    with torch.no_grad():
-        ref = hf_model(gemma).generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                       pad_token_id=0)[0, len(ids):].tolist()
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    second = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert first == ref, "greedy tokens differ from transformers"
-    assert second == ref, "greedy tokens differ after a prefix-cache hit"
-    assert llm.engine.get_stats()["prefix_cache_hits"] >= 32
+    assert_greedy_matches_hf(llm, gemma, prompt, 12, min_hits=32)
 
 
 def test_gemma3_multimodal_checkpoint_loads_its_text_tower(gemma, tmp_path):

@@ -20,17 +20,10 @@ import pytest
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import mxfp4
 from jaxserve.runtime.runner import ModelRunner, RunnerConfig
-from tests.model.test_hf_parity import run_logits
+from tests.model.test_hf_parity import assert_greedy_matches_hf, hf_model, run_logits
 
 LAYERS = 2
 BS = 4  # KV block size: the window (8) spans blocks
-
-
-def hf_model(path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
@@ -89,24 +82,15 @@ def test_gpt_oss_logits_match_transformers(gpt_oss, attention, block_size):
 
 
 def test_gpt_oss_greedy_chunked_and_cached(gpt_oss):
-    import torch
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     llm = LLM(gpt_oss, precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, num_blocks=48,
               block_size=BS, prefix_cache="hash")
     prompt = "The capital of France is Paris. The capital of Italy is Rome. def add(a, b):\n    return a + b\n"
     ids = llm.get_tokenizer().encode(prompt)
     assert 16 < len(ids) < 60
-    with torch.no_grad():
-        ref = hf_model(gpt_oss).generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                                         pad_token_id=0)[0, len(ids):].tolist()
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    second = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert first == ref, "greedy tokens differ from transformers"
-    assert second == ref, "greedy tokens differ after a prefix-cache hit"
-    assert llm.engine.get_stats()["prefix_cache_hits"] >= 16
+    assert_greedy_matches_hf(llm, gpt_oss, prompt, 10, min_hits=16)
 
 
 # ---- MXFP4 ---------------------------------------------------------------------------------------

@@ -27,6 +27,32 @@ def hf_logits(path, ids):
         return m(torch.tensor([ids])).logits[0].numpy(), m
 
 
+def hf_model(path):
+    """transformers' float32 model with eager attention (the reference for windows, sinks, soft caps)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def assert_greedy_matches_hf(llm, path: str, prompt: str, max_new_tokens: int, min_hits: int) -> None:
+    """The engine's greedy tokens equal transformers' generate(), and again after a prefix-cache hit."""
+    import torch
+
+    from jaxserve import SamplingParams
+
+    ids = llm.get_tokenizer().encode(prompt)
+    with torch.no_grad():
+        ref = hf_model(path).generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    second = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert first == ref, "greedy tokens differ from transformers"
+    assert second == ref, "greedy tokens differ after a prefix-cache hit"
+    assert llm.engine.get_stats()["prefix_cache_hits"] >= min_hits
+
+
 def run_logits(runner: ModelRunner, ids, start, n, blocks):
     batch, key, _ = runner.builder.build([RowSpec(ids, start, n, blocks, Sampling())])
     return np.asarray(runner.forward_logits(batch, key))[0]
