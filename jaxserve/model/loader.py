@@ -19,7 +19,6 @@ from safetensors import safe_open
 from jaxserve.errors import MissingFileError, UserError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.default_model import default_model_path
-from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.orbax_io import open_orbax
 from jaxserve.model.weights import hf_to_params
 from jaxserve.runtime import panels, weight_formats
@@ -61,6 +60,8 @@ def load_model(model: str | None, dtype=np.float32, quantization: str | None = N
         raise UserError(f"quantization='gguf' keeps a GGUF file's blocks, but {str(path)!r} is not a .gguf file: "
                         "use int8, q8_0, q4_0 or q4_1 for other checkpoints.", param="quantization")
     if is_gguf:
+        from jaxserve.model.gguf_loader import load_gguf  # gguf: not on every image (tools/device_check)
+
         hf_config, weights = load_gguf(path, keep_quantized=quantization in ("gguf", "w4a8"))
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output

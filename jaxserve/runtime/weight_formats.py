@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import gguf
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -176,6 +175,8 @@ def from_gguf(raw: np.ndarray, type_name: str) -> QuantWeight:
 
 def _gguf_blocks(w, type_name: str) -> QuantWeight:
     """Float [K, N] -> a GGUF 32-block type quantized as llama.cpp does (`gguf.quants.quantize`)."""
+    import gguf  # only for GGUF block types: not every image has it (tools/device_check checks startup)
+
     raw = gguf.quants.quantize(np.ascontiguousarray(np.asarray(w, np.float32).T),
                                gguf.GGMLQuantizationType[type_name])
     return from_gguf(raw, type_name)

@@ -122,13 +122,13 @@ def test_request_failure_is_that_requests_alone(server, http):
     """A fault traced to one request (here: building its row) aborts it with an error; a request
     beside it finishes, /health stays 200, and no block is held."""
     def arm(e):
-        orig = e._sampling
+        orig = e.planner.sampling
 
         def sampling(p, seq, ahead=()):
             if p.seed == 4242:
                 raise RuntimeError("injected fault")
             return orig(p, seq, ahead)
-        e._sampling = sampling
+        e.planner.sampling = sampling
     server.on_engine(arm)
     try:
         results = {}
@@ -150,7 +150,7 @@ def test_request_failure_is_that_requests_alone(server, http):
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
         assert "request_failed" in lines[-2] and lines[-1] == "data: [DONE]"
     finally:
-        server.on_engine(lambda e: e.__dict__.pop("_sampling", None))
+        server.on_engine(lambda e: e.planner.__dict__.pop("sampling", None))
     assert_serving(server, http)
 
 
