@@ -25,7 +25,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import jax
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter()
 lm = load_model(sys.argv[1])

@@ -119,7 +119,7 @@ LOWER_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "bloc
 
 
 def cmd_lower(args: argparse.Namespace) -> int:
-    from jaxserve.runtime.lower import run
+    from jaxserve.worker.lower import run
 
     return run(args)
 

@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxserve.errors import UserError
+from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.loader import _load_hf_dir, resolve_model_path
@@ -35,10 +36,10 @@ def _save_tree(params: dict, dst: Path, cfg) -> int:
     """Save sharded: lay the tree out over the local devices (largest valid TP size) and let Orbax
     write each shard once. Returns the TP size used."""
     n = jax.local_device_count()
-    tp = max(t for t in meshlib.valid_tp_sizes(cfg, n) if n % t == 0)
+    tp = max(t for t in sharding.valid_tp_sizes(cfg, n) if n % t == 0)
     mesh = meshlib.make_mesh(tp, devices=jax.local_devices())
     shapes = meshlib.shape_tree(params)
-    arrays = meshlib.place_host_params(params, meshlib.checkpoint_shardings(shapes, cfg, mesh), np.float32)
+    arrays = meshlib.place_host_params(params, sharding.checkpoint_shardings(shapes, cfg, mesh), np.float32)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((dst / PARAMS_DIR).resolve(), arrays)
         ckptr.wait_until_finished()

@@ -28,7 +28,6 @@ from jaxserve.output_processor import OutputProcessor
 from jaxserve.planner import Inflight, StepPlanner
 from jaxserve.pooling import PoolingConfig, score_head
 from jaxserve.runtime import memory
-from jaxserve.runtime import runner as rt
 from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
@@ -36,6 +35,7 @@ from jaxserve.spec.draft import DraftModel
 from jaxserve.spec.speculator import Speculator
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.worker import runner as rt
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)

@@ -17,7 +17,7 @@ import pallas_kernels
 from jaxserve.core.batch import RowSpec, Sampling
 from jaxserve.model.loader import load_model
 from jaxserve.runtime.backend import Backend, resolve_backend
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 
 CFG = RunnerConfig(block_size=16, num_blocks=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32)
 PROMPTS = [[5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125, 7, 19, 31], [9, 8, 7, 6, 5]]

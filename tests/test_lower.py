@@ -21,10 +21,10 @@ from jaxserve.core.batch import BucketKey
 from jaxserve.runtime import compat, memory
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import kv_sizing
-from jaxserve.runtime import runner as rt
 from jaxserve.runtime.backend import resolve_backend
 from jaxserve.errors import UserError
-from jaxserve.runtime.lower import AbstractCheckpoint, AbstractRunner, cut_layers, load_model_config, prepare
+from jaxserve.worker import runner as rt
+from jaxserve.worker.lower import AbstractCheckpoint, AbstractRunner, cut_layers, load_model_config, prepare
 
 LLAMA = dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
@@ -269,7 +269,7 @@ def test_quantized_weights_lower_under_tp(tmp_path, quantization):
     lowering = prepare(_config(tmp_path), "cuda", EngineConfig(**ENGINE, tensor_parallel_size=2,
                                                                 quantization=quantization))
     from jaxserve.runtime import quant_params
-    from jaxserve.runtime.lower import weight_bytes_per_device
+    from jaxserve.worker.lower import weight_bytes_per_device
 
     params = lowering.runner.params
     assert quant_params.has_quantized(params)

@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
-from jaxserve.runtime.lower import AbstractCheckpoint, load_model_config, prepare
+from jaxserve.worker.lower import AbstractCheckpoint, load_model_config, prepare
 from tests.test_lower import CALLS_PER_LAYER
 
 MODELS = Path(__file__).parents[1] / "configs" / "models"

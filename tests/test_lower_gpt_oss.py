@@ -14,7 +14,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.errors import UserError
 from jaxserve.runtime import mxfp4
-from jaxserve.runtime.lower import AbstractCheckpoint, load_model_config, prepare
+from jaxserve.worker.lower import AbstractCheckpoint, load_model_config, prepare
 
 MODELS = Path(__file__).parents[1] / "configs" / "models"
 GiB = 1 << 30

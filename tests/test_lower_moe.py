@@ -15,7 +15,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
-from jaxserve.runtime.lower import AbstractCheckpoint, load_model_config, prepare
+from jaxserve.worker.lower import AbstractCheckpoint, load_model_config, prepare
 from tests.test_lower import _one_layer
 
 MODELS = Path(__file__).parents[1] / "configs" / "models"

@@ -12,7 +12,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.core.batch import RowSpec, Sampling
 from jaxserve.errors import UserError
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.conftest import ENGINE_KW
 from tests.test_engine import assert_all_blocks_free
 

@@ -157,7 +157,7 @@ def step_cases(platform: str, target: deviceless.Target) -> list[Case]:
     plan's message), not a crash of the tier."""
     from jaxserve.config import EngineConfig
     from jaxserve.errors import UserError
-    from jaxserve.runtime import compile_cmd, lower
+    from jaxserve.worker import compile_cmd, lower
 
     cases = []
     runs = [(STEP_MODEL, EngineConfig(tensor_parallel_size=tp), ("mixed", "decode"), "") for tp in STEP_TP[platform]]

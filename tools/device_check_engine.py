@@ -63,7 +63,7 @@ class RandomCheckpoint:
     on the device, leaf by leaf, straight into their sharding: no host copy, no file."""
 
     def __init__(self, mc):
-        from jaxserve.runtime.lower import param_shapes
+        from jaxserve.worker.lower import param_shapes
 
         self._shapes = param_shapes(mc)
 
@@ -106,8 +106,8 @@ def phase_step8b(rec, opts, deadline) -> None:
     import numpy as np
 
     from jaxserve.core.batch import RowSpec, Sampling
-    from jaxserve.runtime import runner as rt
-    from jaxserve.runtime.lower import load_model_config
+    from jaxserve.worker import runner as rt
+    from jaxserve.worker.lower import load_model_config
     from tools.device_check_phases import copy_gbps, timed
 
     mc = load_model_config(STEP_MODEL)

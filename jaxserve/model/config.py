@@ -51,7 +51,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x W)
     partial_rotary_factor: float = 1.0  # GLM-4.5: RoPE on the first head_dim * factor dims only
-    expert_parallel: bool = False  # how it runs: experts split over the model axis (runtime/mesh.py)
+    expert_parallel: bool = False  # how it runs: experts split over the model axis (model/sharding.py)
     # per-layer attention pattern (Gemma 3, gpt-oss): empty = every layer alike (sliding_window if set)
     layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention" per layer
     local_rope_theta: float | None = None  # the sliding layers' own RoPE base (None: the global one)

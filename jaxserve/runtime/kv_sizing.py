@@ -3,14 +3,29 @@ one device, the default compute and KV dtypes, and the memory budget the cache m
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import psutil
 
-from jaxserve.model.config import ModelConfig
 from jaxserve.runtime import compat
 from pallas_kernels import kv_quant
+
+
+class KVGeometry(Protocol):
+    """What the KV cache's size depends on in a model's config (`model.config.ModelConfig` has
+    these; the runtime does not import the model's config). Read-only, so a frozen dataclass fits."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
 
 
 def dtype_size(dtype: str) -> int:
@@ -32,7 +47,7 @@ def kv_block_shape(layout: str, block_size: int, num_kv_heads: int, head_dim: in
     return block_size, num_kv_heads, head_dim
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: str, tensor_parallel_size: int = 1,
+def kv_bytes_per_block(model_cfg: KVGeometry, block_size: int, dtype: str, tensor_parallel_size: int = 1,
                        layout: str = "paged") -> int:
     """KV bytes of one block on one device (kv heads split over tp, at least one head each), as
     allocated: the tpu-fused layout's head-dim padding counts, so the budget is physical memory; a

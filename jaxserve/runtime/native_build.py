@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.model.default_model import cache_dir
+from jaxserve.paths import cache_dir
 from jaxserve.runtime.compat import ffi
 from jaxserve.runtime.cpu_isa import cpu_fingerprint
 

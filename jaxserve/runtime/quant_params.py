@@ -95,7 +95,7 @@ def has_quantized(params) -> bool:
 
 def place_params(params: dict, dtype, shardings) -> dict:
     """Put a tree holding quantized weights on devices, laid out by `shardings` (a tree like it,
-    mesh.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
+    model.sharding.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
     scales stay float32 / float16 whatever the compute dtype)."""
     def put(w, sharding):
         if isinstance(w, jax.ShapeDtypeStruct) or is_quantized(w) and isinstance(w[0], jax.ShapeDtypeStruct):

@@ -16,7 +16,7 @@ import numpy as np
 from jaxserve.core.batch import BucketKey, RowSpec, Sampling, StepBatch
 from jaxserve.errors import UserError
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.runner import ModelRunner
+from jaxserve.worker.runner import ModelRunner
 
 
 class DraftModel:

@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import BS, assert_greedy_matches_hf, hf_model, run_logits
 
 LAYERS = 4

@@ -23,7 +23,7 @@ from jaxserve.errors import UserError
 from jaxserve.model.gguf_loader import load_gguf
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import kquants, weight_formats
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import BS, run_logits
 
 GGUF_ARCH = {"gemma3_text": gguf.MODEL_ARCH.GEMMA3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,

@@ -19,7 +19,7 @@ import pytest
 
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import mxfp4
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import assert_greedy_matches_hf, hf_model, run_logits
 
 LAYERS = 2

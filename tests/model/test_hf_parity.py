@@ -12,7 +12,7 @@ import pytest
 
 from jaxserve.model.loader import load_model
 from jaxserve.core.batch import RowSpec, Sampling
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 BS = 16

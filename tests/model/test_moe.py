@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import BS, hf_logits, run_logits
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]

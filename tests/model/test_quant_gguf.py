@@ -148,7 +148,7 @@ def test_tiny_gguf_as_w4a8(tmp_path, matrix_type, kind, budget):
     from tests.parallel.test_tensor_parallel import BS, greedy_run
 
     from jaxserve.model.loader import load_model
-    from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+    from jaxserve.worker.runner import ModelRunner, RunnerConfig
 
     p = tmp_path / "m.gguf"
     write_tiny_gguf(p, matrix_type)

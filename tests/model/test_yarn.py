@@ -10,7 +10,7 @@ import pytest
 from jaxserve.errors import UserError
 from jaxserve.model import rope
 from jaxserve.model.loader import load_model
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import BS, hf_logits, run_logits
 
 

@@ -76,7 +76,7 @@ def test_orbax_round_trip_bit_identical(tiny_model, orbax_dir, tmp_path):
     for k in flat_hf:
         assert flat_ob[k].dtype == flat_hf[k].dtype and np.array_equal(flat_ob[k], flat_hf[k]), k
     # restored straight onto a TP=4 mesh (kv heads replicated): the same arrays as placing the HF weights
-    from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+    from jaxserve.worker.runner import ModelRunner, RunnerConfig
 
     cfg = RunnerConfig(block_size=16, num_blocks=4, max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16,
                        tensor_parallel_size=4)

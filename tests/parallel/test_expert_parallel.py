@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from jaxserve.errors import UserError
+from jaxserve.model import sharding
 from jaxserve.model.loader import load_model
-from jaxserve.runtime import mesh as ml
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.parallel.test_tensor_parallel import BS, greedy_run
 
 CFG = RunnerConfig(block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
@@ -46,11 +46,11 @@ def test_ep_layout_errors(tiny_model):
     lm = load_model(tiny_model("qwen3_moe"))
     six = dataclasses.replace(lm.config, num_experts=6, expert_parallel=True)
     with pytest.raises(UserError, match=r"num_experts=6 is not divisible by 4 \(expert parallel\)"):
-        ml.check_layout(six, 4)
+        sharding.check_layout(six, 4)
     odd = dataclasses.replace(lm.config, moe_intermediate_size=30)
     with pytest.raises(UserError, match=r"moe_intermediate_size=30 is not divisible by 4.*--enable-expert-parallel"):
-        ml.check_layout(odd, 4)
-    ml.check_layout(dataclasses.replace(odd, expert_parallel=True), 4)  # whole experts: fine
+        sharding.check_layout(odd, 4)
+    sharding.check_layout(dataclasses.replace(odd, expert_parallel=True), 4)  # whole experts: fine
     dense = load_model(tiny_model("llama"))
     with pytest.raises(UserError, match="enable_expert_parallel needs a mixture-of-experts model"):
         ModelRunner(dense.config, dense.params, dataclasses.replace(CFG, enable_expert_parallel=True))

@@ -14,7 +14,7 @@ from jaxserve.model.loader import load_model
 from jaxserve.runtime import mesh as ml
 from jaxserve.runtime import quant_params, weight_formats
 from jaxserve.core.batch import RowSpec, Sampling
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.parallel.test_tensor_parallel import BS
 
 # K of every matrix in whole Q4_K / Q6_K super-blocks on each of 2 devices: hidden 512 (o_proj,

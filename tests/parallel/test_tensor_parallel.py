@@ -7,10 +7,11 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.model import sharding
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import mesh as ml
 from jaxserve.core.batch import RowSpec, Sampling
-from jaxserve.runtime.runner import ModelRunner, RunnerConfig
+from jaxserve.worker.runner import ModelRunner, RunnerConfig
 
 BS = 16
 TINY = dict(heads=8, kv_heads=2)  # 8 q heads allow TP=8; 2 kv heads: TP 4 and 8 replicate kv heads
@@ -114,10 +115,10 @@ def test_impossible_layouts_are_clear_errors(tiny_model):
         ModelRunner(lm.config, lm.params, dataclasses.replace(cfg, tensor_parallel_size=16))
     odd = dataclasses.replace(lm.config, num_heads=12, num_kv_heads=3, intermediate_size=192)  # kv 3 vs tp 4
     with pytest.raises(ValueError, match=r"num_key_value_heads=3 neither divides nor is divisible by 4"):
-        ml.check_layout(odd, 4)
-    assert ml.valid_tp_sizes(odd) == [1, 3, 6, 12]
+        sharding.check_layout(odd, 4)
+    assert sharding.valid_tp_sizes(odd) == [1, 3, 6, 12]
     smol = dataclasses.replace(lm.config, num_heads=9, num_kv_heads=3, intermediate_size=1536)
-    assert ml.valid_tp_sizes(smol) == [1, 3]  # SmolLM2-135M: 9 heads, 3 kv heads, intermediate 1536
+    assert sharding.valid_tp_sizes(smol) == [1, 3]  # SmolLM2-135M: 9 heads, 3 kv heads, intermediate 1536
     from jaxserve.config import EngineConfig
 
     with pytest.raises(ValueError, match="tensor_parallel_size"):

@@ -1,6 +1,6 @@
 """`jaxserve lower --compile`: every bucket's step through the target's real compiler, on this host.
 
-The lowering is `runtime/lower.py`'s (the engine's own step, weights as shapes), laid out on a
+The lowering is `worker/lower.py`'s (the engine's own step, weights as shapes), laid out on a
 compile-only topology's devices (`runtime/deviceless.py`) instead of an abstract mesh, so
 `.compile()` runs XLA:GPU with Mosaic GPU and ptxas for a named GPU, or Mosaic TPU and XLA:TPU for a
 TPU generation. One line per bucket: ok or the compiler's error, compile seconds, the executable's
@@ -58,7 +58,7 @@ def pick_buckets(keys: list[BucketKey], which: str) -> list[BucketKey]:
 
 
 def run(args, config: EngineConfig, out: Callable[[str], None] = print) -> int:
-    from jaxserve.runtime import lower
+    from jaxserve.worker import lower
 
     platform = args.platform
     why = deviceless.missing(platform)

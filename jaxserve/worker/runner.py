@@ -11,8 +11,8 @@ last token is still pending on the host reads it from there (`StepBatch.prev_ind
 the engine dispatch step n+1 before it has read step n.
 
 Tensor parallelism (`tensor_parallel_size` > 1): params, KV caches and the executables are laid
-out on a ("data", "model") mesh by `jaxserve.runtime.mesh`; the batch, logits and sampled tokens
-are replicated.
+out on a ("data", "model") mesh (`jaxserve.runtime.mesh`) in `jaxserve.model.sharding`'s layouts;
+the batch, logits and sampled tokens are replicated.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
-from jaxserve.model.default_model import cache_dir
 from jaxserve.model.decoder import CausalLM
+from jaxserve.paths import cache_dir
 from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
@@ -76,7 +77,7 @@ class RunnerConfig:
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # default: dtype
     quantization: str | None = None  # int8, q8_0, ...: float weights quantized here (runtime/quant_params.py)
-    enable_expert_parallel: bool = False  # MoE: split whole experts over the model axis (runtime/mesh.py)
+    enable_expert_parallel: bool = False  # MoE: split whole experts over the model axis (model/sharding.py)
 
 
 class KVCaches(NamedTuple):
@@ -123,14 +124,14 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(self.kv_cache_dtype)
         self.mesh = mesh if mesh is not None else meshlib.make_mesh(cfg.tensor_parallel_size)
         tp = meshlib.tp_size(self.mesh)
-        model_cfg = meshlib.with_expert_parallel(model_cfg, cfg.enable_expert_parallel)
+        model_cfg = sharding.with_expert_parallel(model_cfg, cfg.enable_expert_parallel)
         shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
         self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
         log.info(self.backend.describe())
         self.source_config = model_cfg
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
-        self.model_cfg = model_cfg = meshlib.sharded_config(model_cfg, tp)
-        self.kv_repeat = meshlib.kv_replication(self.source_config, tp)
+        self.model_cfg = model_cfg = sharding.sharded_config(model_cfg, tp)
+        self.kv_repeat = sharding.kv_replication(self.source_config, tp)
         self.params = self._place_params(params)
         self._replicated = meshlib.replicated(self.mesh)
         if self.backend.native_linear:
@@ -205,20 +206,20 @@ class ModelRunner:
         mc, mesh = self.source_config, self.mesh
         quantize = self.cfg.quantization not in (None, "gguf")
         if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
-            params = params.restore(meshlib.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
+            params = params.restore(sharding.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
         if quantize:
             params = quant_params.quantize_params(params, self.cfg.quantization)
         if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
-            self.param_shardings = meshlib.quantized_shardings(params, mc, mesh)
+            self.param_shardings = sharding.quantized_shardings(params, mc, mesh)
             return quant_params.place_params(params, self.dtype, self.param_shardings)
         if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
             shapes = params.shapes()
-            params = params.restore(meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)
+            params = params.restore(sharding.checkpoint_shardings(shapes, mc, mesh), self.dtype)
         else:
             shapes = meshlib.shape_tree(params)
-            params = meshlib.place_host_params(params, meshlib.checkpoint_shardings(shapes, mc, mesh), self.dtype)
-        self.param_shardings = meshlib.param_shardings(meshlib.expanded_shapes(shapes, mc, self.kv_repeat), mc, mesh)
-        return meshlib.expand_kv_heads(params, mc, self.kv_repeat, self.param_shardings)
+            params = meshlib.place_host_params(params, sharding.checkpoint_shardings(shapes, mc, mesh), self.dtype)
+        self.param_shardings = sharding.param_shardings(sharding.expanded_shapes(shapes, mc, self.kv_repeat), mc, mesh)
+        return sharding.expand_kv_heads(params, mc, self.kv_repeat, self.param_shardings)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -251,7 +252,7 @@ class ModelRunner:
 
     def step_function(self, key: BucketKey) -> tuple[object, tuple]:
         """One bucket's jitted step and its arguments (the packed batch as a shape): compiled by
-        `_compile`, exported for another platform by `runtime/lower.py`."""
+        `_compile`, exported for another platform by `worker/lower.py`."""
         rep, kv = self._replicated, self.kv_sharding
         jitted = jax.jit(
             lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),

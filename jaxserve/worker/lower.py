@@ -38,13 +38,14 @@ from jaxserve.args import engine_config
 from jaxserve.config import EngineConfig
 from jaxserve.core.batch import BucketKey
 from jaxserve.errors import UserError
+from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
 from jaxserve.runtime import compat, deviceless, kv_sizing, memory, mxfp4
 from jaxserve.runtime import mesh as meshlib
-from jaxserve.runtime import runner as rt
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
+from jaxserve.worker import runner as rt
 
 GiB = memory.GiB
 PLATFORMS = ("cuda", "tpu")
@@ -115,7 +116,7 @@ def abstract_packed_params(mc: ModelConfig, dtype) -> dict:
                                      jax.ShapeDtypeStruct((e, n, k // mxfp4.BLOCK), jnp.uint8))
         return jax.ShapeDtypeStruct(shape, dtype)
 
-    return meshlib._build(param_shapes(mc), leaf)
+    return meshlib.map_paths(param_shapes(mc), leaf)
 
 
 class AbstractRunner(rt.ModelRunner):
@@ -311,7 +312,7 @@ def prepare(
     full = load_model_config(model)
     mc, layers = cut_layers(full, num_layers) if num_layers is not None else (full, tuple(range(full.num_layers)))
     tp = config.tensor_parallel_size
-    meshlib.check_layout(meshlib.with_expert_parallel(mc, config.enable_expert_parallel), tp)
+    sharding.check_layout(sharding.with_expert_parallel(mc, config.enable_expert_parallel), tp)
     dtype = config.dtype or "bfloat16"
     kv_dtype = config.kv_cache_dtype or kv_sizing.default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
     shape = KernelShape(mc.head_dim, mc.num_heads // mc.num_kv_heads, config.block_size)
@@ -371,7 +372,7 @@ def run(args, out: Callable[[str], None] = print) -> int:
     """The `jaxserve lower` command: the plan, then one line per bucket lowered (or compiled)."""
     config = engine_config(args)
     if getattr(args, "compile", False):
-        from jaxserve.runtime import compile_cmd
+        from jaxserve.worker import compile_cmd
 
         return compile_cmd.run(args, config, out)
     if getattr(args, "target", None):
