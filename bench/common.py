@@ -282,9 +282,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_tail=lamb
     t0 = time.perf_counter()
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server ({shlex.join(map(str, proc.args))}) exited with code {proc.returncode}:\n{log_tail()}")
+            raise RuntimeError(f"the server ({shlex.join(map(str, proc.args))}) exited with code "
+                               f"{proc.returncode}:\n{log_tail()}")
         if time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"the server ({shlex.join(map(str, proc.args))}) not healthy after {timeout:.0f} s:\n{log_tail()}")
+            raise RuntimeError(f"the server ({shlex.join(map(str, proc.args))}) not healthy after "
+                               f"{timeout:.0f} s:\n{log_tail()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return time.perf_counter() - t0

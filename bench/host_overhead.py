@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     rows, results = [], []
     for overlap in (True, False):
         llm = LLM(args.model, max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
-                  max_model_len=args.prompt_len + args.steps + 64 + prefill_steps(max(levels), args.prompt_len), precompile=False, async_scheduling=overlap)
+                  max_model_len=args.prompt_len + args.steps + 64 + prefill_steps(max(levels), args.prompt_len),
+                  precompile=False, async_scheduling=overlap)
         for n in levels:
             run(llm, n, args.prompt_len, 4)  # warm-up: every bucket these steps meet is compiled
             r = run(llm, n, args.prompt_len, args.steps) | {"async_scheduling": overlap}

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
                    "or any --quantization (default gguf,none)")
     p.add_argument("--tokens", type=int, default=128, help="decode steps timed per round (default 128)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all cores; on a busy machine "
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="llama.cpp threads (default: all cores; on a busy machine "
                    "also try 1: its threads spin-wait for each other at every op)")
     p.add_argument("--llamacpp-python", default=os.environ.get("JAXSERVE_LLAMACPP_PYTHON", DEFAULT_VENV_PYTHON),
                    help="a python with llama-cpp-python, where this one has not ('' for none; default "

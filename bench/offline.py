@@ -333,7 +333,8 @@ def _print(results: dict, single, hf, args, kv_dtype: str) -> None:
                      h["single"]["wall_s"]))
         rows.append((f"HF padded batches of {h['batched']['batch_size']}", h["batched"]["output_tok_s"],
                      h["batched"]["wall_s"]))
-        print(common.table(rows, ("system", "useful out tok/s", "wall s"), "jaxserve vs HF transformers (torch float32)"))
+        print(common.table(rows, ("system", "useful out tok/s", "wall s"),
+                           "jaxserve vs HF transformers (torch float32)"))
         print(f"  jaxserve / HF best: {h['ratio']['jaxserve_over_hf_best']:.2f}x")
         if "single_decode_jaxserve_over_hf" in h["ratio"]:
             print(f"  single-request decode: jaxserve {single['decode_tok_s']:.1f} tok/s, "

@@ -116,7 +116,8 @@ def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None,
         t0 = time.perf_counter()
         llm.generate(PROMPTS[:1], sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-    out = {"format": fmt, "kv_cache_dtype": runner.kv_cache_dtype, "text_tokens": len(ids), "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant_params.weight_bytes(runner.params),
+    out = {"format": fmt, "kv_cache_dtype": runner.kv_cache_dtype, "text_tokens": len(ids),
+           "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant_params.weight_bytes(runner.params),
            "decode_tok_s": args.decode_tokens / max(times[1] - times[0], 1e-9), "top1": top1, "tokens": tokens}
     if ref is not None:
         out["top1_agreement"] = float(np.mean(top1 == ref["top1"]))
@@ -164,12 +165,14 @@ def main(argv=None) -> int:
         print(f"  {fmt}, KV {r['kv_cache_dtype']}: perplexity {r['perplexity']:.3f}, {r['decode_tok_s']:.1f} tok/s",
               flush=True)
     pct = lambda r, k: f"{100 * r.get(k, 1.0):.1f}%"
-    rows = [(r["format"], r["kv_cache_dtype"], r["weight_bytes"] / 2**20, pct(r, "weights_vs_float32"), f"{r['perplexity']:.3f}",
+    rows = [(r["format"], r["kv_cache_dtype"], r["weight_bytes"] / 2**20, pct(r, "weights_vs_float32"),
+             f"{r['perplexity']:.3f}",
              f"{100 * r.get('perplexity_vs_ref', 0):+.2f}%", pct(r, "top1_agreement"), pct(r, "greedy_agreement"),
              pct(r, "free_running_agreement"), r["decode_tok_s"]) for r in results]
     print(common.table(rows, ("format", "KV", "weights MiB", "of float32", "perplexity", "vs float32", "top-1",
                               "greedy", "free-running", "decode tok/s"),
-                       f"Weight formats and KV caches on {path.name}: {results[0]['text_tokens']} text tokens, {len(PROMPTS)} "
+                       f"Weight formats and KV caches on {path.name}: {results[0]['text_tokens']} text tokens, "
+                       f"{len(PROMPTS)} "
                        f"prompts x {args.max_tokens} greedy tokens"))
     for r in results:
         r.pop("top1"), r.pop("tokens")

@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     for k, n in shapes:
         floats = [rng.standard_normal((k, n)).astype(np.float32) * 0.1
                   for _ in range(1 if (k, n) == LM_HEAD else args.weights)]
-        weights = {f: [cpu_kernels.pack_kernel(jnp.asarray(w)) if f == "float32" else jax.device_put(weight_formats.quantize(w, f))
+        weights = {f: [cpu_kernels.pack_kernel(jnp.asarray(w)) if f == "float32"
+                       else jax.device_put(weight_formats.quantize(w, f))
                        for w in floats] for f in formats}
         for m in (int(v) for v in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
     print(common.table([(f"{r['k']} x {r['n']}", r["m"], r["format"], r["gflops"], r["weight_gb_s"])
                         for r in results], ("K x N", "M", "format", "GFLOP/s", "weight GB/s"),
                        "Linear-layer matmul per weight format (native kernels)"))
-    common.report("quant_matmul", argv, model={"shapes": shapes, "kernel_paths": cpu_kernels.kernel_paths()}, config=vars(args), results={"cases": results},
-                  out=args.out)
+    common.report("quant_matmul", argv, model={"shapes": shapes, "kernel_paths": cpu_kernels.kernel_paths()},
+                  config=vars(args), results={"cases": results}, out=args.out)
     return 0
 
 

@@ -268,7 +268,8 @@ def main(argv=None) -> int:
         c = ceilings(cfg, b, args.context, measured, dbytes, kvbytes)
         results.append(c)
         rows.append((b, c["matmul_gflops"], c["compute_tok_s"], c["bandwidth_tok_s"], c["roofline_tok_s"], c["bound"]))
-    print(common.table(rows, ("batch", "GFLOP/s (best precision)", "compute tok/s", "bandwidth tok/s", "roofline tok/s", "bound"),
+    print(common.table(rows, ("batch", "GFLOP/s (best precision)", "compute tok/s", "bandwidth tok/s", "roofline tok/s",
+                              "bound"),
                        f"Ceilings at context {args.context} ({args.dtype}, KV {args.kv_cache_dtype})"))
     common.report("roofline", argv, model=common.model_info(path, cfg),
                   config=vars(args), results={"measured": measured, "costs": asdict(costs), "ceilings": results},

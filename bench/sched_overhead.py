@@ -50,7 +50,8 @@ def measure(num_running: int = 256, steps: int = 2000, prefix_cache: str = "radi
         landed = sched.update_from_output(out, {s.request.request_id: rng.randrange(32000)
                                                 for s in out.scheduled if s.samples})
         times.append(time.perf_counter() - t0)
-        for _ in (k for k in landed.values() if k.finished):  # keep the population at N: replace finished ones (not timed)
+        # keep the population at N: replace finished ones (not timed)
+        for _ in (k for k in landed.values() if k.finished):
             new()
     times.sort()
     return {"running": num_running, "steps": steps, "prefix_cache": prefix_cache,

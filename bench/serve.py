@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     t = p.add_argument_group("target")
     t.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (or use --launch)")
-    t.add_argument("--launch", action="store_true", help="start `jaxserve serve` on a free 127.0.0.1 port, stop it after")
+    t.add_argument("--launch", action="store_true",
+                   help="start `jaxserve serve` on a free 127.0.0.1 port, stop it after")
     t.add_argument("--server-args", default="", help="extra `jaxserve serve` arguments for --launch, one string")
     t.add_argument("--server-log", default=None, help="--launch: server log file (default: a temp file)")
     t.add_argument("--launch-timeout", type=float, default=900, help="--launch: seconds to wait for /health")

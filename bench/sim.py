@@ -278,7 +278,8 @@ def replicas_main(args) -> int:
                 max_num_seqs=args.max_num_seqs[0], max_num_batched_tokens=args.max_num_batched_tokens,
                 cost=cost, concurrency=args.concurrency, think_s=args.think_s, seed=args.seed))
     print(f"cost model: {cost}; {args.conversations} conversations x {args.turns} turns, system "
-          f"{args.system_tokens} tokens{' (shared)' if args.shared_system else ''}, {args.num_blocks} blocks per replica\n")
+          f"{args.system_tokens} tokens{' (shared)' if args.shared_system else ''}, "
+          f"{args.num_blocks} blocks per replica\n")
     print(sr.table(rows))
     if args.out:
         with open(args.out, "w") as f:

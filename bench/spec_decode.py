@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     cases = [(w, b) for w in sets for b in map(int, args.batch.split(","))]
     sweep = [int(b) for b in args.sweep.split(",") if b]
     results: dict = {}
-    for w, b in cases + [(w, b) for w in ("repetitive", "fresh") for b in sweep]:  # warm-up: compiles the buckets each case meets
+    # warm-up: compiles the buckets each case meets
+    for w, b in cases + [(w, b) for w in ("repetitive", "fresh") for b in sweep]:
         prompts = (sets[w] * (b // len(sets[w]) + 1))[:max(b, len(sets[w]))]
         for name, llm in engines.items():
             timed(llm, prompts, sampled if w == "sampled" else params, b)

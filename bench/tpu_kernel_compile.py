@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 def _report(rows: list[dict]) -> int:
     headers = ("kernel", "model", "bucket", "kv", "tp", "chip", "ok", "compile s", "CPU s", "VMEM est MiB",
                "VMEM limit MiB", "chip VMEM MiB", "SMEM KiB", "error")
-    print(table([(r["kernel"], r["model"], r["bucket"] + (f" ctx {r['max_model_len']}" if r["max_model_len"] > 4096 else ""),
+    print(table([(r["kernel"], r["model"],
+                  r["bucket"] + (f" ctx {r['max_model_len']}" if r["max_model_len"] > 4096 else ""),
                   r["kv"], r["tp"], r["chip"], "ok" if r["ok"] else "FAIL", r["seconds"], r["cpu_seconds"],
                   round(r["vmem_estimate"] / MiB, 2), r["vmem_limit"] // MiB, r["vmem_capacity"] // MiB,
                   round(r["smem_bytes"] / 1024, 1), r["error"] or "") for r in rows], headers))

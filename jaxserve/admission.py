@@ -64,13 +64,15 @@ class Admission:
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             )
-            out = CompletionOutput(index=i, logprobs=[] if want_lp else None, cumulative_logprob=0.0 if want_lp else None)
+            out = CompletionOutput(index=i, logprobs=[] if want_lp else None,
+                                   cumulative_logprob=0.0 if want_lp else None)
             group.seqs.append(Seq(request_id, req, i, seed, detok, out, prompt_set))
         first = group.seqs[0].req
         if params.pooling is not None:
             if params.pooling.score and isinstance(self.score_head, str):
                 raise UserError(self.score_head, param="model")
-            group.pooler = Pooler(params.pooling, len(prompt_token_ids), self.score_head if params.pooling.score else None)
+            group.pooler = Pooler(params.pooling, len(prompt_token_ids),
+                                  self.score_head if params.pooling.score else None)
             first.score_prompt = params.pooling.every_row and len(prompt_token_ids) > 1
         if params.prompt_logprobs is not None:  # computed once, by the first sequence's prefill
             group.prompt_logprobs = PromptLogprobs(prompt_token_ids, params.prompt_logprobs)

@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # `serve --data-parallel-size N` hands them on to its replicas
     verbose = getattr(args, "verbose", False) or args.command == "serve"
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:

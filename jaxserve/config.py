@@ -19,7 +19,8 @@ from jaxserve.errors import UserError
 ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")  # pallas_kernels/kv_quant.py: per-(token, head) scales
-QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k")  # runtime/weight_formats.py
+# runtime/weight_formats.py
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k")
 SCHEDULES = POLICIES
 
 # Scheduler fields the engine sets itself (from its own fields or the memory budget).
@@ -83,7 +84,8 @@ class EngineConfig:
     enable_expert_parallel: bool = _knob(False, "mixture-of-experts models: split whole experts over the "
                                          "tensor-parallel devices (E / N experts each) instead of every expert's "
                                          "intermediate axis; attention stays tensor-parallel")
-    quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), q8_0, q4_0, "
+    quantization: str | None = _knob(None, "keep the weights quantized: int8 or fp8 (e4m3, per output channel), "
+                                     "q8_0, q4_0, "
                                      "q4_1, q4_k, q6_k (GGUF's blocks) made at load from any checkpoint; gguf: "
                                      "a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; bfloat16 (weights and "
                                      "activations rounded to bfloat16, float32 sums), w8a8 (int8 weights "

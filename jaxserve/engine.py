@@ -213,7 +213,8 @@ class LLMEngine:
         result = self.runner.execute(batch, key)
         # Was the device still on the step before when this one was queued behind it?
         ahead = self._inflight
-        self.timing["dispatch_busy" if ahead is not None and not ahead.result.tokens.is_ready() else "dispatch_idle"] += 1
+        self.timing["dispatch_busy" if ahead is not None and not ahead.result.tokens.is_ready()
+                    else "dispatch_idle"] += 1
         if self.drafter is not None:
             self.drafter.mirror(batch, key._replace(pool=False))
         sched.scheduled = scheduled  # row order

@@ -57,7 +57,8 @@ def log_kv_cache(config: EngineConfig, mc: ModelConfig, runner, num_blocks: int,
     log.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s); max concurrency at max_model_len=%d: %.2f",
         num_blocks - 1, config.block_size, cap_tokens,
-        num_blocks * kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype, layout=runner.backend.kv_layout) / 2**20,
+        num_blocks * kv_sizing.kv_bytes_per_block(mc, config.block_size, kv_dtype,
+                                                  layout=runner.backend.kv_layout) / 2**20,
         kv_dtype, max_model_len, cap_tokens / max_model_len,
     )
     return cap_tokens

@@ -52,7 +52,8 @@ class OutputProcessor:
         emitted = self._emitted(step, got)
         sched = step.sched.scheduled
         tokens = got.tokens
-        sampled = {sched[i].request.request_id: ([int(tokens[j]) for j in rs] if sched[i].num_draft else int(tokens[rs[0]]))
+        sampled = {sched[i].request.request_id:
+                   ([int(tokens[j]) for j in rs] if sched[i].num_draft else int(tokens[rs[0]]))
                    for i, rs in emitted.items()}
         landed = self.scheduler.update_from_output(step.sched, sampled)
         for i, rs in emitted.items():
@@ -98,7 +99,8 @@ class OutputProcessor:
             return
         n = group.params.prompt_logprobs
         rows = slice(first, first + count)
-        group.prompt_logprobs.fill(pos + 1, got.verify_logprobs[rows], got.top_ids[rows, :n], got.top_logprobs[rows, :n])
+        group.prompt_logprobs.fill(pos + 1, got.verify_logprobs[rows], got.top_ids[rows, :n],
+                                   got.top_logprobs[rows, :n])
         if group.prompt_logprobs.missing == 0:
             seq.req.score_prompt = False  # from now on it is an ordinary request (cache included)
 

@@ -23,5 +23,6 @@ def pair_prompt(tokenizer, query: str, document: str, instruction: str | None = 
     """Token ids of one pair's prompt: prefix, body and suffix tokenized apart (as the model card
     does), so the fixed parts are the same tokens in every prompt and share the prefix cache."""
     enc = tokenizer.encode
-    return (enc(PREFIX, add_special_tokens=False) + enc(pair_text(query, document, instruction), add_special_tokens=False)
+    return (enc(PREFIX, add_special_tokens=False)
+            + enc(pair_text(query, document, instruction), add_special_tokens=False)
             + enc(SUFFIX, add_special_tokens=False))

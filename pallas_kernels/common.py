@@ -2,8 +2,9 @@
 
 Both kernels work on "rows": q is regrouped per kv head (row = token * G + g within a tile, G =
 Hq // Hkv), so one tile of ``block_q`` tokens is a dense ``[block_q * G, D]`` matrix, zero-padded
-to the tile's row count, that shares one K/V stream (GQA costs no extra KV traffic). A tile may span several sequences; the
-wrapper gives each tile the range of sequences it overlaps so the kernel loops over only those.
+to the tile's row count, that shares one K/V stream (GQA costs no extra KV traffic). A tile may span
+several sequences; the wrapper gives each tile the range of sequences it overlaps so the kernel loops
+over only those.
 """
 
 from __future__ import annotations

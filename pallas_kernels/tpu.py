@@ -76,8 +76,9 @@ def _kernel(*refs, quantized: bool, has_sinks: bool, **static):
     Scalar prefetch (SMEM): seq_lens i32[S], qsl i32[S+1], this call's block tables
     i32[rows * max_blocks] (sequences [seq_base, seq_base + rows)), tile_lo/tile_hi i32[num_tiles].
     Inputs: q [Hkv, rows, Dp] (VMEM block), the fused pages (HBM), [quantized: their scales (HBM,
-    f32[nb, 2 * Hkv, bs])], [has_sinks: each row's sink logit f32[Hkv, rows, 1] (VMEM)]. Output: [Hkv, rows, Dp]. Scratch: chunk buffer [2, 2 * Hkv, chunk,
-    Dp], DMA sems [2], m/l f32[Hkv, rows, 1], acc f32[Hkv, rows, Dp], state i32[2] (SMEM: chunks
+    f32[nb, 2 * Hkv, bs])], [has_sinks: each row's sink logit f32[Hkv, rows, 1] (VMEM)]. Output:
+    [Hkv, rows, Dp]. Scratch: chunk buffer [2, 2 * Hkv, chunk, Dp], DMA sems [2], m/l
+    f32[Hkv, rows, 1], acc f32[Hkv, rows, Dp], state i32[2] (SMEM: chunks
     issued, next chunk in flight), [quantized: the scales' chunk buffer f32[2, ppc, 2 * Hkv, bs]].
     """
     if quantized:

@@ -24,7 +24,8 @@ def parse(argv, tmp_path=None, text=None):
 
 def test_values_fill_in_and_command_line_wins(tmp_path):
     args = parse(["serve", "--max-num-seqs", "8"], tmp_path,
-                 "max-num-seqs: 32\nkv-cache-memory: 64MiB\nprefix_cache: hash\ndecode-first: true\nno-precompile: true\n")
+                 "max-num-seqs: 32\nkv-cache-memory: 64MiB\nprefix_cache: hash\ndecode-first: true\n"
+                 "no-precompile: true\n")
     cfg = engine_config(args)
     assert cfg.max_num_seqs == 8 and cfg.kv_cache_memory == 64 << 20 and cfg.prefix_cache == "hash"
     assert cfg.prefill_first is False and cfg.precompile is False

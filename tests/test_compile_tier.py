@@ -177,6 +177,7 @@ def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
     ids = [x[3:] for x in proc.stdout.splitlines() if x.startswith("ID ")]
     assert {"cuda/h100/step/qwen3-30b-a3b/tp1/mixed-T512-S64", "cuda/h100/step/gemma-3-27b/tp1/decode-T64-S64",
             "cuda/h100/step/gpt-oss-120b/tp1/mixed-T512-S64", "tpu/v5e/step/qwen3-30b-a3b/tp8/mixed-T512-S64",
-            "tpu/v5e/step/gemma-3-27b/tp8/decode-T64-S64", "tpu/v5e/step/gpt-oss-20b/tp1/mixed-T512-S64"} <= set(ids), ids
+            "tpu/v5e/step/gemma-3-27b/tp8/decode-T64-S64",
+            "tpu/v5e/step/gpt-oss-20b/tp1/mixed-T512-S64"} <= set(ids), ids
     assert sum(i.startswith("cuda/h100/step/tp") for i in ids) == 4, ids  # Llama: mixed and decode at TP 1 and 8
     assert sum(i.startswith("tpu/v5e/step/tp") for i in ids) == 4 and not [i for i in ids if i.endswith("/plan")], ids

@@ -27,7 +27,8 @@ def reference(path, ids):
     row = RowSpec(ids, 0, len(ids), list(range(1, 6)), None, extra=[(p, Sampling()) for p in range(len(ids) - 1)])
     batch, key, _ = runner.builder.build([row])
     logits = np.asarray(runner.forward_logits(batch, key), np.float64)[: len(ids) - 1]
-    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    return (logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True))
 
 
 def check(out, ids, ref):

@@ -36,7 +36,8 @@ ARCH = {
                                                        mlp_only_layers=[1])),
     # sigmoid routing over 8 experts in 4 groups (top 2 groups), a shared expert, layer 0 dense,
     # RoPE on half of each head
-    "glm4_moe": dict(cls="Glm4MoeConfig", extra=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    "glm4_moe": dict(cls="Glm4MoeConfig", extra=dict(n_routed_experts=8, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32,
                                                      n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                                                      topk_group=2, routed_scaling_factor=2.0, head_dim=32,
                                                      tie_word_embeddings=False)),
@@ -59,7 +60,8 @@ ARCH = {
     # context of 16, a SwiGLU clamp low enough to bite; biases and sinks perturbed (spec below)
     "gpt_oss": dict(cls="GptOssConfig", perturb_biases=True, extra=dict(
         head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
-        tie_word_embeddings=False, rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16,
+        tie_word_embeddings=False, rope_parameters=dict(rope_type="yarn", factor=4.0,
+                                                        original_max_position_embeddings=16,
                                                         rope_theta=10000.0, beta_fast=32.0, beta_slow=1.0,
                                                         truncate=False))),
     "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2,

@@ -42,8 +42,9 @@ EXPECTED_FAILURES: dict[str, str] = {}  # none: every kernel and step case compi
 # Spills accepted in bf16 kernels, with the ptxas figures that justify them (bench/RESULTS.md).
 ACCEPTED_SPILLS = {
     "cuda/*/kernel/G*-d256/*": "head_dim 256 (Gemma 3): the f32[64, 256] accumulator alone is 128 of a "
-                               "thread's 255 registers, the f32[64, 64] scores 32 more; ptxas spills 1.5-1.7 KB (general) "
-                               "and 750-800 B (decode) at the smallest WGMMA chunk (Gemma 3 1B/4B/12B run it). Removing it means splitting D over "
+                               "thread's 255 registers, the f32[64, 64] scores 32 more; ptxas spills 1.5-1.7 KB "
+                               "(general) and 750-800 B (decode) at the smallest WGMMA chunk (Gemma 3 1B/4B/12B run "
+                               "it). Removing it means splitting D over "
                                "two warpgroups; until then a spill to L1 beats the xla fallback's page gathers",
 }
 GPU_TARGET, TPU_TARGETS = "h100", ("v5e", "v6e")
@@ -176,7 +177,8 @@ def step_cases(platform: str, target: deviceless.Target) -> list[Case]:
             def refused(e=e):
                 raise e
 
-            cases.append(Case(f"{platform}/{target.name}/step/{prefix}tp{tp}/plan", platform, target.name, refused, True))
+            cases.append(Case(f"{platform}/{target.name}/step/{prefix}tp{tp}/plan", platform, target.name, refused,
+                              True))
             continue
         for key in keys:
             kind = "decode" if key.decode else "mixed"
@@ -220,7 +222,8 @@ def run_cases(cases: list[Case], targets: dict, out=print) -> list[dict]:
             kernels = "kernel compiled earlier in this run (Mosaic's cache): same figures as there"
         temp = "" if report.temp_bytes is None else f"{report.temp_bytes / 2**20:8.1f} MiB"
         note = {"FAIL": why, "XPASS": why, "XFAIL": f"expected: {report.error or why}"}.get(status)
-        out(f"{status:5} {case.id:50} {report.seconds:6.1f} s ({report.cpu_seconds:5.1f} s CPU) {temp:>12}  {kernels}" + (f"  <- {note}" if note else ""))
+        out(f"{status:5} {case.id:50} {report.seconds:6.1f} s ({report.cpu_seconds:5.1f} s CPU) {temp:>12}  {kernels}"
+            + (f"  <- {note}" if note else ""))
     return rows
 
 
@@ -255,14 +258,16 @@ def main(argv=None) -> int:
     print(f"compile tier: jax {jax.__version__}, {len(cases)} cases on {', '.join(targets)}")
     rows = run_cases(cases, targets)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "XFAIL", "XPASS")}
-    bf16_spills = sum(k["spill_stores"] + k["spill_loads"] for r in rows if "/bfloat16/" in r["id"] or "/step/" in r["id"]
+    bf16_spills = sum(k["spill_stores"] + k["spill_loads"]
+                      for r in rows if "/bfloat16/" in r["id"] or "/step/" in r["id"]
                       for k in r["kernels"])
     print(f"compile tier: {counts} in {time.perf_counter() - t0:.0f} s; bf16 spill bytes: {bf16_spills}")
     for pattern, why in EXPECTED_FAILURES.items():
         print(f"expected failures {pattern}: {why}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"jax": jax.__version__, "counts": counts, "bf16_spill_bytes": bf16_spills,
+        Path(args.json).write_text(json.dumps({"jax": jax.__version__, "counts": counts,
+                                               "bf16_spill_bytes": bf16_spills,
                                                "expected_failures": EXPECTED_FAILURES, "cases": rows}, indent=1))
     return 1 if counts["FAIL"] else 0
 

@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     while i < len(steps):
         phase, unit = steps[i]
         left = opts.budget_s - (time.time() - start)
-        timeout = opts.timeouts.get(f"{phase}:{unit}", opts.timeouts.get(phase, (DEADLINES[phase] + GRACE_S) * opts.scale))
+        timeout = opts.timeouts.get(f"{phase}:{unit}",
+                                    opts.timeouts.get(phase, (DEADLINES[phase] + GRACE_S) * opts.scale))
         if left < min(timeout, 15):
             append_row(opts.out, phase, unit=unit, skipped="run budget spent")
         else:

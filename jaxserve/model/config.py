@@ -44,7 +44,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block (the others are dense)
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    router: str = "softmax"  # softmax | topk_softmax (gpt-oss) | sigmoid (DeepSeek-V3 / GLM-4.5: correction bias, grouped top-k)
+    # softmax | topk_softmax (gpt-oss) | sigmoid (DeepSeek-V3 / GLM-4.5: correction bias, grouped top-k)
+    router: str = "softmax"
     n_group: int = 1  # sigmoid router: expert groups, of which topk_group are kept
     topk_group: int = 1
     routed_scaling_factor: float = 1.0

@@ -125,7 +125,8 @@ def _load_hf_dir(path: Path, keep_fp8: bool = False) -> tuple[dict, dict, dict]:
 # and compressed-tensors' float8 / int8 weights with scales; gpt-oss's MXFP4 experts stay packed
 # (model/families/gpt_oss.py, runtime/mxfp4.py). Packed int4 (AWQ, GPTQ, compressed-tensors
 # pack-quantized) and other methods are refused by name.
-CHECKPOINT_QUANT = {"fp8": None, "mxfp4": None, "compressed-tensors": (None, "float-quantized", "int-quantized", "naive-quantized")}
+CHECKPOINT_QUANT = {"fp8": None, "mxfp4": None,
+                    "compressed-tensors": (None, "float-quantized", "int-quantized", "naive-quantized")}
 
 
 def check_checkpoint_quantization(hf_config: dict, path: Path) -> None:

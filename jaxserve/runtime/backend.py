@@ -111,7 +111,8 @@ class Backend:
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
         # XLA:CPU expands ragged_dot into a product over every expert: tiles there (runtime/moe.py)
-        moe = functools.partial(grouped_experts, matmul=blocked_ragged_dot) if self.platform == "cpu" else grouped_experts
+        moe = (functools.partial(grouped_experts, matmul=blocked_ragged_dot) if self.platform == "cpu"
+               else grouped_experts)
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend, moe)
@@ -191,7 +192,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         if name == "pallas" and shape is not None:
             # Quantized pages are widened to the compute dtype inside the kernel.
             why = pallas_kernels.supported(
-                platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim, group=shape.group, block_size=shape.block_size,
+                platform, dtype=dtype if kv_quant.is_quantized(kv_dtype) else kv_dtype, head_dim=shape.head_dim,
+                group=shape.group, block_size=shape.block_size,
                 compute_capability=compute_capability, kv_dtype=kv_quant.KV_QUANT_DTYPES.get(kv_dtype))
             if not why and platform == "gpu" and kv_quant.is_quantized(kv_dtype):
                 from pallas_kernels import gpu
@@ -210,7 +212,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
     native_dtypes = dtype == "float32" and (kv_dtype in ("float32", "bfloat16") or kv_quant.is_quantized(kv_dtype))
     if requested in (None, "cpu"):
         why = None if native_dtypes else (
-            f"the native kernels compute in float32 with float32, bfloat16, int8 or fp8 KV, not {dtype} with {kv_dtype} KV "
+            f"the native kernels compute in float32 with float32, bfloat16, int8 or fp8 KV, "
+            f"not {dtype} with {kv_dtype} KV "
             "(bfloat16 weights on them: --dtype float32 --quantization bfloat16)")
         why = why or cpu_kernels.available()  # builds the library now, outside any trace
         if why is None:

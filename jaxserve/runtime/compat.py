@@ -147,7 +147,8 @@ def accelerator_hint(platform: str, devices: dict[str, bool],
         where = "an NVIDIA GPU is present (/dev/nvidia*) but jax runs on CPU"
         installed, error = state("nvidia")
         if installed:
-            return (f"{where}: the CUDA plugin ({installed}) is installed but failed to initialise: {error or 'no error recorded'}; "
+            return (f"{where}: the CUDA plugin ({installed}) is installed but failed to initialise: "
+                    f"{error or 'no error recorded'}; "
                     "fix that (driver version, XLA_*_MEM_FRACTION settings, JAX_PLATFORMS), " + check)
         return (
             f"{where}: the CUDA plugin is not installed: install it "

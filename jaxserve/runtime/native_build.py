@@ -25,7 +25,8 @@ from jaxserve.runtime.cpu_isa import cpu_fingerprint
 logger = logging.getLogger("jaxserve")
 CSRC = Path(__file__).with_name("csrc")
 # $JAXSERVE_CXXFLAGS is appended (e.g. "-fsanitize=address -g" to check the kernels' memory accesses).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", *os.environ.get("JAXSERVE_CXXFLAGS", "").split()]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC",
+         *os.environ.get("JAXSERVE_CXXFLAGS", "").split()]
 # Linking with -ffast-math (GCC < 13) adds crtfastmath.o, whose constructor switches the thread that
 # loads the library (Python's main thread, where numpy and XLA's inline thunks run) to flush-to-zero
 # and denormals-are-zero for the rest of the process. -ffast-math is for compiling the kernels only.
@@ -45,7 +46,8 @@ def build() -> Path:
         raise RuntimeError("no C++ compiler found (install g++ or set $CXX)")
     sources = sorted(CSRC.glob("*.cc"))
     key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in sources + sorted(CSRC.glob("*.h"))), " ".join([cxx, *FLAGS, "|", *LINK_FLAGS]).encode(), jax.__version__.encode(),
+    for part in (*(f.read_bytes() for f in sources + sorted(CSRC.glob("*.h"))),
+                 " ".join([cxx, *FLAGS, "|", *LINK_FLAGS]).encode(), jax.__version__.encode(),
                  cpu_fingerprint().encode()):
         key.update(part)
     out = cache_dir() / "kernels" / f"jaxserve_cpu-{key.hexdigest()[:16]}.so"
@@ -67,8 +69,8 @@ def build() -> Path:
         results = [(proc.wait(), log.read_text()) for proc, log in zip(procs, logs)]
         tmp_so = Path(tmp) / out.name
         if all(rc == 0 for rc, _ in results):
-            link = subprocess.run([cxx, *LINK_FLAGS, *map(str, objs), "-o", str(tmp_so)], capture_output=True, text=True,
-                                  check=False)
+            link = subprocess.run([cxx, *LINK_FLAGS, *map(str, objs), "-o", str(tmp_so)], capture_output=True,
+                                  text=True, check=False)
             results.append((link.returncode, link.stderr))
         for rc, err in results:
             if rc != 0:

@@ -85,7 +85,8 @@ def abstract(shape, scheme: str) -> QuantWeight:
     k, n = shape
     block = block_of(scheme)
     one = quantize(np.zeros((block, PANEL), np.float32), scheme)
-    return type(one)(*(jax.ShapeDtypeStruct((n,) if a.ndim == 1 else (n // PANEL, a.shape[1] * k // block, *a.shape[2:]),
+    return type(one)(*(jax.ShapeDtypeStruct((n,) if a.ndim == 1
+                                            else (n // PANEL, a.shape[1] * k // block, *a.shape[2:]),
                                             a.dtype) for a in one))
 
 

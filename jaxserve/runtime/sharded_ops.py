@@ -34,7 +34,8 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
         def per_device(*a):
             return attn_fn(*a[:6], **kw, **({"sinks": a[6]} if extra else {}))
 
-        f = jax.shard_map(per_device, mesh=mesh, in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
+        f = jax.shard_map(per_device, mesh=mesh,
+                          in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
                           out_specs=(heads, pages, v_spec), check_vma=False)
         return f(q, k, v, k_pages, v_pages, md, *extra)
 

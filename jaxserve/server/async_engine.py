@@ -192,7 +192,8 @@ class AsyncEngine:
         now = time.monotonic()
         started = self._step_started
         if started is not None and now - started > self.hang_timeout:
-            return f"The engine step has been running for {now - started:.0f} s (hang timeout {self.hang_timeout:.0f} s)."
+            return (f"The engine step has been running for {now - started:.0f} s "
+                    f"(hang timeout {self.hang_timeout:.0f} s).")
         if started is None and now - self._heartbeat > self.hang_timeout:
             return "The engine loop has stopped responding."
         return None

@@ -93,5 +93,6 @@ class Speculator:
         """get_stats()'s spec_* entries."""
         st = self.stats
         out = {f"spec_{k}": (list(v) if isinstance(v, list) else v) for k, v in st.items()}
-        out["spec_mean_acceptance_length"] = 1 + st["accepted_tokens"] / st["verifications"] if st["verifications"] else 0.0
+        out["spec_mean_acceptance_length"] = (1 + st["accepted_tokens"] / st["verifications"] if st["verifications"]
+                                              else 0.0)
         return out

@@ -217,7 +217,8 @@ class Lowering:
 def _experts(full: ModelConfig, mc: ModelConfig) -> str:
     if not full.is_moe:
         return ""
-    split = "whole experts split over the model axis" if mc.expert_parallel else "each expert split on its intermediate axis"
+    split = ("whole experts split over the model axis" if mc.expert_parallel
+             else "each expert split on its intermediate axis")
     packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
     return (f"; {len(full.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
             f"({split}{packed})")

@@ -237,8 +237,8 @@ class ModelRunner:
     def _forward(self, params, layers, b: StepBatch, last_tokens, decode: bool = False, hidden: bool = False):
         ids = jnp.where(b.prev_index >= 0, last_tokens[jnp.maximum(b.prev_index, 0)], b.input_ids)
         md = AttentionMetadata(b.slot_mapping, b.seq_lens, b.query_start_loc, b.block_tables, b.num_seqs)
-        return self.models[decode].apply({"params": params}, ids, b.positions, layers, md, b.logits_indices, self.inv_freq,
-                                b.num_logits, return_hidden=hidden)
+        return self.models[decode].apply({"params": params}, ids, b.positions, layers, md, b.logits_indices,
+                                         self.inv_freq, b.num_logits, return_hidden=hidden)
 
     def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
         b = unpack_batch(flat, self.builder.field_specs(key))

@@ -47,7 +47,8 @@ def test_measure_quick_on_small_shapes():
     # every precision measured; the ceiling's rate is the fastest of them at each size
     assert set(m["matmul_gflops_by_precision"]) == {"float32", "bfloat16", "int8"}
     for key, best in m["matmul_gflops"].items():
-        rates = {p: max(v for v in r[key].values() if v is not None) for p, r in m["matmul_gflops_by_precision"].items()}
+        rates = {p: max(v for v in r[key].values() if v is not None)
+                 for p, r in m["matmul_gflops_by_precision"].items()}
         assert best == max(rates.values()) and m["matmul_precision"][key] == max(rates, key=rates.get)
     if cpu_kernels.available() is None:  # on CPU the low precisions are the native dot-product kernels
         assert all(r["native"] > 0 for p in ("bfloat16", "int8") for r in m["matmul_gflops_by_precision"][p].values())
@@ -57,7 +58,8 @@ def test_measure_quick_on_small_shapes():
 def test_cli_writes_json(tiny_model, tmp_path, capsys):
     import json
 
-    assert rl.main(["--model", tiny_model("llama"), "--batch", "1,4", "--quick", "--out", str(tmp_path / "r.json")]) == 0
+    assert rl.main(["--model", tiny_model("llama"), "--batch", "1,4", "--quick",
+                    "--out", str(tmp_path / "r.json")]) == 0
     doc = json.loads((tmp_path / "r.json").read_text())
     assert [c["batch"] for c in doc["results"]["ceilings"]] == [1, 4]
     assert "Ceilings" in capsys.readouterr().out

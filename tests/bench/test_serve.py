@@ -71,8 +71,8 @@ def test_conversation_traces_feed_answers_back(bench_server, tmp_path, kind):
     assert len({c.prefix + c.system for c in convs}) == (3 if kind == "conversations" else 1)
     out = tmp_path / "c.json"
     assert serve.main(["--base-url", bench_server, "--dataset", kind, "--num-conversations", "3", "--turns", "2",
-                       "--system-words", "6", "--user-words", "2", "--max-tokens", "3", "--concurrency", "2", "--slo", "ttft:30s",
-                       "--out", str(out)]) == 0
+                       "--system-words", "6", "--user-words", "2", "--max-tokens", "3", "--concurrency", "2",
+                       "--slo", "ttft:30s", "--out", str(out)]) == 0
     s = json.loads(out.read_text())["results"]["levels"][0]["summary"]
     assert s["completed"] == 6 and s["failed"] == 0 and s["goodput_fraction"] == 1.0
     assert s["output_tokens"] == 6 * 3

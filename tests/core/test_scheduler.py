@@ -257,7 +257,8 @@ def test_prefix_hit_on_second_request_and_stats():
 def test_in_batch_dedup_computes_a_shared_new_prefix_once(prefix_cache):
     prompt = list(range(64))
     def computed(dedup: bool) -> int:
-        sched = Scheduler(cfg(prefix_cache=prefix_cache, dedup_in_batch=dedup, max_num_batched_tokens=512, num_blocks=128))
+        sched = Scheduler(cfg(prefix_cache=prefix_cache, dedup_in_batch=dedup, max_num_batched_tokens=512,
+                              num_blocks=128))
         run(sched, [Request(f"r{i}", prompt + [100 + i], 1) for i in range(4)])
         return sched.stats()["num_computed_prompt_tokens"]
     assert computed(False) == 4 * 65

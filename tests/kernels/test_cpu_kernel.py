@@ -113,7 +113,8 @@ def test_engine_cpu_backend_matches_xla_greedy(tiny_model, kv_dtype):
     p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     kw = dict(precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=24,
               kv_cache_dtype=kv_dtype)
-    want = [o.outputs[0].token_ids for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
+    want = [o.outputs[0].token_ids
+            for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
     llm = LLM(path, attention_backend="cpu", **kw)
     assert llm.engine.runner.kv_caches[0][0].dtype == jnp.dtype(kv_dtype)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]

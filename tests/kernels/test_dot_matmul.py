@@ -1,8 +1,8 @@
 """The dot-product formats (runtime/weight_formats.py's Bf16Weight, W8A8Weight and W4A8Weight,
 csrc/dot_matmul.cc): the native kernel against float64 on bfloat16-rounded inputs (bfloat16) and
-against the exact integer arithmetic (W8A8, W4A8), its rows independent of the batch, the portable path against the AVX-512
-instructions, AMX tiles against both (where the CPU has them), the XLA reference path, the layouts,
-and the run-time choice of instructions."""
+against the exact integer arithmetic (W8A8, W4A8), its rows independent of the batch, the portable
+path against the AVX-512 instructions, AMX tiles against both (where the CPU has them), the XLA
+reference path, the layouts, and the run-time choice of instructions."""
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ def test_layouts_round_trip():
     b = weight_formats.quantize_bf16(w)
     assert b.q.dtype == jnp.bfloat16 and b.q.shape == (2, 48, 128)
     assert b.q[1, 5, 2 * 7 + 1] == w[2 * 5 + 1, 64 + 7].astype(ml_dtypes.bfloat16)  # [p, i, 2j + t]
-    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(b)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(b)),
+                                  w.astype(ml_dtypes.bfloat16).astype(np.float32))
     a = weight_formats.quantize_w8a8(w)
     i8 = weight_formats.quantize_int8(w)
     assert a.q.dtype == np.uint8 and a.q.shape == (2, 24, 256)
@@ -112,7 +113,8 @@ def test_layouts_round_trip():
     np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(e)), np.asarray(weight_formats.dequantize(q8)))
     ids = jnp.asarray([0, 5, 63, 64, 127, 5], jnp.int32)
     for qw in (b, a, f, e):
-        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)), np.asarray(weight_formats.dequantize(qw)).T[ids])
+        np.testing.assert_array_equal(np.asarray(quant.embed(qw, ids)),
+                                      np.asarray(weight_formats.dequantize(qw)).T[ids])
 
 
 @needs_kernel

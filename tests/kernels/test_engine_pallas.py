@@ -11,8 +11,10 @@ def test_pallas_backend_matches_xla_greedy(tiny_model):
     prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n" * 3, "JAX"]
     p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     kw = dict(precompile=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_blocks=24)
-    want = [o.outputs[0].token_ids for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in LLM(path, attention_backend="pallas", **kw).generate(prompts, p, use_tqdm=False)]
+    want = [o.outputs[0].token_ids
+            for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
+    got = [o.outputs[0].token_ids
+           for o in LLM(path, attention_backend="pallas", **kw).generate(prompts, p, use_tqdm=False)]
     assert got == want
 
 
@@ -26,7 +28,8 @@ def test_pallas_backend_int8_kv_matches_xla_greedy(tiny_model):
     # one prefill step for both prompts (the longer spans two blocks), then decode steps
     kw = dict(precompile=False, max_model_len=96, max_num_seqs=2, max_num_batched_tokens=64, num_blocks=8,
               block_size=32, kv_cache_dtype="int8")
-    want = [o.outputs[0].token_ids for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
+    want = [o.outputs[0].token_ids
+            for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
     llm = LLM(path, attention_backend="pallas", **kw)
     assert llm.engine.runner.backend.kv_layout == "tpu-fused"
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]

@@ -74,7 +74,8 @@ def test_bytes_per_weight():
     k, n = 512, 256
     float_bytes = k * n * 4
     q4k, q6k = make("Q4_K", k, n)[0], make("Q6_K", k, n)[0]
-    assert quant_params.weight_bytes(q4k) / float_bytes == 4.625 / 32  # 14.5%: the file's 4.5 bits + 6-bit scales in bytes
+    # 14.5%: the file's 4.5 bits + 6-bit scales in bytes
+    assert quant_params.weight_bytes(q4k) / float_bytes == 4.625 / 32
     assert quant_params.weight_bytes(q6k) / float_bytes == 6.5625 / 32  # 20.5%: as in the file
     assert quant_params.weight_bytes(q4k) / float_bytes <= 0.17
 
@@ -115,7 +116,8 @@ def test_native_gated(type_name):
 def test_quantize_params_k_quants_fall_back_where_k_is_not_in_super_blocks():
     params = {"layers_0": {"mlp": {"down_proj": {"kernel": RNG.standard_normal((512, 64)).astype(np.float32)},
                                    "up_proj": {"kernel": RNG.standard_normal((96, 64)).astype(np.float32)}}}}
-    for scheme, kind, fallback in (("q4_k", kquants.Q4KWeight, weight_formats.Q4Weight), ("q6_k", kquants.Q6KWeight, weight_formats.Q8Weight)):
+    for scheme, kind, fallback in (("q4_k", kquants.Q4KWeight, weight_formats.Q4Weight),
+                                   ("q6_k", kquants.Q6KWeight, weight_formats.Q8Weight)):
         out = quant_params.quantize_params(params, scheme)["layers_0"]["mlp"]
         assert isinstance(out["down_proj"]["kernel"], kind)
         assert isinstance(out["up_proj"]["kernel"], fallback)  # K = 96: 32-blocks

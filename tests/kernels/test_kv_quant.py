@@ -147,7 +147,8 @@ def test_xla_and_cpu_paths_match_the_oracle(name, case, heads, block_size, windo
 
 # block size 8: each page's scale rows padded to 16 in the kernels' scale array
 @pytest.mark.parametrize("name,case,heads,window,block_size", [
-    ("int8", "mixed", (8, 2), None, 16), ("fp8_e4m3", "decode", (6, 2), 6, 16), ("fp8_e5m2", "decode", (9, 3), None, 8)])
+    ("int8", "mixed", (8, 2), None, 16), ("fp8_e4m3", "decode", (6, 2), 6, 16),
+    ("fp8_e5m2", "decode", (9, 3), None, 8)])
 def test_gpu_kernels_match_the_oracle_interpreted(name, case, heads, window, block_size):
     """The Mosaic GPU prefill kernel and the split-KV decode kernel (interpreters) over quantized
     pages: bfloat16 q and MMA operands, so bfloat16 tolerances."""
@@ -164,8 +165,8 @@ def test_gpu_kernels_match_the_oracle_interpreted(name, case, heads, window, blo
 
 
 def test_memory_plan_counts_data_and_scales():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,
-                      num_kv_heads=3, head_dim=64)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64)
     bf16 = kv_sizing.kv_bytes_per_block(cfg, 16, "bfloat16")
     assert bf16 == 2 * 30 * 3 * 64 * 16 * 2
     for name in NAMES:
@@ -184,8 +185,8 @@ def test_memory_plan_counts_tpu_fused_scales_as_padded():
     that HBM pads to (8, 128); the allocation has exactly the plan's logical shapes."""
     from pallas_kernels import tpu
 
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30, num_heads=9,
-                      num_kv_heads=3, head_dim=64)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=64, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64)
     for bs, scale_bytes in ((32, 8 * 128 * 4), (256, 8 * 256 * 4)):
         assert kv_sizing.kv_bytes_per_block(cfg, bs, "int8", 1, "tpu-fused") == 30 * (6 * bs * 128 + scale_bytes)
     assert kv_sizing.kv_bytes_per_block(cfg, 32, "int8", 3, "tpu-fused") == 30 * (2 * 32 * 128 + 8 * 128 * 4)

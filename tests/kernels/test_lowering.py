@@ -205,7 +205,8 @@ def test_tpu_quantized_pages_lower(name, decode_only, heads):
     hq, hkv, d = heads
     shapes = list(_model_shapes(jnp.bfloat16, heads, block_size=32))
     nb, bs = 64, 32
-    shapes[1] = QuantPages(jax.ShapeDtypeStruct(tpu.fused_shape(nb, bs, hkv, d, jnp.int8), kv_quant.KV_QUANT_DTYPES[name]),
+    shapes[1] = QuantPages(jax.ShapeDtypeStruct(tpu.fused_shape(nb, bs, hkv, d, jnp.int8),
+                                                kv_quant.KV_QUANT_DTYPES[name]),
                            jax.ShapeDtypeStruct(tpu.fused_scale_shape(nb, bs, hkv), jnp.float32))
     shapes[2] = None
     step = pallas_kernels.for_step(decode_only=decode_only, backend="tpu")

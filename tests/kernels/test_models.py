@@ -2,7 +2,8 @@
 against the jnp reference, for decode, prefill, chunked-prefill and mixed batches.
 
 Pages a batch does not reference (the null block too) hold NaN, so a read outside a sequence's
-own context fails. Each model runs the mixed batch; a few run each single kind. Contexts are short but cross a GPU chunk (128 tokens) and page boundaries.
+own context fails. Each model runs the mixed batch; a few run each single kind. Contexts are short
+but cross a GPU chunk (128 tokens) and page boundaries.
 GPU: bf16 (WGMMA operands), compared on the same rounded inputs in f32; TPU: f32, exact.
 """
 

@@ -141,7 +141,8 @@ GEMMA_TEMPLATE = """\
 {%- set prefix, turns = sys + "\\n\\n", messages[1:] -%}
 {%- else -%}{%- set prefix, turns = "", messages -%}{%- endif -%}
 {%- for m in turns -%}
-{%- if (m.role == "user") != (loop.index0 is even) -%}{{ raise_exception("roles must alternate user/model") }}{%- endif -%}
+{%- if (m.role == "user") != (loop.index0 is even) -%}\
+{{ raise_exception("roles must alternate user/model") }}{%- endif -%}
 {{- "<start_of_turn>" + ("model" if m.role == "assistant" else m.role) + "\\n" + (prefix if loop.first else "") -}}
 {%- if m.content is string -%}{{ m.content | trim }}
 {%- else -%}{%- for part in m.content if part.type == "text" -%}{{ part.text | trim }}{%- endfor -%}{%- endif -%}

@@ -81,7 +81,8 @@ def write_gguf(hf_dir, out, qtype: str = "F32") -> dict[str, np.ndarray]:
             stacked.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = x
     merged = {k: np.stack([v[e] for e in sorted(v)]) for k, v in stacked.items()}
     for name, x in [(k, v) for k, v in tensors.items() if not _EXPERT.match(k)] + list(merged.items()):
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias")) or dense.get_name(name, try_suffixes=(".weight",))
+        gname = (names.get_name(name, try_suffixes=(".weight", ".bias"))
+                 or dense.get_name(name, try_suffixes=(".weight",)))
         assert gname, name
         stored = x + np.float32(1.0) if arch == gguf.MODEL_ARCH.GEMMA3 and name.endswith("norm.weight") else x
         if qtype != "F32" and x.ndim >= 2 and "ffn_gate_inp" not in gname and x.shape[-1] % 32 == 0:
@@ -168,9 +169,11 @@ def _synthetic_moe(path, types: dict, hidden=256, inter=256, experts=4) -> dict:
                    ("expert_used_count", 2), ("expert_feed_forward_length", inter)):
         w.add_uint32(f"qwen3moe.{key}", v)
     shapes = {"token_embd.weight": (64, hidden), "output_norm.weight": (hidden,), "blk.0.attn_norm.weight": (hidden,),
-              "blk.0.ffn_norm.weight": (hidden,), "blk.0.attn_q_norm.weight": (128,), "blk.0.attn_k_norm.weight": (128,),
+              "blk.0.ffn_norm.weight": (hidden,), "blk.0.attn_q_norm.weight": (128,),
+              "blk.0.attn_k_norm.weight": (128,),
               "blk.0.ffn_gate_inp.weight": (experts, hidden), "blk.0.ffn_gate_exps.weight": (experts, inter, hidden),
-              "blk.0.ffn_up_exps.weight": (experts, inter, hidden), "blk.0.ffn_down_exps.weight": (experts, hidden, inter)}
+              "blk.0.ffn_up_exps.weight": (experts, inter, hidden),
+              "blk.0.ffn_down_exps.weight": (experts, hidden, inter)}
     shapes |= {f"blk.0.attn_{p}.weight": (hidden, hidden) for p in ("q", "k", "v", "output")}
     stored = {}
     for name, shape in shapes.items():
@@ -234,7 +237,8 @@ def _gemma3_header(path, layers: int, hidden: int = 64, heads: int = 4, metadata
                    ("attention.head_count", heads), ("attention.head_count_kv", 1), ("attention.key_length", 128)):
         w.add_uint32(f"gemma3.{key}", v)
     for key, v in metadata:
-        w.add_key_value(f"gemma3.{key}", v, gguf.GGUFValueType.ARRAY if isinstance(v, list) else gguf.GGUFValueType.UINT32,
+        w.add_key_value(f"gemma3.{key}", v,
+                        gguf.GGUFValueType.ARRAY if isinstance(v, list) else gguf.GGUFValueType.UINT32,
                         sub_type=gguf.GGUFValueType.BOOL if isinstance(v, list) else None)
     w.add_tensor("token_embd.weight", np.zeros((8, hidden), np.float32))
     w.add_tensor("output_norm.weight", np.zeros(hidden, np.float32))
@@ -249,7 +253,8 @@ def test_gemma3_header_rules(tmp_path):
     """What llama.cpp fixes for gemma3 rather than stores: the 27B (62 layers) scales scores by
     hidden / heads (its query_pre_attn_scalar, 168), the others by head_dim; every 6th layer global;
     an explicit per-layer pattern wins; no sliding_window: every layer global."""
-    big = _gemma3_header(tmp_path / "27b.gguf", 62, hidden=5376, heads=32, metadata=[("attention.sliding_window", 1024)])
+    big = _gemma3_header(tmp_path / "27b.gguf", 62, hidden=5376, heads=32,
+                         metadata=[("attention.sliding_window", 1024)])
     assert big["query_pre_attn_scalar"] == 168 and big["sliding_window"] == 1024
     assert [i for i, t in enumerate(big["layer_types"]) if t == "full_attention"] == list(range(5, 62, 6))
     assert big["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}

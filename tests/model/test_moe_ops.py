@@ -46,8 +46,9 @@ def matmul(request):
 
 def run(x, ids, w, experts, num_rows=None, matmul=jax.lax.ragged_dot, **kw):
     rows = None if num_rows is None else jnp.asarray([num_rows], jnp.int32)
-    return np.asarray(functools.partial(grouped_experts, matmul=matmul)(jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(w, jnp.float32),
-                                      *map(jnp.asarray, experts), rows, **kw))
+    return np.asarray(functools.partial(grouped_experts, matmul=matmul)(jnp.asarray(x), jnp.asarray(ids, jnp.int32),
+                                                                        jnp.asarray(w, jnp.float32),
+                                                                        *map(jnp.asarray, experts), rows, **kw))
 
 
 @pytest.mark.parametrize("case", ["random", "one_expert", "one_token", "two_experts_idle"])

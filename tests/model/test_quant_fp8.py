@@ -84,7 +84,8 @@ def test_fp8_checkpoint_kept_as_stored(tiny_model, tmp_path):
     floats = load_model(str(tmp_path / "fp8")).params
     w = kept["layers_0"]["mlp"]["up_proj"]["kernel"]
     assert isinstance(w, weight_formats.Fp8Weight)
-    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(w)), floats["layers_0"]["mlp"]["up_proj"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(w)),
+                                  floats["layers_0"]["mlp"]["up_proj"]["kernel"])
     llm = LLM(str(tmp_path / "fp8"), quantization="fp8", precompile=False, max_model_len=64, num_blocks=16,
               use_tqdm=False)
     same = LLM(str(tmp_path / "fp8" / "ref"), precompile=False, max_model_len=64, num_blocks=16, use_tqdm=False)

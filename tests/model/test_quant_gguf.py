@@ -160,7 +160,8 @@ def test_tiny_gguf_as_w4a8(tmp_path, matrix_type, kind, budget):
             quantization=quantization))
 
     w4, ref = runner("w4a8"), runner(None)
-    kept = {type(w) for w in jax.tree.leaves(w4.params, is_leaf=weight_formats.is_quantized) if weight_formats.is_quantized(w)}
+    kept = {type(w) for w in jax.tree.leaves(w4.params, is_leaf=weight_formats.is_quantized)
+            if weight_formats.is_quantized(w)}
     assert kept == {getattr(weight_formats, kind)}
     assert quant_params.weight_bytes(w4.params) <= budget * float_bytes(w4.params)
     _, floats = load_gguf(p)
@@ -169,7 +170,8 @@ def test_tiny_gguf_as_w4a8(tmp_path, matrix_type, kind, budget):
     assert q_proj.q.shape[1] == HIDDEN // (8 if kind == "W4A8Weight" else 4)  # two k quads a byte, or one
     layer0 = [w for path, w in got.items() if "layers_0" in jax.tree_util.keystr(path) and "down_proj" in
               jax.tree_util.keystr(path)][0]
-    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(layer0)).T, floats["model.layers.0.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(layer0)).T,
+                                  floats["model.layers.0.mlp.down_proj.weight"])
     prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
     logits, tokens = greedy_run(w4, prompts, 3)
     ref_logits, ref_tokens = greedy_run(ref, prompts, 3)

@@ -54,11 +54,13 @@ def reference(tiny_model):
     return get
 
 
-BUDGETS = {"int8": (0.30, 0.02, 0.90), "fp8": (0.30, 0.05, 0.80), "q8_0": (0.30, 0.02, 0.90), "q4_0": (0.17, 0.10, None),
-           "q4_1": (0.17, 0.10, None)}  # weights / float32, perplexity tolerance, greedy agreement
+# weights / float32, perplexity tolerance, greedy agreement
+BUDGETS = {"int8": (0.30, 0.02, 0.90), "fp8": (0.30, 0.05, 0.80), "q8_0": (0.30, 0.02, 0.90),
+           "q4_0": (0.17, 0.10, None), "q4_1": (0.17, 0.10, None)}
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "fp8"), ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_1"),
+@pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "fp8"), ("llama", "q8_0"), ("llama", "q4_0"),
+                                         ("llama", "q4_1"),
                                          ("qwen2", "int8"), ("qwen2", "q4_1")])  # qwen2: tied embeddings
 def test_quantized_tiny_model(reference, arch, scheme):
     path, ids, ref = reference(arch)

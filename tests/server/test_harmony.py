@@ -149,7 +149,8 @@ Reasoning: {{ reasoning_effort | default("medium") }}
 {{- "<|start|>assistant<|channel|>final<|message|>" + m.content }}<|end|>
 {%- elif m.role == "tool" %}
 {%- if last.name is none %}{{ raise_exception("a tool message needs a call before it") }}{% endif %}
-{{- "<|start|>functions." + last.name + " to=assistant<|channel|>commentary<|message|>" }}{{ m.content | tojson }}<|end|>
+{{- "<|start|>functions." + last.name + " to=assistant<|channel|>commentary<|message|>" }}\
+{{ m.content | tojson }}<|end|>
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|start|>assistant{% endif %}"""

@@ -12,8 +12,9 @@ test_drain_refuses_new_work_and_aborts_at_timeout. basic's test_server_load -> t
 test_load_counts_generate_calls_in_flight; completion's truncation-side test ->
 test_truncate_prompt_tokens.
 
-Expected to be a 400 (never a silent 200): use_beam_search, min_characters. Structured outputs (structured_outputs json / regex / choice, response_format
-json_object / json_schema) are obeyed once the engine applies grammars, a 400 until then.
+Expected to be a 400 (never a silent 200): use_beam_search, min_characters. Structured outputs
+(structured_outputs json / regex / choice, response_format json_object / json_schema) are obeyed once
+the engine applies grammars, a 400 until then.
 The structured-output, tool and reasoning cases are tested in test_structured.py and test_tools.py.
 
 Not applicable, and why:
