@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxserve.runtime.compat import ffi
 from jaxserve.runtime.cpu_isa import AMX_BIT, AMX_PATHS, DOT_PATHS, ISA_ENV, cpu_features, isa_cap
-from jaxserve.runtime.native_build import build
+from jaxserve.runtime.native_build import build, format_table
 from pallas_kernels.kv_quant import QuantPages
 
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
@@ -100,12 +100,23 @@ def available() -> str | None:
         if "error" not in _state:
             try:
                 lib = ctypes.cdll.LoadLibrary(str(build()))
+                check_formats(lib)
                 for target, symbol in TARGETS.items():
                     ffi.register_ffi_target(target, ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state["lib"], _state["error"] = lib, None
             except Exception as e:  # noqa: BLE001  (any failure means: use the xla backend)
                 _state["error"] = f"{type(e).__name__}: {e}"
         return _state["error"]
+
+
+def check_formats(lib) -> None:
+    """RuntimeError unless the library's weight-format table (formats.h, generated at its build) is
+    runtime/weight_formats.py's: the ids quant.py passes mean the same formats to the kernels."""
+    lib.JaxserveFormats.restype = ctypes.c_char_p
+    built, want = lib.JaxserveFormats().decode(), format_table()
+    if built != want:
+        raise RuntimeError(f"the kernel library's weight formats ({built}) are not "
+                           f"runtime/weight_formats.py's ({want})")
 
 
 def to_cpu_layout(k_pages, v_pages):

@@ -68,7 +68,7 @@ def linear(x, w, num_rows=None, native: bool | None = None):
     fmt = format_of(w)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul", out, vmap_method="sequential")(
-        x, *fmt.operands(w), _rows(x, num_rows), fmt=np.int32(fmt.fmt))
+        x, *fmt.operands(w), _rows(x, num_rows), format=np.int32(fmt.id))
 
 
 def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
@@ -81,7 +81,7 @@ def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
     fmt = format_of(w_gate)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w_gate)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul_gated", out, vmap_method="sequential")(
-        x, *fmt.operands(w_gate), *fmt.operands(w_up), _rows(x, num_rows), fmt=np.int32(fmt.fmt))
+        x, *fmt.operands(w_gate), *fmt.operands(w_up), _rows(x, num_rows), format=np.int32(fmt.id))
 
 
 def _dot_reference(x, w):
@@ -110,7 +110,7 @@ def _dot(x, ws, num_rows, native):
     out = jax.ShapeDtypeStruct((x.shape[0], _n(ws[0])), jnp.float32)
     name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
     return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
-        x, *(a for w in ws for a in fmt.operands(w)), _rows(x, num_rows), fmt=np.int32(fmt.fmt),
+        x, *(a for w in ws for a in fmt.operands(w)), _rows(x, num_rows), format=np.int32(fmt.id),
         isa=np.int32(cpu_kernels.dot_isa(fmt.name)))
 
 

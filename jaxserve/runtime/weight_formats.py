@@ -12,7 +12,8 @@ A record holds what the rest of the runtime asks of a format: its name (a `quant
 what `quantize` makes and `cpu_kernels.dot_isa` is asked about), the NamedTuple, the codec from
 float weights, `dequantize` (inside the computation: no float copy of a weight is ever stored),
 the rows an embedding lookup decodes, the operands its native kernel takes, and that kernel
-(csrc/quant_matmul.cc or csrc/dot_matmul.cc) with its `fmt` id.
+(csrc/quant_matmul.cc or csrc/dot_matmul.cc) with its id there (the kernel's `format` attribute;
+runtime/native_build.py generates the C++ table of them, formats.h, from these records).
 """
 
 from __future__ import annotations
@@ -260,6 +261,7 @@ def _q4_rows(w, p, c, ids):
 
 # ---- the registry -------------------------------------------------------------------------------
 QUANT_MATMUL, DOT_MATMUL = "quant_matmul", "dot_matmul"  # csrc/quant_matmul.cc, csrc/dot_matmul.cc
+NATIVE_KERNELS = (QUANT_MATMUL, DOT_MATMUL)  # each numbers its formats 0, 1, ... (native_build.formats_header)
 
 
 def _none(dtype):
@@ -275,7 +277,7 @@ class WeightFormat:
     embed_rows: Callable  # (w, p, c, ids) -> f32[T, K]: rows of the table whose LM head it is
     operands: Callable  # the format -> (q, scales, mins), as its native kernel takes them
     kernel: str  # QUANT_MATMUL or DOT_MATMUL
-    fmt: int  # the kernel's `fmt` attribute
+    id: int  # the kernel's `format` attribute: its enumerator in the generated csrc/formats.h (native_build)
 
 
 FORMATS = (
@@ -297,8 +299,8 @@ FORMATS = (
     *(WeightFormat(t.lower(), cls, lambda w, t=t: _k_quant(w, t),
                    lambda w: from_panels(kquants.decode(w, jnp), jnp),
                    lambda w, p, c, ids: kquants.decode(kquants.gather_rows(w, p, c), jnp)[:, :, 0],
-                   lambda w: (w.q, w.d, w.s), QUANT_MATMUL, fmt)
-      for fmt, (t, cls) in enumerate(kquants.FORMATS.items(), start=4)),
+                   lambda w: (w.q, w.d, w.s), QUANT_MATMUL, i)
+      for i, (t, cls) in enumerate(kquants.FORMATS.items(), start=4)),
     WeightFormat("bfloat16", Bf16Weight, quantize_bf16,
                  lambda w: from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp), _word_rows,
                  lambda w: (w.q, _none(jnp.float32), _none(jnp.float16)), DOT_MATMUL, 0),

@@ -326,7 +326,8 @@ def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
     # -O1: an intrinsic the target lacks fails at any level (always_inline target mismatch), and
     # -O3 tripled the cost (paged_attention.cc: 80 s against 21 s on 2 cores)
     flags = [f for f in native_build.FLAGS if f not in ("-march=native", "-shared", "-O3")]
+    (tmp_path / "formats.h").write_text(native_build.formats_header())  # generated, as build() does
     cmd = [native_build.compiler(), *flags, "-O1", f"-march={march}", "-c", f"-I{ffi.include_dir()}",
-           str(native_build.CSRC / source), "-o", str(tmp_path / "out.o")]
+           f"-I{tmp_path}", str(native_build.CSRC / source), "-o", str(tmp_path / "out.o")]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]

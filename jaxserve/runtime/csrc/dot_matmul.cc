@@ -4,23 +4,24 @@
 //   jaxserve_dot_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
 //
 // W is held in the 64-column panels of csrc/matmul.cc with consecutive k values interleaved, so one
-// 32-bit lane holds what one dot-product step of one column needs (attribute `fmt`, quant.py):
-//   0 bf16: w u16[N / 64, K / 2, 128] bfloat16 bits, [p, i, 2 j + t] = W[2 i + t, 64 p + j].
+// 32-bit lane holds what one dot-product step of one column needs (attribute `format`: an id of
+// formats.h, generated from runtime/weight_formats.py's records):
+//   kBFLOAT16: w u16[N / 64, K / 2, 128] bfloat16 bits, [p, i, 2 j + t] = W[2 i + t, 64 p + j].
 //           x is rounded to bfloat16 (to nearest even) and y[i, j] is summed over the k pairs in
 //           order, float32 accumulation, as AVX512_BF16's vdpbf16ps does (bf16 products are exact).
-//   1 w8a8: w u8[N / 64, K / 4, 256] holding q + 128, [p, i, 4 j + t] = q[4 i + t, 64 p + j] + 128
+//   kW8A8: w u8[N / 64, K / 4, 256] holding q + 128, [p, i, 4 j + t] = q[4 i + t, 64 p + j] + 128
 //           (q int8, W = q * scale[n]); scale f32[N]. x is quantized on the fly in blocks of 32
 //           along k (GGUF Q8_0's activation blocks), symmetric: sx = max |x_block| / 127, xq =
 //           rint(x * (127 / max |x_block|)). Each block's sum of xq q is exact int32 arithmetic
 //           (AVX512_VNNI's vpdpbusd takes the unsigned operand: q + 128, and starts from
 //           -128 * sum xq), so its order is irrelevant; the blocks' float(sum) * sx are added in
 //           k order, and y = that * scale[n].
-//   2 w4a8: w u8[N / 64, K / 8, 256] GGUF Q4_1's 4-bit values (Q4_0's too: m = -8 d), a k quad a
+//   kW4A8: w u8[N / 64, K / 8, 256] GGUF Q4_1's 4-bit values (Q4_0's too: m = -8 d), a k quad a
 //           32-bit lane as w8a8's, two quads a byte: [p, g, 4 j + t] = q[8 g + t, 64 p + j] |
 //           q[8 g + 4 + t, 64 p + j] << 4 (q in 0..15); d and m f16[N / 64, K / 32, 64]: W = q d + m
 //           per block of 32 k. x is quantized as w8a8's, and each block adds
 //           sx (d sum(xq q) + m sum(xq)) to the float32 sum, in k order (llama.cpp's Q4_1 x Q8_1).
-//   3 q8a8: GGUF Q8_0's blocks in w8a8's layout (q + 128 in quads), d and m = -128 d as w4a8's
+//   kQ8A8: GGUF Q8_0's blocks in w8a8's layout (q + 128 in quads), d and m = -128 d as w4a8's
 //           (W = (q + 128) d + m = q d): the w4a8 block sum on whole bytes (llama.cpp's Q8_0 x Q8_0).
 // Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
@@ -35,6 +36,7 @@
 #include <cstdint>
 #include <cerrno>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -42,6 +44,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "formats.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -54,10 +57,13 @@ using jaxserve::Half;
 using jaxserve::kW;
 using jaxserve::v16;
 using i32x16 = int32_t __attribute__((vector_size(64)));
-constexpr int kPanel = 64, kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
-constexpr int kBlock = 32, kQuads = kBlock / 4;  // w8a8's activation blocks: k values, 4-k words
-
-enum Fmt { kBf16 = 0, kW8A8 = 1, kW4A8 = 2, kQ8A8 = 3 };
+// The formats' ids (Format: kBFLOAT16, kW8A8, ...), kPanel and kBlock come from formats.h, which
+// runtime/native_build.py generates from runtime/weight_formats.py.
+using namespace jaxserve::dot_matmul;
+using jaxserve::kBlock;
+using jaxserve::kPanel;
+constexpr int kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
+constexpr int kQuads = kBlock / 4;  // w8a8's activation blocks (kBlock k values) in 4-k words
 constexpr bool Blocked(int f) { return f == kW4A8 || f == kQ8A8; }  // d and m per block of 32 k
 // Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers; w4a8's nibbles take 8
 // more); the int8 formats' float32 block sums live in memory (L1), updated once per block.
@@ -114,16 +120,16 @@ inline void Nibbles(i32x16 b, i32x16& lo, i32x16& hi) {
 }
 
 // Where panel `panel` of weight words `w` starts: K / per rows of 64 words (w4a8: a row holds 8 k).
-template <Fmt F>
+template <Format F>
 inline const uint32_t* PanelWords(const uint32_t* w, int64_t panel, int64_t k_words) {
   return w + panel * (F == kW4A8 ? k_words / 2 : k_words) * kPanel;
 }
 
 // One step of a tile: the 64 columns' accumulators of MR rows. Each k step (a pair for bf16, a
 // quad for w8a8) reads 4 vectors of the panel and one 32-bit word of each row's activations.
-template <Fmt F, Isa I, int MR>
+template <Format F, Isa I, int MR>
 struct Tile {
-  using Acc = std::conditional_t<F == kBf16, v16, i32x16>;
+  using Acc = std::conditional_t<F == kBFLOAT16, v16, i32x16>;
   Acc c[MR][kNV] = {};
 
   // k steps s0..s1 (w4a8: steps of two quads, one row of nibbles, the low ones first).
@@ -143,11 +149,11 @@ struct Tile {
   }
 
   inline void Step(int r, uint32_t a, const i32x16* b) {
-    if constexpr (F == kBf16 && I == kDot && kHaveBf16) {
+    if constexpr (F == kBFLOAT16 && I == kDot && kHaveBf16) {
       const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a));
       for (int v = 0; v < kNV; ++v)
         c[r][v] = Bits<v16>(_mm512_dpbf16_ps(Bits<__m512>(c[r][v]), av, Bits<__m512bh>(b[v])));
-    } else if constexpr (F == kBf16) {  // vdpbf16ps' order: the odd k of the pair, then the even one
+    } else if constexpr (F == kBFLOAT16) {  // vdpbf16ps' order: the odd k of the pair, then the even one
       const float lo = Bits<float>(a << 16), hi = Bits<float>(a & 0xffff0000u);
       for (int v = 0; v < kNV; ++v) {
         c[r][v] += hi * Bits<v16>(b[v] & int32_t(0xffff0000u));
@@ -178,9 +184,9 @@ struct Acts {
 };
 
 // Row r of x into a's words (and w8a8's block scales and sums).
-void PrepareRow(Fmt f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
+void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
   uint32_t* out = a.words.data() + r * a.ldx;
-  if (f == kBf16) {
+  if (f == kBFLOAT16) {
     for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
     return;
   }
@@ -202,10 +208,10 @@ void PrepareRow(Fmt f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
 }
 
 // All m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
-void Prepare(ffi::ThreadPool& pool, Fmt f, const float* x, int64_t m, int64_t k_len, Acts& a) {
+void Prepare(ffi::ThreadPool& pool, Format f, const float* x, int64_t m, int64_t k_len, Acts& a) {
   constexpr int64_t kRows = 16;
-  a.ldx = k_len / (f == kBf16 ? 2 : 4);
-  a.blocks = f == kBf16 ? 0 : k_len / kBlock;
+  a.ldx = k_len / (f == kBFLOAT16 ? 2 : 4);
+  a.blocks = f == kBFLOAT16 ? 0 : k_len / kBlock;
   a.words.resize(m * a.ldx);
   a.sx.resize(m * a.blocks);
   a.xsum.resize(m * a.blocks);
@@ -256,13 +262,13 @@ void SplitNibbles(const uint32_t* w, int64_t rows, uint32_t* out) {
 // y[0:MR, 0:64] for one panel. bf16: the tile's float32 sums. w8a8: per block of 32 k, the exact
 // int32 sum of (q + 128) xq from -128 sum xq, times the block's sx, added to a float32 sum in
 // block order; then times scale[n].
-template <Fmt F, Isa I, int MR>
+template <Format F, Isa I, int MR>
 void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
   const uint32_t* x = a.words.data() + r0 * a.ldx;
   const uint32_t* w = PanelWords<F>(wt.w, panel, a.ldx);
   Tile<F, I, MR> t;
   alignas(64) float f[MR][kPanel] = {};
-  if constexpr (F == kBf16) {
+  if constexpr (F == kBFLOAT16) {
     t.Run(x, w, 0, a.ldx, a.ldx);
   } else if constexpr (Blocked(F)) {
     constexpr int steps = F == kW4A8 ? kQuads / 2 : kQuads;  // k steps per block (w4a8: of two quads)
@@ -299,7 +305,7 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kNV; ++v) {
       v16 out;
-      if constexpr (F == kBf16)
+      if constexpr (F == kBFLOAT16)
         out = t.c[r][v];
       else if constexpr (Blocked(F))
         out = Load<v16>(f[r] + v * kW);
@@ -320,10 +326,10 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-template <Fmt F>
+template <Format F>
 void ConfigureTiles(int mr) {
   TileConfig cfg;
-  const int steps = F == kBf16 ? 16 : kQuads;  // k words per tile: 32 bf16 k, or one 32-k block
+  const int steps = F == kBFLOAT16 ? 16 : kQuads;  // k words per tile: 32 bf16 k, or one 32-k block
   for (int t = 0; t < 4; ++t) cfg.rows[t] = mr, cfg.colsb[t] = 64;
   cfg.rows[4] = mr, cfg.colsb[4] = steps * 4;
   for (int t = 5; t < 8; ++t) cfg.rows[t] = steps, cfg.colsb[t] = 64;
@@ -360,9 +366,9 @@ inline void StoreTiles(T* dst, int64_t stride) {
   DOT(2, 4, 7);                    \
   DOT(3, 4, 5)
 
-template <Fmt F>
+template <Format F>
 inline void TileStep(const char* x, int64_t ldx, const char* w, int64_t ldw) {
-  if constexpr (F == kBf16) {
+  if constexpr (F == kBFLOAT16) {
     JAXSERVE_TILE_STEP(_tile_dpbf16ps);
   } else {
     JAXSERVE_TILE_STEP(_tile_dpbsud);
@@ -374,14 +380,14 @@ inline void TileStep(const char* x, int64_t ldx, const char* w, int64_t ldw) {
 // panel's words at wp (w4a8: SplitNibbles' bytes). bf16: float32 sums over k in steps of 32. W8A8:
 // per block of 32 k the exact int32 sum of xq (q + 128) (tdpbsud: signed activations, unsigned
 // weights), less 128 sum xq, then as Kernel<kW8A8>; w4a8: the sum of xq q, then as Kernel<kW4A8>.
-template <Fmt F>
+template <Format F>
 void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32_t* wp, int64_t panel, float* y,
                int64_t ldy) {
   const char* x = reinterpret_cast<const char*>(a.words.data() + r0 * a.ldx);
   const char* w = reinterpret_cast<const char*>(wp);
   const int64_t ldx = a.ldx * 4, ldw = kPanel * 4;
   ZeroTiles();
-  if constexpr (F == kBf16) {
+  if constexpr (F == kBFLOAT16) {
     for (int64_t s = 0; s < a.ldx; s += 16) TileStep<F>(x + s * 4, ldx, w + s * ldw, ldw);
     StoreTiles(y, ldy * 4);
     return;
@@ -422,18 +428,18 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32
 #endif
 
 // Kernel<MR> for any 0 < MR <= kMaxMR<F>.
-template <Fmt F, Isa I, int MR = 1>
+template <Format F, Isa I, int MR = 1>
 void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y, int64_t ldy) {
   if constexpr (MR <= kMaxMR<F>) {
     if (mr == MR) return Kernel<F, I, MR>(a, r0, wt, panel, y, ldy);
     Rows<F, I, MR + 1>(mr, a, r0, wt, panel, y, ldy);
   }
 }
-static_assert(kMaxMR<kBf16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMaxMR<kW4A8> <= kAmxRows &&
+static_assert(kMaxMR<kBFLOAT16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMaxMR<kW4A8> <= kAmxRows &&
                   kMaxMR<kQ8A8> <= kAmxRows,
               "the gated buffers hold 16 rows");
 
-template <Fmt F, Isa I>
+template <Format F, Isa I>
 void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int64_t panels, const Weight& w,
          const Weight* up, float* ys) {
   // Rows per work item: AMX reads a panel's weights once per 16 rows, from L2 after the first.
@@ -458,7 +464,7 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
 #ifdef JAXSERVE_AMX
       // The int8 formats' block sums are exact: a few rows run isa 1's kernel (faster there, the
       // same bits).
-      if constexpr (I == kAmx && F != kBf16)
+      if constexpr (I == kAmx && F != kBFLOAT16)
         if (mr < kAmxMinRowsW8A8) {
           for (int64_t j = 0; j < mr; j += kMaxMR<F>)
             Rows<F, kDot>(std::min<int64_t>(kMaxMR<F>, mr - j), a, r + j, wt, panel, y + j * ldy, ldy);
@@ -496,11 +502,11 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
 
 // The weight's panel count if (w, scale, mins) is a well-formed weight of format f for x[., K],
 // else -1.
-int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
+int64_t Check(Format f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
   const auto wd = w.dimensions();
-  const int64_t per = f == kBf16 ? 2 : f == kW4A8 ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)
-  if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * (f == kBf16 ? 2 : 4)) return -1;
-  if (f == kBf16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
+  const int64_t per = f == kBFLOAT16 ? 2 : f == kW4A8 ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)
+  if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * (f == kBFLOAT16 ? 2 : 4)) return -1;
+  if (f == kBFLOAT16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
   if (w.element_type() != ffi::U8 || k_len % kBlock != 0) return -1;
   if (f == kW8A8)
     return scale.element_type() == ffi::F32 && scale.element_count() == wd[0] * kPanel ? wd[0] : -1;
@@ -519,23 +525,23 @@ Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
 }
 
 ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w, const Weight* up, int64_t panels,
-                ffi::Buffer<ffi::S32> rows, float* y, int32_t fmt, int32_t isa) {
+                ffi::Buffer<ffi::S32> rows, float* y, int32_t format, int32_t isa) {
   const auto xd = x.dimensions();
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
-  const Fmt f = Fmt(fmt);
-  if ((isa == kDot && !(f == kBf16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
+  const Format f = Format(format);
+  if ((isa == kDot && !(f == kBFLOAT16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
     return ffi::Error::InvalidArgument("dot matmul: an isa asked of a library built without its instructions");
   if (isa == kAmx && xd[1] % 32 != 0) isa = kDot;  // a tile takes 32 k at a time (per shape, not batch)
   thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
   Prepare(pool, f, x.typed_data(), m, xd[1], acts);
 #ifdef JAXSERVE_AMX
-  if (f == kBf16 && isa == kAmx) Run<kBf16, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBFLOAT16 && isa == kAmx) Run<kBFLOAT16, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW4A8 && isa == kAmx) Run<kW4A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kQ8A8 && isa == kAmx) Run<kQ8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
 #endif
-  if (f == kBf16 && isa == kDot) Run<kBf16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kBf16 && isa == kPortable) Run<kBf16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBFLOAT16 && isa == kDot) Run<kBFLOAT16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBFLOAT16 && isa == kPortable) Run<kBFLOAT16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW8A8 && isa == kPortable) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
   if (f == kW4A8 && isa == kDot) Run<kW4A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
@@ -545,29 +551,37 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
   return ffi::Error::Success();
 }
 
-bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, int32_t isa, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && (fmt >= kBf16 && fmt <= kQ8A8) && (isa == kPortable || isa == kDot || isa == kAmx) &&
-         rows.element_count() == 1;
+bool Valid(ffi::Buffer<ffi::F32> x, int32_t isa, ffi::Buffer<ffi::S32> rows) {
+  return x.dimensions().size() == 2 && (isa == kPortable || isa == kDot || isa == kAmx) && rows.element_count() == 1;
+}
+
+// A `format` that is not one of formats.h's ids (the caller and the library disagree on the table).
+ffi::Error UnknownFormat(const char* call, int32_t format) {
+  return ffi::Error::InvalidArgument(std::string(call) + ": unknown weight format id " + std::to_string(format) +
+                                     " (formats.h, from runtime/weight_formats.py, has 0.." +
+                                     std::to_string(kFormats - 1) + ")");
 }
 
 ffi::Error DotMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer s,
-                     ffi::AnyBuffer mn, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt,
+                     ffi::AnyBuffer mn, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t format,
                      int32_t isa) {
-  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], w, s, mn) : -1;
+  if (!Known(format)) return UnknownFormat("dot matmul", format);
+  const int64_t panels = Valid(x, isa, rows) ? Check(Format(format), x.dimensions()[1], w, s, mn) : -1;
   if (panels < 0)
-    return ffi::Error::InvalidArgument("dot matmul: expected x[M, K], a weight of format fmt (quant.py), rows[1]");
+    return ffi::Error::InvalidArgument("dot matmul: expected x[M, K], a weight of its format (quant.py), rows[1]");
   const Weight wt = Of(w, s, mn);
-  return Call(pool, x, wt, nullptr, panels, rows, y->typed_data(), fmt, isa);
+  return Call(pool, x, wt, nullptr, panels, rows, y->typed_data(), format, isa);
 }
 
 ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
                           ffi::AnyBuffer mg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer mu,
-                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt, int32_t isa) {
-  const int64_t panels = Valid(x, fmt, isa, rows) ? Check(Fmt(fmt), x.dimensions()[1], wg, sg, mg) : -1;
-  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], wu, su, mu) != panels)
-    return ffi::Error::InvalidArgument("gated dot matmul: expected x[M, K], two weights of format fmt alike, rows[1]");
+                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t format, int32_t isa) {
+  if (!Known(format)) return UnknownFormat("gated dot matmul", format);
+  const int64_t panels = Valid(x, isa, rows) ? Check(Format(format), x.dimensions()[1], wg, sg, mg) : -1;
+  if (panels < 0 || Check(Format(format), x.dimensions()[1], wu, su, mu) != panels)
+    return ffi::Error::InvalidArgument("gated dot matmul: expected x[M, K], two weights of its format alike, rows[1]");
   const Weight g = Of(wg, sg, mg), u = Of(wu, su, mu);
-  return Call(pool, x, g, &u, panels, rows, y->typed_data(), fmt, isa);
+  return Call(pool, x, g, &u, panels, rows, y->typed_data(), format, isa);
 }
 
 }  // namespace
@@ -594,7 +608,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, DotMatmul,
                                   .Arg<ffi::AnyBuffer>()         // m (w4a8; else empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
-                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("format")
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, DotMatmulGated,
@@ -609,5 +623,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, DotMatmulGated,
                                   .Arg<ffi::AnyBuffer>()         // up: m
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
-                                  .Attr<int32_t>("fmt")
+                                  .Attr<int32_t>("format")
                                   .Attr<int32_t>("isa"));

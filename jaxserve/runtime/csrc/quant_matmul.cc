@@ -3,15 +3,16 @@
 //   jaxserve_quant_matmul:       y[M, N] = x[M, K] @ W
 //   jaxserve_quant_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
 //
-// W is held in the 64-column panels of csrc/matmul.cc, quantized (attribute `fmt`):
-//   0 int8:  q i8[N / 64, K, 64], scale f32[N]               W = q * scale  (scale after the sum)
-//   1 Q8_0:  q i8[N / 64, K, 64], d f16[N / 64, K / 32, 64]  W = q * d
-//   2 Q4:    q u8[N / 64, K / 2, 64] (k = 2j low nibble, 2j + 1 high), d and m f16 like Q8_0's d,
+// W is held in the 64-column panels of csrc/matmul.cc, quantized (attribute `format`: an id of
+// formats.h, generated from runtime/weight_formats.py's records):
+//   kINT8:   q i8[N / 64, K, 64], scale f32[N]               W = q * scale  (scale after the sum)
+//   kQ8_0:   q i8[N / 64, K, 64], d f16[N / 64, K / 32, 64]  W = q * d
+//   kQ4_1:   q u8[N / 64, K / 2, 64] (k = 2j low nibble, 2j + 1 high), d and m f16 like Q8_0's d,
 //            W = q * d + m
-//   3 fp8:   q u8[N / 64, K, 64] float8_e4m3fn bits, scale f32[N]  W = q * scale (scale after the sum)
-//   4 Q4_K:  q as Q4's; d f16[N / 64, K / 256, 2, 64] (d, dmin per super-block), m u8[N / 64,
+//   kFP8:    q u8[N / 64, K, 64] float8_e4m3fn bits, scale f32[N]  W = q * scale (scale after the sum)
+//   kQ4_K:   q as Q4's; d f16[N / 64, K / 256, 2, 64] (d, dmin per super-block), m u8[N / 64,
 //            K / 32, 2, 64] (6-bit sc, min per 32-block)  W = q * (d * sc) - dmin * min
-//   5 Q6_K:  q u8[N / 64, K / 256, 192, 64] (per super-block: 128 rows of low-nibble pairs as Q4's,
+//   kQ6_K:   q u8[N / 64, K / 256, 192, 64] (per super-block: 128 rows of low-nibble pairs as Q4's,
 //            64 rows of the high 2 bits, k = 4j + t in bits 2t), d f16[N / 64, K / 256, 64],
 //            m i8[N / 64, K / 16, 64] (sc per 16-block)  W = (q - 32) * (d * sc)
 //            (runtime/kquants.py: each product there is exact in float32, so the decode is too)
@@ -26,11 +27,13 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
 
+#include "formats.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -45,10 +48,14 @@ using jaxserve::Half;
 using i8x16 = int8_t __attribute__((vector_size(16)));
 using u8x16 = uint8_t __attribute__((vector_size(16)));
 using i32x16 = int32_t __attribute__((vector_size(64)));
-constexpr int kPanel = 64, kNV = kPanel / kW, kBlock = 32, kMR = 6, kRowChunk = 48;
-
-enum Fmt { kInt8 = 0, kQ8 = 1, kQ4 = 2, kFp8 = 3, kQ4K = 4, kQ6K = 5, kDecoded = 6 };  // kDecoded: a panel already decoded
-constexpr int kSuper = 256;  // K-quants' super-block
+// The formats' ids (Format: kINT8, kQ8_0, ...), kPanel, kBlock and kSuper (K-quants' super-block)
+// come from formats.h, which runtime/native_build.py generates from runtime/weight_formats.py.
+using namespace jaxserve::quant_matmul;
+using jaxserve::kBlock;
+using jaxserve::kPanel;
+using jaxserve::kSuper;
+constexpr int kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
+constexpr Format kDecoded = Format(kFormats);  // not a weight format: a panel already decoded
 
 // One panel of a quantized weight: its quants and, for the block formats, per-block d and m.
 struct Panel {
@@ -111,24 +118,24 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
 }
 
 // Weights per block that shares one (d, m) pair of vectors in ForEachRow.
-template <Fmt F>
-constexpr int kSub = F == kQ6K ? 16 : kBlock;
+template <Format F>
+constexpr int kSub = F == kQ6_K ? 16 : kBlock;
 
 // Block b's scale (and offset: Q4's m, Q4_K's -dmin * min) vectors, d[kNV] and m[kNV].
-template <Fmt F>
+template <Format F>
 inline void BlockScales(const Panel& p, int64_t b, v16 d[kNV], v16 m[kNV]) {
-  if constexpr (F == kQ4K) {
+  if constexpr (F == kQ4_K) {
     const int64_t sup = b / (kSuper / kBlock);
     for (int v = 0; v < kNV; ++v) {
       d[v] = Half(p.d + (2 * sup) * kPanel + v * kW) * Float(Load<u8x16>(p.s + (2 * b) * kPanel + v * kW));
       m[v] = -(Half(p.d + (2 * sup + 1) * kPanel + v * kW) * Float(Load<u8x16>(p.s + (2 * b + 1) * kPanel + v * kW)));
     }
-  } else if constexpr (F == kQ6K) {
+  } else if constexpr (F == kQ6_K) {
     for (int v = 0; v < kNV; ++v)
       d[v] = Half(p.d + b / (kSuper / 16) * kPanel + v * kW) * Float(Load<i8x16>(p.s + b * kPanel + v * kW));
   } else {
     Halves(p.d + b * kPanel, d);
-    if constexpr (F == kQ4) Halves(p.m + b * kPanel, m);
+    if constexpr (F == kQ4_1) Halves(p.m + b * kPanel, m);
   }
 }
 
@@ -146,7 +153,7 @@ using jaxserve::Opaque;  // (vec.h) a decoded weight's scale is not folded into 
 
 // Calls use(k, w) for k = 0..K-1 in order, w[kNV] the panel's row k decoded (int8: q, unscaled),
 // and fence() between the two rows a Q4 byte holds.
-template <Fmt F, typename Use, typename Fence>
+template <Format F, typename Use, typename Fence>
 inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) {
   v16 w[kNV], hi[kNV], d[kNV], m[kNV];
   if constexpr (F == kDecoded) {
@@ -154,10 +161,10 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
       for (int v = 0; v < kNV; ++v) w[v] = Load<v16>(p.f + k * kPanel + v * kW);
       use(k, w);
     }
-  } else if constexpr (F == kInt8 || F == kFp8) {
+  } else if constexpr (F == kINT8 || F == kFP8) {
     for (int64_t k = 0; k < k_len; ++k) {
       for (int v = 0; v < kNV; ++v) {
-        if constexpr (F == kInt8)
+        if constexpr (F == kINT8)
           w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
         else
           w[v] = E4m3(Load<u8x16>(p.q + k * kPanel + v * kW));
@@ -166,17 +173,17 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
       use(k, w);
     }
   } else {
-    constexpr bool kPairs = F != kQ8;  // two rows per byte (Q4, Q4_K) or per step (Q6_K)
+    constexpr bool kPairs = F != kQ8_0;  // two rows per byte (Q4, Q4_K) or per step (Q6_K)
     for (int64_t b = 0; b < k_len / kSub<F>; ++b) {
       BlockScales<F>(p, b, d, m);
       for (int64_t k = b * kSub<F>; k < (b + 1) * kSub<F>; k += kPairs ? 2 : 1) {
         for (int v = 0; v < kNV; ++v) {
-          if constexpr (F == kQ4 || F == kQ4K) {
+          if constexpr (F == kQ4_1 || F == kQ4_K) {
             const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
             w[v] = Float(byte & 15) * d[v] + m[v];
             hi[v] = Float(byte >> 4) * d[v] + m[v];
             Opaque(hi[v]);
-          } else if constexpr (F == kQ6K) {
+          } else if constexpr (F == kQ6_K) {
             i8x16 lo, up;
             Q6Pair(p.q, k, v, lo, up);
             w[v] = Float(lo) * d[v];
@@ -198,7 +205,7 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
 }
 
 // out[K, 64] = the panel decoded (int8: q, unscaled): what the row tiles of a chunk share.
-template <Fmt F>
+template <Format F>
 void Decode(const Panel& p, int64_t k_len, float* out) {
   ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) { std::memcpy(out + k * kPanel, w, kNV * sizeof(v16)); },
                 [] {});
@@ -206,7 +213,7 @@ void Decode(const Panel& p, int64_t k_len, float* out) {
 
 // y[0:MR, 0:64] = x[0:MR, :] @ panel, times `scale` per column where given (int8); x rows K apart,
 // y rows ldy apart.
-template <Fmt F, int MR>
+template <Format F, int MR>
 void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
   v16 c[MR][kNV] = {};
   ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) {
@@ -227,7 +234,7 @@ void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_
     for (int v = 0; v < kNV; ++v) std::memcpy(y + r * ldy + v * kW, &c[r][v], sizeof(v16));
 }
 
-template <Fmt F>
+template <Format F>
 void Tile(int64_t mr, const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
   switch (mr) {
     case 1: return Kernel<F, 1>(x, p, scale, y, k_len, ldy);
@@ -246,25 +253,25 @@ struct Weight {
   const uint8_t* q;
   const void* d;  // int8: f32 scale[N]; else f16[P, K / 32, 64]
   const _Float16* m;
-  Panel At(int64_t panel, int64_t k_len, Fmt f) const {
-    if (f == kInt8 || f == kFp8) return {q + panel * k_len * kPanel, nullptr, nullptr};
-    if (f == kQ4K || f == kQ6K) {  // m holds the sub-blocks' integer scales
-      const int64_t qs = (f == kQ4K ? k_len / 2 : k_len / kSuper * 192) * kPanel;
-      const int64_t ds = k_len / kSuper * (f == kQ4K ? 2 : 1) * kPanel;
-      const int64_t ss = f == kQ4K ? k_len / kBlock * 2 * kPanel : k_len / 16 * kPanel;
+  Panel At(int64_t panel, int64_t k_len, Format f) const {
+    if (f == kINT8 || f == kFP8) return {q + panel * k_len * kPanel, nullptr, nullptr};
+    if (f == kQ4_K || f == kQ6_K) {  // m holds the sub-blocks' integer scales
+      const int64_t qs = (f == kQ4_K ? k_len / 2 : k_len / kSuper * 192) * kPanel;
+      const int64_t ds = k_len / kSuper * (f == kQ4_K ? 2 : 1) * kPanel;
+      const int64_t ss = f == kQ4_K ? k_len / kBlock * 2 * kPanel : k_len / 16 * kPanel;
       Panel p{q + panel * qs, static_cast<const _Float16*>(d) + panel * ds, nullptr};
       p.s = reinterpret_cast<const uint8_t*>(m) + panel * ss;
       return p;
     }
-    const int64_t qs = f == kQ4 ? k_len / 2 * kPanel : k_len * kPanel, ds = k_len / kBlock * kPanel;
+    const int64_t qs = f == kQ4_1 ? k_len / 2 * kPanel : k_len * kPanel, ds = k_len / kBlock * kPanel;
     return {q + panel * qs, static_cast<const _Float16*>(d) + panel * ds, m ? m + panel * ds : nullptr};
   }
-  const float* Scale(int64_t panel, Fmt f) const {
-    return f == kInt8 || f == kFp8 ? static_cast<const float*>(d) + panel * kPanel : nullptr;
+  const float* Scale(int64_t panel, Format f) const {
+    return f == kINT8 || f == kFP8 ? static_cast<const float*>(d) + panel * kPanel : nullptr;
   }
 };
 
-template <Fmt F>
+template <Format F>
 void Run(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t m_padded, int64_t k_len, int64_t panels,
          const Weight& w, const Weight* w_up, float* ys) {
   const int64_t n = panels * kPanel, chunks = (m + kRowChunk - 1) / kRowChunk;
@@ -318,9 +325,9 @@ bool Dims(ffi::AnyBuffer a, ffi::DataType t, std::initializer_list<int64_t> want
 }
 
 // Q4_K / Q6_K operands (q, d, m = the integer scales) as the format's comment above lays them out.
-bool KQuantShapes(Fmt f, int64_t panels, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
+bool KQuantShapes(Format f, int64_t panels, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
   const int64_t sup = k_len / kSuper;
-  if (f == kQ4K)
+  if (f == kQ4_K)
     return Dims(q, ffi::U8, {panels, k_len / 2, kPanel}) && Dims(d, ffi::F16, {panels, sup, 2, kPanel}) &&
            Dims(m, ffi::U8, {panels, k_len / kBlock, 2, kPanel});
   return Dims(q, ffi::U8, {panels, sup, 192, kPanel}) && Dims(d, ffi::F16, {panels, sup, kPanel}) &&
@@ -328,71 +335,80 @@ bool KQuantShapes(Fmt f, int64_t panels, int64_t k_len, ffi::AnyBuffer q, ffi::A
 }
 
 // The weight's panel count if (q, d, m) is a well-formed weight of format f for x[., K], else -1.
-int64_t Check(Fmt f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
+int64_t Check(Format f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
   const auto qd = q.dimensions();
-  if (qd.size() < 3 || qd.back() != kPanel || (qd.size() != 3 && f != kQ6K)) return -1;
+  if (qd.size() < 3 || qd.back() != kPanel || (qd.size() != 3 && f != kQ6_K)) return -1;
   const int64_t panels = qd[0], blocks = k_len / kBlock;
   const auto dd = d.dimensions();
   const bool block_scales = dd.size() == 3 && dd[0] == panels && dd[1] == blocks && dd[2] == kPanel &&
                             d.element_type() == ffi::F16 && k_len % kBlock == 0;
   switch (f) {
-    case kInt8:
-    case kFp8:
-      return q.element_type() == (f == kInt8 ? ffi::S8 : ffi::U8) && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
+    case kINT8:
+    case kFP8:
+      return q.element_type() == (f == kINT8 ? ffi::S8 : ffi::U8) && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
                      d.element_type() == ffi::F32 ? panels : -1;
-    case kQ8:
+    case kQ8_0:
       return q.element_type() == ffi::S8 && qd[1] == k_len && block_scales ? panels : -1;
-    case kQ4:
+    case kQ4_1:
       return q.element_type() == ffi::U8 && 2 * qd[1] == k_len && block_scales && m.element_type() == ffi::F16 &&
                      m.dimensions().size() == 3 && m.element_count() == d.element_count() ? panels : -1;
-    case kQ4K:
-    case kQ6K:
+    case kQ4_K:
+    case kQ6_K:
       return k_len % kSuper == 0 && KQuantShapes(f, panels, k_len, q, d, m) ? panels : -1;
   }
   return -1;
 }
 
-Weight Of(ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m, Fmt f) {
+Weight Of(ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m, Format f) {
   return {static_cast<const uint8_t*>(q.untyped_data()), d.untyped_data(),
-          f == kQ4 || f == kQ4K || f == kQ6K ? static_cast<const _Float16*>(m.untyped_data()) : nullptr};
+          f == kQ4_1 || f == kQ4_K || f == kQ6_K ? static_cast<const _Float16*>(m.untyped_data()) : nullptr};
 }
 
-ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t fmt, const Weight& w, const Weight* up,
+ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t format, const Weight& w, const Weight* up,
                     int64_t panels, ffi::Buffer<ffi::S32> rows, float* y) {
   const auto xd = x.dimensions();
   const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
-  switch (fmt) {
-    case kInt8: Run<kInt8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ8: Run<kQ8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ4: Run<kQ4>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kFp8: Run<kFp8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ4K: Run<kQ4K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ6K: Run<kQ6K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+  switch (format) {
+    case kINT8: Run<kINT8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ8_0: Run<kQ8_0>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kFP8: Run<kFP8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ4_K: Run<kQ4_K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kQ6_K: Run<kQ6_K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
   }
   return ffi::Error::Success();
 }
 
-bool Valid(ffi::Buffer<ffi::F32> x, int32_t fmt, ffi::Buffer<ffi::S32> rows) {
-  return x.dimensions().size() == 2 && fmt >= kInt8 && fmt <= kQ6K && rows.element_count() == 1;
+bool Valid(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rows) {
+  return x.dimensions().size() == 2 && rows.element_count() == 1;
+}
+
+// A `format` that is not one of formats.h's ids (the caller and the library disagree on the table).
+ffi::Error UnknownFormat(const char* call, int32_t format) {
+  return ffi::Error::InvalidArgument(std::string(call) + ": unknown weight format id " + std::to_string(format) +
+                                     " (formats.h, from runtime/weight_formats.py, has 0.." +
+                                     std::to_string(kFormats - 1) + ")");
 }
 
 ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::AnyBuffer d,
-                       ffi::AnyBuffer m, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
-  const int64_t panels = Valid(x, fmt, rows) ? Check(Fmt(fmt), x.dimensions()[1], q, d, m) : -1;
+                       ffi::AnyBuffer m, ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t format) {
+  if (!Known(format)) return UnknownFormat("quant matmul", format);
+  const int64_t panels = Valid(x, rows) ? Check(Format(format), x.dimensions()[1], q, d, m) : -1;
   if (panels < 0)
-    return ffi::Error::InvalidArgument("quant matmul: expected x[M, K], a weight of format fmt (quant.py), rows[1]");
-  const Weight w = Of(q, d, m, Fmt(fmt));
-  return Dispatch(pool, x, fmt, w, nullptr, panels, rows, y->typed_data());
+    return ffi::Error::InvalidArgument("quant matmul: expected x[M, K], a weight of its format (quant.py), rows[1]");
+  const Weight w = Of(q, d, m, Format(format));
+  return Dispatch(pool, x, format, w, nullptr, panels, rows, y->typed_data());
 }
 
 ffi::Error QuantMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qg, ffi::AnyBuffer dg,
                             ffi::AnyBuffer mg, ffi::AnyBuffer qu, ffi::AnyBuffer du, ffi::AnyBuffer mu,
-                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t fmt) {
-  const int64_t panels = Valid(x, fmt, rows) ? Check(Fmt(fmt), x.dimensions()[1], qg, dg, mg) : -1;
-  if (panels < 0 || Check(Fmt(fmt), x.dimensions()[1], qu, du, mu) != panels)
-    return ffi::Error::InvalidArgument("gated quant matmul: expected x[M, K], two weights of format fmt alike, rows[1]");
-  const Weight g = Of(qg, dg, mg, Fmt(fmt)), u = Of(qu, du, mu, Fmt(fmt));
-  return Dispatch(pool, x, fmt, g, &u, panels, rows, y->typed_data());
+                            ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y, int32_t format) {
+  if (!Known(format)) return UnknownFormat("gated quant matmul", format);
+  const int64_t panels = Valid(x, rows) ? Check(Format(format), x.dimensions()[1], qg, dg, mg) : -1;
+  if (panels < 0 || Check(Format(format), x.dimensions()[1], qu, du, mu) != panels)
+    return ffi::Error::InvalidArgument("gated quant matmul: expected x[M, K], two weights of its format alike, rows[1]");
+  const Weight g = Of(qg, dg, mg, Format(format)), u = Of(qu, du, mu, Format(format));
+  return Dispatch(pool, x, format, g, &u, panels, rows, y->typed_data());
 }
 
 }  // namespace
@@ -406,7 +422,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, QuantMatmul,
                                   .Arg<ffi::AnyBuffer>()         // m (Q4; else empty)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
-                                  .Attr<int32_t>("fmt"));
+                                  .Attr<int32_t>("format"));  // formats.h's quant_matmul::Format
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGated, QuantMatmulGated,
                               ffi::Ffi::Bind()
@@ -420,4 +436,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGated, QuantMatmulGated,
                                   .Arg<ffi::AnyBuffer>()         // up: m
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
-                                  .Attr<int32_t>("fmt"));
+                                  .Attr<int32_t>("format"));
+
+// The weight formats' table this library was built with (formats.h): the loader checks it against
+// runtime/weight_formats.py's (native_build.format_table).
+extern "C" const char* JaxserveFormats() { return jaxserve::kFormatTable; }
