@@ -37,16 +37,17 @@ def main(argv=None) -> int:
     why = cpu_kernels.available()
     if why is not None:
         raise SystemExit(f"the native kernels cannot be built here ({why}); nothing to compare")
+    isa = cpu_kernels.choose_isa()  # $JAXSERVE_CPU_ISA caps it, as for the engine's backend
     rng = np.random.default_rng(0)
 
     def timed(fn, x, ws):
         return common.median_seconds(fn, x, ws, repeats=args.repeats) / len(ws)
 
     run = {"float32": jax.jit(lambda x, ws: [cpu_kernels.cpu_matmul(x, w) for w in ws]),
-           "quant": jax.jit(lambda x, ws: [quant.linear(x, w, native=True) for w in ws])}
+           "quant": jax.jit(lambda x, ws: [quant.linear(x, w, native=True, isa=isa) for w in ws])}
     formats = [f for f in FORMATS if f in args.formats.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
-    print("kernel paths:", cpu_kernels.kernel_paths())
+    print("kernel paths:", cpu_kernels.kernel_paths(isa))
     results = []
     for k, n in shapes:
         floats = [rng.standard_normal((k, n)).astype(np.float32) * 0.1
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     print(common.table([(f"{r['k']} x {r['n']}", r["m"], r["format"], r["gflops"], r["weight_gb_s"])
                         for r in results], ("K x N", "M", "format", "GFLOP/s", "weight GB/s"),
                        "Linear-layer matmul per weight format (native kernels)"))
-    common.report("quant_matmul", argv, model={"shapes": shapes, "kernel_paths": cpu_kernels.kernel_paths()},
+    common.report("quant_matmul", argv, model={"shapes": shapes, "kernel_paths": cpu_kernels.kernel_paths(isa)},
                   config=vars(args), results={"cases": results}, out=args.out)
     return 0
 

@@ -114,7 +114,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: str = "float32", repeats: int =
         out["native"] = rate(cpu_kernels.cpu_matmul, a, cpu_kernels.pack_kernel(b))
     elif dtype != "float32" and native_ok and weight_formats.quantizable(b.shape):
         w = jax.device_put(weight_formats.quantize(jax.device_get(b), _DOT_SCHEME[dtype]))
-        out["native"] = rate(lambda x, w: quant.linear(x, w, native=True), a, w)
+        isa = cpu_kernels.choose_isa()  # $JAXSERVE_CPU_ISA caps it, as for the engine's backend
+        out["native"] = rate(lambda x, w: quant.linear(x, w, native=True, isa=isa), a, w)
     if dtype == "float32" or out["native"] is None:
         acc = jnp.int32 if dtype == "int8" else jnp.float32
         cast = (lambda v: jnp.clip(jnp.round(v * 30), -127, 127).astype(jnp.int8)) if dtype == "int8" else (

@@ -85,11 +85,14 @@ class Backend:
     # the attention backend to serve with if this one's kernels fail to compile on the device
     # (runtime/fallback.py): `xla` for the default Pallas on GPU/TPU; None where it was requested
     fallback: str | None = None
+    # the instructions of the dot-product formats' native kernel (csrc/dot_matmul.cc), chosen here
+    # once ($JAXSERVE_CPU_ISA read then) and passed to every call; None where linear layers are not native
+    dot_isa: cpu_kernels.DotIsa | None = None
 
     def describe(self) -> str:
         linear = "XLA dot"
         if self.native_linear:
-            paths = cpu_kernels.kernel_paths()
+            paths = cpu_kernels.kernel_paths(self.dot_isa)
             linear = (f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')}, "
                       f"w4a8: {paths.get('w4a8')})")
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
@@ -106,7 +109,7 @@ class Backend:
 
         ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
         t), where the pallas backend runs the split-KV decode kernel on GPU."""
-        return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear)
+        return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear, self.dot_isa)
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
@@ -219,7 +222,8 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         if why is None:
             native_linear = tensor_parallel_size == 1
             reason = "native CPU kernels built" + ("" if native_linear else "; XLA dot under tensor parallelism")
-            return Backend("cpu", "cpu", "cpu-tiled", native_linear, True, reason)
+            return Backend("cpu", "cpu", "cpu-tiled", native_linear, True, reason,
+                           dot_isa=cpu_kernels.choose_isa() if native_linear else None)
         if requested == "cpu":
             raise UserError(f"Attention backend 'cpu' cannot run here ({why}): install g++ (or set $CXX), "
                             "use --dtype float32, or use --attention-backend xla.", param="attention_backend")

@@ -1,6 +1,7 @@
 """What this CPU can run: its feature flags as Linux names them, and which instructions each of
-csrc/dot_matmul.cc's weight formats takes where they are there (`cpu_kernels.dot_isa` makes the
-choice, with what the library was built with and what Linux grants).
+csrc/dot_matmul.cc's weight formats takes where they are there (`cpu_kernels.choose_isa` makes the
+choice once, when the backend is decided, with what the library was built with and what Linux
+grants; `$JAXSERVE_CPU_ISA`, the user's cap on it, is read there and nowhere else).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def cpu_fingerprint() -> str:
     return _cpuinfo_flags_line() or platform.processor() or platform.machine()
 
 
-@functools.cache  # read once: dot_isa asks at every traced linear layer
+@functools.cache  # read once
 def cpu_features() -> frozenset[str]:
     """This CPU's feature flags as Linux names them (/proc/cpuinfo: "avx512_bf16", "avx512_vnni",
     "amx_bf16", ...); empty where that file is not there (then only portable kernels run)."""
@@ -43,8 +44,11 @@ ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable" / "avx512": cap the instructions belo
 ISA_CHOICES = ("auto", "avx512", "portable")
 
 
-def isa_cap() -> str:
-    cap = os.environ.get(ISA_ENV, "auto")
+def isa_cap(cap: str | None = None) -> str:
+    """`cap` (one of ISA_CHOICES) checked; None: the user's `$JAXSERVE_CPU_ISA` (unset: auto), read
+    here, when cpu_kernels.choose_isa is asked for the backend's choice, never at trace time."""
+    if cap is None:
+        cap = os.environ.get(ISA_ENV, "auto")
     if cap not in ISA_CHOICES:
         raise ValueError(f"${ISA_ENV}={cap!r}: expected one of {', '.join(ISA_CHOICES)} (unset means auto)")
     return cap

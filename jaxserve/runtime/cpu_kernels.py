@@ -8,18 +8,20 @@ compiler works, `available()` says why and the backend (backend.py) chooses XLA'
 `xla` attention backend, XLA's dot) instead; the functions here are the calls themselves and check
 nothing at trace time.
 
-Which instructions a kernel uses is decided at run time too, not only by the build: `dot_isa`
+Which instructions a kernel uses is decided at run time too, not only by the build: `choose_isa`
 takes the CPU's flags (runtime/cpu_isa.py), what the library was compiled with and what Linux grants
-(AMX's tile state), and passes the choice to the call: AMX tiles where present, else
-AVX512_BF16 / AVX512_VNNI, else the portable path of the same kernel (`$JAXSERVE_CPU_ISA=avx512`
-or `portable` caps it).
+(AMX's tile state): AMX tiles where present, else AVX512_BF16 / AVX512_VNNI, else the portable path
+of the same kernel (`$JAXSERVE_CPU_ISA=avx512` or `portable` caps it). The backend makes that
+choice once (runtime/backend.py's `Backend.dot_isa`) and it flows to the calls (runtime/quant.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -58,39 +60,58 @@ def amx_permitted() -> str | None:
         return _state["amx"]
 
 
-def dot_isa(fmt: str) -> int:
-    """The `isa` attribute of csrc/dot_matmul.cc for weight format `fmt` ("bfloat16", "w8a8", "w4a8", "q8a8"),
-    chosen here, at trace time, from what the CPU has and the library was built with: 2 AMX tiles
-    (amx_bf16 / amx_int8, where Linux grants them), 1 the AVX-512 dot-product instruction
-    (vdpbf16ps / vpdpbusd), 0 the portable code (isa 1's sums in isa 1's order).
-    `$JAXSERVE_CPU_ISA` caps the choice: `avx512` (no AMX) or `portable`. The native library must
-    be available()."""
-    flag, bit = DOT_PATHS[fmt]
-    cap = isa_cap()
-    if cap == "portable" or not (flag in cpu_features() and _state["lib"].JaxserveDotIsa() & bit):
-        return 0
-    if cap == "auto" and AMX_PATHS[fmt] in cpu_features() and amx_permitted() is None:
-        return 2
-    return 1
+@dataclass(frozen=True)
+class DotIsa:
+    """csrc/dot_matmul.cc's `isa` attribute per weight format, chosen once (`choose_isa`, by the
+    backend) and passed to the calls: 2 AMX tiles (amx_bf16 / amx_int8, where Linux grants them),
+    1 the AVX-512 dot-product instruction (vdpbf16ps / vpdpbusd), 0 the portable code (isa 1's sums
+    in isa 1's order)."""
+
+    cap: str  # what it was chosen under: auto | avx512 | portable (runtime/cpu_isa.py)
+    by_format: tuple[tuple[str, int], ...]  # (weight format name, isa)
+
+    def __getitem__(self, format_name: str) -> int:
+        return dict(self.by_format)[format_name]
 
 
-def kernel_paths() -> dict[str, str]:
-    """What each native matmul runs here, for logs and benchmarks: {"float32": ..., "bfloat16":
-    ..., "w8a8": ..., "amx": ...}."""
+def choose_isa(cap: str | None = None) -> DotIsa:
+    """The instructions each dot-product format runs here, from what the CPU has and the library
+    was built with, capped by `cap`: `avx512` (no AMX) or `portable`; None: the user's
+    `$JAXSERVE_CPU_ISA` (unset: auto), read here only (the backend asks once, runtime/backend.py).
+    The native library must be available()."""
+    return _choose_isa(isa_cap(cap))
+
+
+@functools.cache
+def _choose_isa(cap: str) -> DotIsa:
+    def isa(format_name: str) -> int:
+        flag, bit = DOT_PATHS[format_name]
+        if cap == "portable" or not (flag in cpu_features() and _state["lib"].JaxserveDotIsa() & bit):
+            return 0
+        if cap == "auto" and AMX_PATHS[format_name] in cpu_features() and amx_permitted() is None:
+            return 2
+        return 1
+
+    return DotIsa(cap, tuple((name, isa(name)) for name in DOT_PATHS))
+
+
+def kernel_paths(isa: DotIsa | None = None) -> dict[str, str]:
+    """What each native matmul runs here under `isa` (None: `choose_isa()`), for logs and
+    benchmarks: {"float32": ..., "bfloat16": ..., "w8a8": ..., "amx": ...}."""
     if available() is not None:
         return {}
+    isa = choose_isa() if isa is None else isa
     paths = {"float32": "packed FMA panels (-march=native)"}
-    isas = {fmt: dot_isa(fmt) for fmt in DOT_PATHS}
-    for fmt, (flag, _) in DOT_PATHS.items():
-        paths[fmt] = {2: AMX_PATHS[fmt], 1: flag, 0: "portable"}[isas[fmt]]
+    for name, (flag, _) in DOT_PATHS.items():
+        paths[name] = {2: AMX_PATHS[name], 1: flag, 0: "portable"}[isa[name]]
     amx = " ".join(sorted(f for f in cpu_features() if f.startswith("amx")))
-    used = [fmt for fmt, isa in isas.items() if isa == 2]
+    used = [name for name, i in isa.by_format if i == 2]
     if not amx:
         paths["amx"] = "absent"
     elif used:
         paths["amx"] = f"{amx}: used by {', '.join(used)}"
     else:
-        paths["amx"] = f"{amx} present, not used ({amx_permitted() or f'${ISA_ENV}={isa_cap()}'})"
+        paths["amx"] = f"{amx} present, not used ({amx_permitted() or f'${ISA_ENV}={isa.cap}'})"
     return paths
 
 

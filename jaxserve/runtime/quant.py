@@ -53,15 +53,16 @@ def _rows(x, num_rows):
     return jnp.reshape(jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32), (1,))
 
 
-def linear(x, w, num_rows=None, native: bool | None = None):
+def linear(x, w, num_rows=None, native: bool | None = None, isa: cpu_kernels.DotIsa | None = None):
     """x f32[M, K] @ W -> f32[M, N] for any weight format (a plain [K, N] array too). With
     `num_rows` (i32[1] or int: the step's real tokens) the native kernel computes only those rows
     and the rest come out zero; each row is summed in the same order whatever the batch. `native`:
-    the backend's choice (see `_native`); elsewhere W is dequantized inside the computation."""
+    the backend's choice (see `_native`); elsewhere W is dequantized inside the computation. `isa`:
+    the backend's choice of instructions for the dot-product formats (None: the best here, `auto`)."""
     if not is_quantized(w):
         return x @ w.astype(x.dtype)
     if _is_dot(w):
-        return _dot(x, (w,), num_rows, native)
+        return _dot(x, (w,), num_rows, native, isa)
     if not _native(native, x, w):
         # in x's dtype (bfloat16 on accelerators), accumulated in float32
         return jnp.dot(x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32)
@@ -71,13 +72,14 @@ def linear(x, w, num_rows=None, native: bool | None = None):
         x, *fmt.operands(w), _rows(x, num_rows), format=np.int32(fmt.id))
 
 
-def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None):
+def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None,
+                 isa: cpu_kernels.DotIsa | None = None):
     """silu(x @ W_gate) * (x @ W_up), the gated MLP's first half, in one native call where both
     weights share a format (SiLU and the product applied to each tile as it is computed)."""
     if _is_dot(w_gate) and type(w_up) is type(w_gate):
-        return _dot(x, (w_gate, w_up), num_rows, native)
+        return _dot(x, (w_gate, w_up), num_rows, native, isa)
     if not (is_quantized(w_gate) and _native(native, x, w_gate, w_up)):
-        return jax.nn.silu(linear(x, w_gate, num_rows, native)) * linear(x, w_up, num_rows, native)
+        return jax.nn.silu(linear(x, w_gate, num_rows, native, isa)) * linear(x, w_up, num_rows, native, isa)
     fmt = format_of(w_gate)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w_gate)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul_gated", out, vmap_method="sequential")(
@@ -99,19 +101,20 @@ def _dot_reference(x, w):
     return jnp.dot(xd, from_panels(w8a8_q(w.q), jnp).astype(jnp.float32)) * w.scale
 
 
-def _dot(x, ws, num_rows, native):
+def _dot(x, ws, num_rows, native, isa):
     """x @ W (one weight) or silu(x @ W_gate) * (x @ W_up) (two) for csrc/dot_matmul.cc's formats:
-    natively, on the instructions cpu_kernels.dot_isa chooses, where the backend runs native
-    linear layers; else `_dot_reference`."""
+    natively, on the instructions `isa` (cpu_kernels.choose_isa: the backend's choice) names, where
+    the backend runs native linear layers; else `_dot_reference`."""
     if not _native(native, x, *ws):
         ys = [_dot_reference(x, w) for w in ws]
         return ys[0] if len(ws) == 1 else jax.nn.silu(ys[0]) * ys[1]
     fmt = format_of(ws[0])
+    isa = cpu_kernels.choose_isa("auto") if isa is None else isa
     out = jax.ShapeDtypeStruct((x.shape[0], _n(ws[0])), jnp.float32)
     name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
     return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
         x, *(a for w in ws for a in fmt.operands(w)), _rows(x, num_rows), format=np.int32(fmt.id),
-        isa=np.int32(cpu_kernels.dot_isa(fmt.name)))
+        isa=np.int32(isa[fmt.name]))
 
 
 def embed(w, ids):
@@ -123,17 +126,18 @@ def embed(w, ids):
     return format_of(w).embed_rows(w, p, c, ids)
 
 
-def quantized_ops(ops, native: bool):
+def quantized_ops(ops, native: bool, isa: cpu_kernels.DotIsa | None = None):
     """A backend's `ModelOps` (runtime/backend.py) that also take weights in these formats: the
-    native kernels where `native` (the backend's choice for the linear layers), else dequantized
-    inside the computation; every other weight goes to `ops` as before."""
+    native kernels where `native` (the backend's choice for the linear layers), on the instructions
+    `isa` (its choice for the dot-product formats), else dequantized inside the computation; every
+    other weight goes to `ops` as before."""
 
     def lin(x, w, num_rows=None):
-        return linear(x, w, num_rows, native) if is_quantized(w) else ops.linear(x, w, num_rows)
+        return linear(x, w, num_rows, native, isa) if is_quantized(w) else ops.linear(x, w, num_rows)
 
     def gated(x, w_gate, w_up, num_rows=None):
         if is_quantized(w_gate) and type(w_gate) is type(w_up):
-            return linear_gated(x, w_gate, w_up, num_rows, native)
+            return linear_gated(x, w_gate, w_up, num_rows, native, isa)
         if is_quantized(w_gate) or is_quantized(w_up):  # formats differ (a GGUF may mix types)
             return jax.nn.silu(lin(x, w_gate, num_rows)) * lin(x, w_up, num_rows)
         return ops.gated(x, w_gate, w_up, num_rows)
@@ -142,6 +146,6 @@ def quantized_ops(ops, native: bool):
         return embed(table, ids) if is_quantized(table) else ops.embed(table, ids)
 
     def lm_head(x, table, num_rows=None):
-        return linear(x, table, num_rows, native) if is_quantized(table) else ops.lm_head(x, table, num_rows)
+        return linear(x, table, num_rows, native, isa) if is_quantized(table) else ops.lm_head(x, table, num_rows)
 
     return dataclasses.replace(ops, linear=lin, gated=gated, embed=lookup, lm_head=lm_head)

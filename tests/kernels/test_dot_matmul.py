@@ -2,11 +2,12 @@
 csrc/dot_matmul.cc): the native kernel against float64 on bfloat16-rounded inputs (bfloat16) and
 against the exact integer arithmetic (W8A8, W4A8), its rows independent of the batch, the portable
 path against the AVX-512 instructions, AMX tiles against both (where the CPU has them), the XLA
-reference path, the layouts, and the run-time choice of instructions."""
+reference path, the layouts, and the run-time choice of instructions (made once, by the backend)."""
 
 from __future__ import annotations
 
 import platform
+import re
 
 import jax
 import jax.numpy as jnp
@@ -135,38 +136,38 @@ def test_native_matches_reference(fmt, m, k, n):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("isa", ["auto", "avx512", "portable"])
-def test_rows_do_not_depend_on_the_batch(fmt, isa, monkeypatch):
+@pytest.mark.parametrize("cap", ["auto", "avx512", "portable"])
+def test_rows_do_not_depend_on_the_batch(fmt, cap):
     """The same row gives bit-identical results alone, in a batch of 7, or of 100, at any offset,
     plain and gated, on either path."""
-    monkeypatch.setenv(cpu_isa.ISA_ENV, isa)
+    isa = cpu_kernels.choose_isa(cap)
     x, _, qw = problem(0, 100, 576, 192, fmt)
-    lin = jax.jit(lambda x, w: quant.linear(x, w))  # new functions: traced under this isa
-    gat = jax.jit(lambda x, w, u: quant.linear_gated(x, w, u))
+    lin = jax.jit(lambda x, w: quant.linear(x, w, isa=isa))
+    gat = jax.jit(lambda x, w, u: quant.linear_gated(x, w, u, isa=isa))
     full, full_g = np.asarray(lin(x, qw)), np.asarray(gat(x, qw, qw))
     for lo, hi in [(0, 1), (3, 10), (50, 100), (97, 98), (20, 36), (1, 8), (60, 67)]:
         np.testing.assert_array_equal(np.asarray(lin(x[lo:hi], qw)), full[lo:hi])
         np.testing.assert_array_equal(np.asarray(gat(x[lo:hi], qw, qw)), full_g[lo:hi])
 
 
-def run_under(monkeypatch, cap: str, fn, *args):
-    """fn(*args) jitted afresh (so traced, and its isa chosen) under $JAXSERVE_CPU_ISA=cap."""
-    monkeypatch.setenv(cpu_isa.ISA_ENV, cap)
-    return np.asarray(jax.jit(lambda *a: fn(*a))(*args))
+def run_under(cap: str, fn, *args):
+    """fn(*args, isa=...) jitted, on the instructions chosen under cap (as $JAXSERVE_CPU_ISA=cap would)."""
+    isa = cpu_kernels.choose_isa(cap)
+    return np.asarray(jax.jit(lambda *a: fn(*a, isa=isa))(*args))
 
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_portable_path_computes_the_same_sums(fmt, monkeypatch):
+def test_portable_path_computes_the_same_sums(fmt):
     """The fallback for CPUs without AVX512_BF16 / AVX512_VNNI: W8A8's and W4A8's integer sums are the same bits;
     bfloat16 sums the pairs in vdpbf16ps' documented order (bit-identical on the AMD Zen 5 this
     was written on; kept to float32 rounding here, where a CPU may differ on subnormals)."""
     x, w, qw = problem(3, 37, 576, 256, fmt)
-    fast = run_under(monkeypatch, "avx512", quant.linear, x, qw)
-    fast_g = run_under(monkeypatch, "avx512", lambda x, w: quant.linear_gated(x, w, w, 30), x, qw)
-    port = run_under(monkeypatch, "portable", quant.linear, x, qw)
-    port_g = run_under(monkeypatch, "portable", lambda x, w: quant.linear_gated(x, w, w, 30), x, qw)
-    assert cpu_kernels.dot_isa(fmt) == 0
+    fast = run_under("avx512", quant.linear, x, qw)
+    fast_g = run_under("avx512", lambda x, w, isa: quant.linear_gated(x, w, w, 30, isa=isa), x, qw)
+    port = run_under("portable", quant.linear, x, qw)
+    port_g = run_under("portable", lambda x, w, isa: quant.linear_gated(x, w, w, 30, isa=isa), x, qw)
+    assert cpu_kernels.choose_isa("portable")[fmt] == 0
     if fmt in EXACT:
         np.testing.assert_array_equal(port, fast)
         np.testing.assert_array_equal(port_g, fast_g)
@@ -185,15 +186,14 @@ needs_amx = pytest.mark.skipif(WHY is not None or not {"amx_bf16", "amx_int8"} <
 @needs_amx
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k,n", [(576, 192), (1536, 576), (96, 128)])
-def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
+def test_amx_tiles_against_avx512(fmt, k, n):
     """isa 2 at every row count a tile meets (1..40 rows: partial tiles, W8A8's partial tiles on
     isa 1, a second tile; 64 and 113: whole and partial work items): W8A8's and W4A8's block sums
     are exact, so AMX gives AVX512_VNNI's bits; bfloat16 is float32-rounding close to vdpbf16ps
     and to the float64 reference. K = 96: an odd number of 32-k tile steps."""
-    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
-    assert cpu_kernels.dot_isa(fmt) == 2
+    assert cpu_kernels.choose_isa("auto")[fmt] == 2
     x, w, qw = problem(k + n, 113, k, n, fmt)
-    fns = {(cap, g): compile_under(monkeypatch, cap, g, x, qw) for cap in ("auto", "avx512") for g in (False, True)}
+    fns = {(cap, g): compile_under(cap, g, x, qw) for cap in ("auto", "avx512") for g in (False, True)}
     for m in [*range(1, 41), 64, 113]:  # the call's real rows: a traced operand, one compile per path
         rows = jnp.asarray([m], jnp.int32)
         got = {key: np.asarray(fn(x, qw, rows))[:m] for key, fn in fns.items()}
@@ -207,21 +207,41 @@ def test_amx_tiles_against_avx512(fmt, k, n, monkeypatch):
     np.testing.assert_allclose(got["auto", False], want[:113], rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def compile_under(monkeypatch, cap: str, gated_call: bool, x, w):
+def compile_under(cap: str, gated_call: bool, x, w):
     """linear (or linear_gated, the weight twice) with traced real rows, compiled now for (x, w),
-    under $JAXSERVE_CPU_ISA=cap (the isa is chosen at trace time)."""
-    monkeypatch.setenv(cpu_isa.ISA_ENV, cap)
+    on the instructions chosen under cap (as $JAXSERVE_CPU_ISA=cap would)."""
+    isa = cpu_kernels.choose_isa(cap)
     if gated_call:
-        fn = jax.jit(lambda x, w, rows: quant.linear_gated(x, w, w, rows))
+        fn = jax.jit(lambda x, w, rows: quant.linear_gated(x, w, w, rows, isa=isa))
     else:
-        fn = jax.jit(lambda x, w, rows: quant.linear(x, w, rows))
+        fn = jax.jit(lambda x, w, rows: quant.linear(x, w, rows, isa=isa))
     return fn.lower(x, w, jnp.zeros((1,), jnp.int32)).compile()
 
 
 def test_isa_cap_is_checked(monkeypatch):
     monkeypatch.setenv(cpu_isa.ISA_ENV, "amx512")
     with pytest.raises(ValueError, match="JAXSERVE_CPU_ISA='amx512': expected one of auto, avx512, portable"):
-        cpu_kernels.dot_isa("bfloat16")
+        cpu_kernels.choose_isa()
+    with pytest.raises(ValueError, match="'amx512': expected one of auto, avx512, portable"):
+        cpu_kernels.choose_isa("amx512")
+
+
+@needs_kernel
+def test_the_backend_reads_the_isa_cap_once(monkeypatch):
+    """$JAXSERVE_CPU_ISA is read when the backend is decided, not when a layer is traced: the
+    backend's ops pass its choice to every call."""
+    from jaxserve.runtime.backend import resolve_backend
+
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "portable")
+    backend = resolve_backend(None, "float32", "float32")
+    assert backend.dot_isa == cpu_kernels.choose_isa("portable")
+    assert "w8a8: portable" in backend.describe()
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "amx512")  # not read again: tracing below does not fail
+    x, _, qw = problem(0, 4, 64, 64, "w8a8")
+    hlo = jax.jit(backend.ops().linear).lower(x, qw).as_text()
+    assert re.search(r"isa = 0 : i32", hlo), hlo
+    with pytest.raises(ValueError, match="amx512"):
+        resolve_backend(None, "float32", "float32")
 
 
 @needs_kernel
@@ -243,17 +263,18 @@ def test_instructions_follow_the_cpu_flags(monkeypatch):
     monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
     flags = cpu_isa.cpu_features()
     paths = cpu_kernels.kernel_paths()
+    assert paths == cpu_kernels.kernel_paths(cpu_kernels.choose_isa("auto"))
     for fmt, (flag, _) in cpu_isa.DOT_PATHS.items():
-        isa, amx = cpu_kernels.dot_isa(fmt), cpu_isa.AMX_PATHS[fmt]
+        isa, amx = cpu_kernels.choose_isa()[fmt], cpu_isa.AMX_PATHS[fmt]
         if flag not in flags:  # a CPU without the instruction runs the portable path
             assert isa == 0 and paths[fmt] == "portable"
         # AMX wherever the CPU has it and Linux grants it
         assert (isa == 2) == (isa > 0 and amx in flags and cpu_kernels.amx_permitted() is None)
         assert paths[fmt] == {2: amx, 1: flag, 0: "portable"}[isa]
     assert paths["amx"].startswith("amx") == any(f.startswith("amx") for f in flags)
-    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx512")
-    assert all(cpu_kernels.dot_isa(fmt) < 2 for fmt in cpu_isa.DOT_PATHS)
-    monkeypatch.setenv(cpu_isa.ISA_ENV, "portable")
+    assert all(cpu_kernels.choose_isa("avx512")[fmt] < 2 for fmt in cpu_isa.DOT_PATHS)
+    monkeypatch.setenv(cpu_isa.ISA_ENV, "portable")  # the user's cap, read by choose_isa()
+    assert cpu_kernels.choose_isa() == cpu_kernels.choose_isa("portable")
     assert cpu_kernels.kernel_paths()["w8a8"] == cpu_kernels.kernel_paths()["bfloat16"] == "portable"
 
 

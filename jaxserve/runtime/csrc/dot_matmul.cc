@@ -23,7 +23,7 @@
 //           sx (d sum(xq q) + m sum(xq)) to the float32 sum, in k order (llama.cpp's Q4_1 x Q8_1).
 //   kQ8A8: GGUF Q8_0's blocks in w8a8's layout (q + 128 in quads), d and m = -128 d as w4a8's
 //           (W = (q + 128) d + m = q d): the w4a8 block sum on whole bytes (llama.cpp's Q8_0 x Q8_0).
-// Attribute `isa` (cpu_kernels.dot_isa, chosen at run time from the CPU's flags): 1 the
+// Attribute `isa` (cpu_kernels.choose_isa: the backend's choice from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
 // that computes the same sums in the same order, 2 AMX tiles (tdpbf16ps / tdpbsud on 16-row tiles
 // of activations against 16-column tiles of the same panels; K a multiple of 32, else isa 1 runs).
