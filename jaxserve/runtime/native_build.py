@@ -40,9 +40,9 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"
 LINK_FLAGS = [f for f in FLAGS if f not in ("-ffast-math", "-Ofast")]
 
 
-def cc_name(fmt) -> str:
-    """A weight format's enumerator in formats.h: `k` and its name upper-cased (q8_0: kQ8_0)."""
-    return "k" + fmt.name.upper()
+def cc_name(format) -> str:
+    """A WeightFormat's enumerator in formats.h: `k` and its name upper-cased (q8_0: kQ8_0)."""
+    return "k" + format.name.upper()
 
 
 def format_table(formats=FORMATS) -> str:

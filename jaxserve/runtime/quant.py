@@ -41,8 +41,8 @@ def _native(native: bool | None, x, *ws) -> bool:
 
 
 def _is_dot(w) -> bool:
-    fmt = format_of(w)
-    return fmt is not None and fmt.kernel == DOT_MATMUL
+    format = format_of(w)
+    return format is not None and format.kernel == DOT_MATMUL
 
 
 def _n(w) -> int:
@@ -66,10 +66,10 @@ def linear(x, w, num_rows=None, native: bool | None = None, isa: cpu_kernels.Dot
     if not _native(native, x, w):
         # in x's dtype (bfloat16 on accelerators), accumulated in float32
         return jnp.dot(x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32)
-    fmt = format_of(w)
+    format = format_of(w)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul", out, vmap_method="sequential")(
-        x, *fmt.operands(w), _rows(x, num_rows), format=np.int32(fmt.id))
+        x, *format.operands(w), _rows(x, num_rows), format=np.int32(format.id))
 
 
 def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None,
@@ -80,10 +80,10 @@ def linear_gated(x, w_gate, w_up, num_rows=None, native: bool | None = None,
         return _dot(x, (w_gate, w_up), num_rows, native, isa)
     if not (is_quantized(w_gate) and _native(native, x, w_gate, w_up)):
         return jax.nn.silu(linear(x, w_gate, num_rows, native, isa)) * linear(x, w_up, num_rows, native, isa)
-    fmt = format_of(w_gate)
+    format = format_of(w_gate)
     out = jax.ShapeDtypeStruct((x.shape[0], _n(w_gate)), jnp.float32)
     return jax.ffi.ffi_call("jaxserve_quant_matmul_gated", out, vmap_method="sequential")(
-        x, *fmt.operands(w_gate), *fmt.operands(w_up), _rows(x, num_rows), format=np.int32(fmt.id))
+        x, *format.operands(w_gate), *format.operands(w_up), _rows(x, num_rows), format=np.int32(format.id))
 
 
 def _dot_reference(x, w):
@@ -108,13 +108,13 @@ def _dot(x, ws, num_rows, native, isa):
     if not _native(native, x, *ws):
         ys = [_dot_reference(x, w) for w in ws]
         return ys[0] if len(ws) == 1 else jax.nn.silu(ys[0]) * ys[1]
-    fmt = format_of(ws[0])
+    format = format_of(ws[0])
     isa = cpu_kernels.choose_isa("auto") if isa is None else isa
     out = jax.ShapeDtypeStruct((x.shape[0], _n(ws[0])), jnp.float32)
     name = "jaxserve_dot_matmul" if len(ws) == 1 else "jaxserve_dot_matmul_gated"
     return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
-        x, *(a for w in ws for a in fmt.operands(w)), _rows(x, num_rows), format=np.int32(fmt.id),
-        isa=np.int32(isa[fmt.name]))
+        x, *(a for w in ws for a in format.operands(w)), _rows(x, num_rows), format=np.int32(format.id),
+        isa=np.int32(isa[format.name]))
 
 
 def embed(w, ids):

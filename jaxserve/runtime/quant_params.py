@@ -13,7 +13,7 @@ from jaxserve.config import QUANTIZATIONS
 from jaxserve.errors import UserError
 from jaxserve.runtime.panels import PANEL
 from jaxserve.runtime.weight_formats import (
-    DOT_SCHEMES,
+    DOT_QUANTIZATIONS,
     Q4Weight,
     Q8Weight,
     QuantWeight,
@@ -25,8 +25,9 @@ from jaxserve.runtime.weight_formats import (
     to_w4a8,
 )
 
-# what `quantize_params` makes
-SCHEMES = tuple(q for q in QUANTIZATIONS if q != "gguf") + tuple(s for s in DOT_SCHEMES if s not in QUANTIZATIONS)
+# the quantizations `quantize_params` makes
+LOAD_QUANTIZATIONS = (tuple(q for q in QUANTIZATIONS if q != "gguf")
+                      + tuple(q for q in DOT_QUANTIZATIONS if q not in QUANTIZATIONS))
 
 
 def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> None:
@@ -41,21 +42,21 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
 K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
 
 
-def quantize_params(params: dict, scheme: str) -> dict:
+def quantize_params(params: dict, quantization: str) -> dict:
     """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
-    panels: see the module docstring) by `scheme`'s format; leaves whose shape has no quantized
-    layout stay as they are. A K-quant scheme falls back, for a kernel whose K is not a multiple
+    panels: see the module docstring) by `quantization`'s format; leaves whose shape has no quantized
+    layout stay as they are. A K-quant quantization falls back, for a kernel whose K is not a multiple
     of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
     quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
     kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout and a Q8_0 one in Q8A8Weight's, the
     same values). The float leaves
     are dropped: nothing here holds on to them."""
-    check_quantization(scheme, SCHEMES)
-    fallback = K_FALLBACK.get(scheme, scheme)
+    check_quantization(quantization, LOAD_QUANTIZATIONS)
+    fallback = K_FALLBACK.get(quantization, quantization)
 
     def convert(path, leaf):
         names = [getattr(k, "key", None) for k in path]
-        if isinstance(leaf, (Q4Weight, Q8Weight)) and scheme == "w4a8":
+        if isinstance(leaf, (Q4Weight, Q8Weight)) and quantization == "w4a8":
             return to_w4a8(leaf) if isinstance(leaf, Q4Weight) else to_q8a8(leaf)
         if is_quantized(leaf):
             return leaf
@@ -67,7 +68,7 @@ def quantize_params(params: dict, scheme: str) -> dict:
                 leaf, jax.ShapeDtypeStruct) else np.asarray(leaf).T
         else:
             return leaf
-        kind = scheme if quantizable(kernel.shape, block_of(scheme)) else fallback
+        kind = quantization if quantizable(kernel.shape, block_of(quantization)) else fallback
         if not quantizable(kernel.shape, block_of(kind)):
             return leaf
         if isinstance(leaf, jax.ShapeDtypeStruct):  # lowering: only the shapes
@@ -78,13 +79,13 @@ def quantize_params(params: dict, scheme: str) -> dict:
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
 
 
-def abstract(shape, scheme: str) -> QuantWeight:
-    """`scheme`'s format for a [K, N] kernel as ShapeDtypeStructs (jaxserve lower: no weights),
+def abstract(shape, quantization: str) -> QuantWeight:
+    """`quantization`'s format for a [K, N] kernel as ShapeDtypeStructs (jaxserve lower: no weights),
     from the layout of one block of 64 columns: parts grow with K along axis 1, with N along
     axis 0 (or along their one axis: per-channel scales)."""
     k, n = shape
-    block = block_of(scheme)
-    one = quantize(np.zeros((block, PANEL), np.float32), scheme)
+    block = block_of(quantization)
+    one = quantize(np.zeros((block, PANEL), np.float32), quantization)
     return type(one)(*(jax.ShapeDtypeStruct((n,) if a.ndim == 1
                                             else (n // PANEL, a.shape[1] * k // block, *a.shape[2:]),
                                             a.dtype) for a in one))

@@ -9,7 +9,7 @@ Q4_1 x Q8_1; under it a GGUF's Q8_0 blocks run as Q8A8, Q8_0 x Q8_0).
 Every format is a pytree NamedTuple laid out in the 64-column panels of runtime/panels.py, with
 blocks of 32 running along K (GGUF's blocks run along a row of the [out, in] matrix: the same K).
 A record holds what the rest of the runtime asks of a format: its name (a `quantization` value,
-what `quantize` makes and `cpu_kernels.dot_isa` is asked about), the NamedTuple, the codec from
+what `quantize` makes and a key of `cpu_kernels.DotIsa`), the NamedTuple, the codec from
 float weights, `dequantize` (inside the computation: no float copy of a weight is ever stored),
 the rows an embedding lookup decodes, the operands its native kernel takes, and that kernel
 (csrc/quant_matmul.cc or csrc/dot_matmul.cc) with its id there (the kernel's `format` attribute;
@@ -187,15 +187,15 @@ def _k_quant(w, type_name: str) -> QuantWeight:
     return kquants.from_gguf(kquants.quantize_gguf(np.asarray(w, np.float32).T, type_name), type_name)
 
 
-def quantize(w, scheme: str) -> QuantWeight:
-    """Float [K, N] kernel -> `scheme`'s format: its record's codec, or a GGUF block type quantized
-    as llama.cpp does (`gguf.quants.quantize`)."""
-    fmt = _BY_NAME.get(scheme)
-    if fmt is not None:
-        return fmt.quantize(w)
-    if scheme.upper() in kquants.FORMATS:
-        return _k_quant(w, scheme.upper())
-    return _gguf_blocks(w, scheme.upper())
+def quantize(w, quantization: str) -> QuantWeight:
+    """Float [K, N] kernel -> the format of `quantization` (a format's name): its record's codec,
+    or a GGUF block type quantized as llama.cpp does (`gguf.quants.quantize`)."""
+    format = _BY_NAME.get(quantization)
+    if format is not None:
+        return format.quantize(w)
+    if quantization.upper() in kquants.FORMATS:
+        return _k_quant(w, quantization.upper())
+    return _gguf_blocks(w, quantization.upper())
 
 
 def quantize_blocks(x, xp=jnp):
@@ -270,7 +270,7 @@ def _none(dtype):
 
 @dataclass(frozen=True)
 class WeightFormat:
-    name: str  # the scheme `quantize` makes it from (and `cpu_kernels.dot_isa`'s name of a dot format)
+    name: str  # the `quantization` value `quantize` makes it from (and a dot format's key in cpu_kernels.DotIsa)
     type: type  # its NamedTuple
     quantize: Callable  # float [K, N] -> the format (numpy)
     dequantize: Callable  # the format -> f32[K, N] (jnp)
@@ -320,7 +320,7 @@ FORMATS = (
 )
 _BY_TYPE = {f.type: f for f in FORMATS}
 _BY_NAME = {f.name: f for f in FORMATS}
-DOT_SCHEMES = tuple(f.name for f in FORMATS if f.kernel == DOT_MATMUL and f.name != "q8a8")
+DOT_QUANTIZATIONS = tuple(f.name for f in FORMATS if f.kernel == DOT_MATMUL and f.name != "q8a8")
 
 
 def format_of(w) -> WeightFormat | None:
@@ -341,9 +341,9 @@ def dequantize(w: QuantWeight) -> jax.Array:
     return _BY_TYPE[type(w)].dequantize(w)
 
 
-def block_of(scheme: str) -> int:
-    """Weights per block along K of a scheme or GGUF type name (what K must be a multiple of)."""
-    return kquants.SUPER if scheme.upper() in kquants.FORMATS else BLOCK
+def block_of(quantization: str) -> int:
+    """Weights per block along K of a quantization or GGUF type name (what K must be a multiple of)."""
+    return kquants.SUPER if quantization.upper() in kquants.FORMATS else BLOCK
 
 
 def quantizable(shape, block: int = BLOCK) -> bool:
