@@ -15,19 +15,23 @@ step (the drafter reads the token) makes the engine read the step before dispatc
 
 from __future__ import annotations
 
+import logging
 import time
 
+import jax
+
+from jaxserve import default_format
 from jaxserve.admission import Admission, admit_compiled
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.errors import UserError
 from jaxserve.kv_plan import blocks_from_budget, log_kv_cache, plan_device_memory, sized_on_device
-from jaxserve.model.loader import load_model
+from jaxserve.model.loader import load_model, resolve_model_path
 from jaxserve.outputs import RequestOutput
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.planner import Inflight, StepPlanner
 from jaxserve.pooling import PoolingConfig, score_head
-from jaxserve.runtime import memory
+from jaxserve.runtime import cpu_isa, cpu_kernels, memory
 from jaxserve.runtime import runner as rt
 from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype
 from jaxserve.sampling_params import SamplingParams
@@ -36,6 +40,9 @@ from jaxserve.spec.draft import DraftModel
 from jaxserve.spec.speculator import Speculator
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxserve")
+
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
@@ -47,7 +54,14 @@ class LLMEngine:
         if config.compilation_cache:
             rt.enable_compilation_cache()
         dtype = config.dtype or default_dtype()
-        self.loaded = load_model(config.model, quantization=config.quantization)
+        # the weight format: the user's, else this machine's default (default_format.py), said once
+        self.quantization, why = default_format.choose(
+            config, lambda: default_format.inspect_checkpoint(resolve_model_path(config.model)), jax.default_backend(),
+            cpu_isa.cpu_features(), cpu_kernels.available)
+        if why:
+            log.info(why)
+        quantization = None if self.quantization == "none" else self.quantization
+        self.loaded = load_model(config.model, quantization=quantization)
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
@@ -61,7 +75,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_backend=config.attention_backend, dtype=dtype, kv_cache_dtype=kv_dtype,
-            tensor_parallel_size=config.tensor_parallel_size, quantization=config.quantization,
+            tensor_parallel_size=config.tensor_parallel_size, quantization=quantization,
             enable_expert_parallel=config.enable_expert_parallel,
         ))
         self.loaded.params = None  # host copy no longer needed
