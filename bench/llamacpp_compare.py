@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     llama, why = open_llamacpp(args.llamacpp_python, path, args.tokens, args.threads, not args.no_extra_bufts)
     engines = {} if llama is None else {f"llama.cpp {llama.version}": llama.rate}
     for f in args.formats.split(","):
-        llm = LLM(path, quantization=None if f == "none" else f, precompile=False, use_tqdm=False,
+        llm = LLM(path, quantization=f, precompile=False, use_tqdm=False,
                   max_num_seqs=1, max_num_batched_tokens=64, num_blocks=64)
         decode_rate(llm, PROMPT, args.tokens)  # warm-up: compiles every bucket one stream meets
         engines[f"jaxserve {'float32' if f == 'none' else f}"] = (lambda llm=llm: decode_rate(llm, PROMPT, args.tokens))

@@ -98,7 +98,7 @@ def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None,
     from jaxserve import LLM, SamplingParams
     from jaxserve.runtime import quant_params
 
-    llm = LLM(model, quantization=None if fmt == "none" else fmt, precompile=False, use_tqdm=False,
+    llm = LLM(model, quantization=fmt, precompile=False, use_tqdm=False,
               max_num_seqs=len(PROMPTS), max_num_batched_tokens=256, num_blocks=args.num_blocks,
               kv_cache_dtype=kv)
     runner = llm.engine.runner

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from jaxserve import LLM
 
     formats = args.formats.split(",")
-    llms = {f: LLM(args.model, quantization=None if f == "none" else f, precompile=False, use_tqdm=False,
+    llms = {f: LLM(args.model, quantization=f, precompile=False, use_tqdm=False,
                    max_num_seqs=1, max_num_batched_tokens=64, num_blocks=64) for f in formats}
     prompt = "The capital of France is"
     for llm in llms.values():  # warm-up: compiles every bucket one stream meets

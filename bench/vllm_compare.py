@@ -6,8 +6,9 @@ greedy, ignore_eos, streaming) level by level, and stopped. Engines alternate pe
 A B, round 2: B A) so that drift of a shared machine hits both. The 1-minute load average is
 recorded around every level, since other work on the machine changes the figures.
 
-Engines: `jaxserve` (the default model as shipped: float32 compute, its default bfloat16 KV),
-`jaxserve-gguf` (the same with `--quantization gguf`: Q4_1 blocks kept), `jaxserve-bf16` and
+Engines: `jaxserve` (the default model with the defaults: the format jaxserve/default_format.py picks
+for this machine, its default bfloat16 KV), `jaxserve-f32` (`--quantization none`: float32 compute),
+`jaxserve-gguf` (`--quantization gguf`: Q4_1 blocks kept), `jaxserve-bf16` and
 `jaxserve-w8a8` (`--quantization bfloat16` / `w8a8`: PRECISION says what each computes in), `vllm` (vLLM's CPU build
 from its own venv on an HF export of the same GGUF, tools/export_hf.py, `--dtype bfloat16`; its
 OpenMP threads bound to every core, where its default would reserve one of them).
@@ -40,6 +41,7 @@ from bench import common, serve
 # jaxserve variants: the server flags that make each one (`jaxserve serve` + these)
 JAXSERVE_FLAGS = {
     "jaxserve": "",
+    "jaxserve-f32": "--quantization none",
     "jaxserve-gguf": "--quantization gguf",
     "jaxserve-bf16": "--quantization bfloat16",
     "jaxserve-w8a8": "--quantization w8a8",
@@ -50,7 +52,8 @@ ENGINES = (*JAXSERVE_FLAGS, "vllm")
 # is reported, not compared). The gguf format reads the same float32 values as the default path.
 LOSSY = {"jaxserve-w8a8", "jaxserve-w4a8"}
 PRECISION = {
-    "jaxserve": "float32 weights (Q4_1 dequantized) and compute, bfloat16 KV",
+    "jaxserve": "the defaults: this machine's default format (jaxserve/default_format.py), bfloat16 KV",
+    "jaxserve-f32": "float32 weights (Q4_1 dequantized) and compute (--quantization none), bfloat16 KV",
     "jaxserve-gguf": "Q4_1 weights kept (--quantization gguf), float32 compute, bfloat16 KV",
     "jaxserve-bf16": "bfloat16 weights and matmul inputs (--quantization bfloat16), float32 accumulation, bfloat16 KV",
     "jaxserve-w8a8": "int8 weights per channel, int8 activations per 32-block (--quantization w8a8), bfloat16 KV",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from jaxserve import default_format
 from jaxserve.admission import Admission, admit_compiled
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
@@ -41,13 +42,15 @@ class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
-        config = config or EngineConfig(**kwargs)
-        self.config = config
+        self.config = config = config or EngineConfig(**kwargs)
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
         if config.compilation_cache:
             rt.enable_compilation_cache()
         dtype = config.dtype or default_dtype()
-        self.loaded = load_model(config.model, quantization=config.quantization)
+        # the weight format: the user's, else this machine's default (default_format.py), said once
+        self.quantization = default_format.for_engine(config)
+        quantization = None if self.quantization == "none" else self.quantization
+        self.loaded = load_model(config.model, quantization=quantization)
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
@@ -61,7 +64,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             attention_backend=config.attention_backend, dtype=dtype, kv_cache_dtype=kv_dtype,
-            tensor_parallel_size=config.tensor_parallel_size, quantization=config.quantization,
+            tensor_parallel_size=config.tensor_parallel_size, quantization=quantization,
             enable_expert_parallel=config.enable_expert_parallel,
         ))
         self.loaded.params = None  # host copy no longer needed
@@ -81,9 +84,8 @@ class LLMEngine:
         self._seqs: dict[str, Seq] = {}  # core request id -> seq
         self._inflight: Inflight | None = None  # the dispatched step not yet read
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
-        # Host time in step() other than waiting for the device, and that wait (bench/host_overhead.py).
-        # dispatch_busy / dispatch_idle: steps dispatched while the step before still ran on the
-        # device (their host time was hidden) / onto an idle device (bench host_overhead)
+        # host time in step() besides the device wait; that wait; steps dispatched while the step before
+        # still ran on the device (their host time hidden) / onto an idle one (bench/host_overhead.py)
         self.timing = dict(host_s=0.0, device_wait_s=0.0, steps=0, dispatch_busy=0, dispatch_idle=0)
         self.kv_capacity_tokens = log_kv_cache(config, mc, self.runner, self.num_blocks, kv_dtype, self.max_model_len)
         self.admission = Admission(
@@ -95,8 +97,7 @@ class LLMEngine:
         self.planner = StepPlanner(self.runner.builder, mc.vocab_size, self.eos_token_ids)
         self.outputs = OutputProcessor(self._groups, self._seqs, self.scheduler, self.eos_token_ids,
                                        self.counters, self.speculator)
-        # Structured outputs: grammars compile on the compiler's threads, cached by spec (its
-        # tokenizer view is built on first use, so start-up does not pay for it).
+        # grammars compile on its threads, cached by spec (its tokenizer view is built on first use)
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled

@@ -1,8 +1,11 @@
 """Greedy decoding with the default settings against transformers' float32 forward: a bfloat16
-checkpoint on CPU runs float32 math with a bfloat16 KV cache on the native kernels, and its greedy
-tokens may part from the reference's only where the reference's top two logits are within 0.05
-(a near-tie that bfloat16 K/V storage may flip). The shipped default model (a Q4_1 GGUF, also
-bfloat16 KV by default) is held to exact agreement in tests/model/test_default_model.py."""
+checkpoint on CPU runs with a bfloat16 KV cache on the native kernels, in the format this machine
+picks by default (jaxserve/default_format.py: bfloat16 matmul inputs where the CPU has bfloat16 dot
+products, else float32), and again pinned to float32 (`quantization="none"`); its greedy tokens may
+part from the reference's only where the reference's top two logits are within 0.05 (a near-tie
+that bfloat16 K/V storage or bfloat16 matmul inputs may flip). The shipped default model (a Q4_1
+GGUF, also bfloat16 KV by default) is held to exact agreement in tests/model/test_default_model.py
+(float32) and tests/model/test_quant_model.py (its default gguf format against float32)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.runtime.cpu_isa import cpu_features
 
 NEAR_TIE = 0.05
 NEW_TOKENS = 32
@@ -49,14 +53,24 @@ def _reference(path, prompt_ids):
     return out
 
 
-def test_default_greedy_matches_float32_reference_outside_near_ties(bf16_checkpoint):
+_REFERENCE: dict = {}  # the transformers reference, computed once for both parametrizations
+
+
+@pytest.mark.parametrize("quantization", [None, "none"], ids=["default", "float32"])
+def test_default_greedy_matches_float32_reference_outside_near_ties(bf16_checkpoint, quantization):
     f32_path, path = bf16_checkpoint
-    llm = LLM(path, precompile=False, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64)
+    llm = LLM(path, precompile=False, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64,
+              quantization=quantization)
     runner = llm.engine.runner
     assert runner.backend.attention == "cpu" and runner.kv_caches[0][0].dtype == jnp.bfloat16  # the default path
+    bf16_dot = bool(cpu_features() & {"avx512_bf16", "amx_bf16"})
+    assert llm.engine.quantization == ("bfloat16" if quantization is None and bf16_dot else "none")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
                         use_tqdm=False)
-    ref = _reference(f32_path, [o.prompt_token_ids for o in outs])
+    key = tuple(tuple(o.prompt_token_ids) for o in outs)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference(f32_path, [o.prompt_token_ids for o in outs])
+    ref = _REFERENCE[key]
     exact, far = 0, []
     for prompt, out, (want, margins) in zip(PROMPTS, outs, ref):
         got = out.outputs[0].token_ids

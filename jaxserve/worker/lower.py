@@ -323,7 +323,7 @@ def prepare(
     cfg = rt.RunnerConfig(
         block_size=config.block_size, num_blocks=2, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype, tensor_parallel_size=tp,
-        kv_cache_dtype=kv_dtype, quantization=config.quantization,
+        kv_cache_dtype=kv_dtype, quantization=None if config.quantization == "none" else config.quantization,
         enable_expert_parallel=config.enable_expert_parallel,
     )
     if devices is not None:

@@ -28,7 +28,10 @@ PROMPTS = [
 def default_llm():
     from jaxserve import LLM
 
-    return LLM(precompile=False, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 << 20)
+    # exact float32 (the default here may be another format: jaxserve/default_format.py; the CLI
+    # test below runs the defaults)
+    return LLM(precompile=False, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=64 << 20,
+               quantization="none")
 
 
 def _without_vocabulary(src: Path, dst: Path) -> Path:

@@ -126,7 +126,8 @@ def test_default_model_kept_as_gguf_blocks_generates_as_float32():
     """Q4_1 / Q8_0 read exactly and summed in the float32 kernel's order: the same tokens."""
     kw = {**ENGINE_KW, "max_num_seqs": 2}
     prompts = PROMPTS[:2]
-    ref = [o.outputs[0].token_ids for o in LLM(None, **kw).generate(prompts, GREEDY, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids
+           for o in LLM(None, quantization="none", **kw).generate(prompts, GREEDY, use_tqdm=False)]
     llm = LLM(None, quantization="gguf", **kw)
     params = llm.engine.runner.params
     assert quant_params.weight_bytes(params) <= 0.18 * float32_bytes(params)
