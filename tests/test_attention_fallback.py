@@ -63,6 +63,7 @@ def test_a_default_pallas_backend_that_fails_to_compile_serves_on_xla(tiny_model
     assert "injected" in warned[0] and "--attention-backend xla" in warned[0] and "more lines" not in warned[0]
     assert broken_kernel, "the injected kernel was never traced"
     assert (runner.backend.attention, runner.backend.kv_layout, runner.kv.layout) == ("xla", "paged", "paged")
+    assert runner.builder.context_widths == [4]  # the builder takes xla's bucket dimensions (64 tokens of 16)
     assert set(runner._compiled) == set(keys) and runner.num_compiles == 2
     xla = ModelRunner(lm.config, lm.params, CFG, backend=resolve_backend("xla", CFG.dtype, CFG.dtype))
     assert greedy(runner) == greedy(xla)

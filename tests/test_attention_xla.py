@@ -87,3 +87,20 @@ def test_xla_backend_sinks_match_reference(case, static):
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
     plain = jax.jit(functools.partial(xla_ragged_paged_attention, **sizes, **kw))(*b.args)
     assert not np.allclose(np.asarray(plain)[:b.num_real_tokens], np.asarray(got)[:b.num_real_tokens], atol=1e-3)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_xla_backend_is_the_same_on_a_narrow_table(static):
+    """The context bucket's table (as many columns as the longest context needs) against the same
+    table padded to a much wider one, as max_model_len would make it: the same output, bit for bit,
+    with the loops bounded by the shapes (accelerators) or by the batch (XLA:CPU)."""
+    b = make_batch(np.random.default_rng(4), [1, 1, 1, 6, 1], [9, 30, 2, 40, 17], num_q_heads=8, num_kv_heads=2,
+                   block_size=8, pad_tokens=3)
+    q, k_pages, v_pages, seq_lens, qsl, tables, num_seqs = b.args
+    wide = np.pad(np.asarray(tables), ((0, 0), (0, 64 - tables.shape[1])))
+    fn = jax.jit(functools.partial(xla_ragged_paged_attention, sm_scale=0.125, decode_rows=2, decode_blocks_per_chunk=2,
+                                   prefill_rows=4, blocks_per_chunk=2, static_bounds=static))
+    narrow = np.asarray(fn(*b.args))
+    full = np.asarray(fn(q, k_pages, v_pages, seq_lens, qsl, wide, num_seqs))
+    assert tables.shape[1] < 16 and wide.shape[1] == 64
+    np.testing.assert_array_equal(narrow[:b.num_real_tokens], full[:b.num_real_tokens])

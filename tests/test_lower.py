@@ -84,6 +84,18 @@ def test_gpu_below_sm90_lowers_the_portable_path(tmp_path):
     assert lowering.lower(BucketKey(8, 8, 0)).kernel_calls == 0
 
 
+def test_the_portable_path_lowers_each_context_width(tmp_path):
+    """xla's block table is a bucket dimension: 1024 tokens of 16 = 64 blocks -> widths 16, 32, 64."""
+    lowering = prepare(_config(tmp_path, max_position_embeddings=1024), "cuda", EngineConfig(**ENGINE),
+                       compute_capability="8.0")
+    keys = lowering.runner.all_buckets()
+    assert {k.c for k in keys} == {16, 32, 64} and len(keys) == 3 * len({k._replace(c=0) for k in keys})
+    for c in (16, 64):
+        step = lowering.lower(BucketKey(8, 8, 0, c=c))
+        assert step.kernel_calls == 0 and f"C={c} " in step.describe()
+        assert f"tensor<8x{c}xi32>" in lowering.export(BucketKey(8, 8, 0, c=c)).mlir_module()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_memory_plan_from_shapes(tmp_path, tp):
     lowering = prepare(_config(tmp_path), "tpu", EngineConfig(**ENGINE, tensor_parallel_size=tp),

@@ -8,6 +8,10 @@ row: 0, a small width for logit bias / bans / short penalties, or one that holds
 every token); everything that varies per step is a value. A bucket with W > 0 also carries the
 structured-output token bitmask (i32[S, ceil(V/32)]; -1 = unconstrained). T and S are chosen independently: S is 1 for a
 step of one sequence (a lone prefill or a single stream), else the T bucket's sequence width.
+Where the attention backend's work spans the block table it is given (the `xla` path:
+`Backend.context_buckets`), the table's width is a bucket dimension too: C block columns, the
+smallest of `context_widths` that holds the step's longest context, so a step of short contexts
+does not pay for `max_model_len`; elsewhere C = 0, the full `max_blocks` width (one value).
 Every 32-bit field travels in one buffer, so a step is one host-to-device copy and a multi-host
 leader broadcasts exactly that buffer.
 
@@ -38,6 +42,10 @@ SMALL_ADJUSTMENTS = 512  # the narrow adjustment width: bias, bans, structured r
 # padding rows cost little (native matmuls and attention skip them; on accelerators they are free).
 SINGLE_SEQ_MIN_TOKENS = 16
 ADJUST_MIN_TOKENS = (8, 64)
+# Context buckets (block-table widths C, in blocks): powers of two from this floor up to max_blocks,
+# at most this many (each width multiplies the executables to compile; see context_widths)
+CONTEXT_MIN_BLOCKS = 16
+MAX_CONTEXT_WIDTHS = 4
 
 
 def next_pow2(n: int) -> int:
@@ -56,6 +64,23 @@ def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
     return out + [max(max_tokens, smallest)]
 
 
+def context_widths(max_blocks: int, smallest: int = CONTEXT_MIN_BLOCKS, most: int = MAX_CONTEXT_WIDTHS) -> list[int]:
+    """Block-table widths of the context buckets: powers of two from `smallest`, spaced by the
+    least power-of-two factor that keeps them to `most`, then `max_blocks` (always the widest):
+    256 blocks -> 16, 64, 256; 512 -> 16, 64, 256, 512; 8192 (128k tokens of 16) -> 16, 128, 1024, 8192."""
+    if max_blocks <= smallest or most <= 1:
+        return [max_blocks]
+    shift = 1
+    while True:
+        out, c = [], smallest
+        while c < max_blocks:
+            out.append(c)
+            c <<= shift
+        if len(out) < most:
+            return out + [max_blocks]
+        shift += 1
+
+
 class BucketKey(NamedTuple):
     t: int  # token rows
     s: int  # sequence rows, and logits rows (each at most s)
@@ -66,6 +91,9 @@ class BucketKey(NamedTuple):
     # the executable also returns each logits row's final-norm hidden state (pooling requests);
     # compiled on first use, not by precompile
     pool: bool = False
+    # block-table columns per sequence row (0: the full max_blocks): a context bucket, set where
+    # the attention backend's work spans the table (BatchBuilder's context_buckets: xla)
+    c: int = 0
 
 
 class StepBatch(NamedTuple):
@@ -78,7 +106,7 @@ class StepBatch(NamedTuple):
     slot_mapping: np.ndarray  # i32[T] flat KV slot each token writes
     seq_lens: np.ndarray  # i32[S] context length incl. this step's tokens (0 for padding)
     query_start_loc: np.ndarray  # i32[S+1]
-    block_tables: np.ndarray  # i32[S, max_blocks]
+    block_tables: np.ndarray  # i32[S, C] (C = key.c, or max_blocks where c is 0)
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S] token row of each logits row
     verify_ids: np.ndarray  # i32[S] token the logits row verifies (the next input token), or -1
@@ -109,7 +137,7 @@ class StepBatch(NamedTuple):
 def field_specs(key: BucketKey, max_blocks: int, mask_words: int) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each StepBatch field for a bucket, in pack order."""
     t, s, w = key[:3]
-    dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, max_blocks), "1": (1,), "SW": (s, w),
+    dims = {"T": (t,), "S": (s,), "S+1": (s + 1,), "SB": (s, key.c or max_blocks), "1": (1,), "SW": (s, w),
             "SM": (s, mask_words if w else 0), "SL": (s, MAX_LOGPROBS)}
     return [(name, dims[d], dt) for name, d, dt in _FIELDS]
 
@@ -212,7 +240,8 @@ class BatchBuilder:
     """Chooses the bucket and fills a StepBatch. Jax-free, so it is unit-tested on its own."""
 
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                 max_model_len: int, vocab_size: int, decode_buckets: bool = False):
+                 max_model_len: int, vocab_size: int, decode_buckets: bool = False,
+                 context_buckets: bool = False):
         self.t_buckets = token_buckets(max_num_batched_tokens)
         self.s_max = next_pow2(max_num_seqs)
         self.block_size = block_size
@@ -222,6 +251,16 @@ class BatchBuilder:
         self.max_adjustments = next_pow2(min(max_model_len, vocab_size) + MAX_EXTRA_ADJUSTMENTS)
         self.adjust_widths = sorted({min(SMALL_ADJUSTMENTS, self.max_adjustments), self.max_adjustments})
         self.decode_buckets = decode_buckets
+        self.context_buckets = context_buckets
+
+    @property
+    def context_buckets(self) -> bool:
+        return bool(self.context_widths)
+
+    @context_buckets.setter
+    def context_buckets(self, on: bool) -> None:
+        """Block-table widths as a bucket dimension (the backend's choice; a fallback may change it)."""
+        self.context_widths = context_widths(self.max_blocks) if on else []
 
     # ---- buckets ----------------------------------------------------------------------------
     def seq_bucket(self, t: int) -> int:
@@ -234,9 +273,25 @@ class BatchBuilder:
     def _min_tokens(self, w: int) -> int:
         return ADJUST_MIN_TOKENS[0] if w == self.adjust_widths[0] else ADJUST_MIN_TOKENS[1]
 
-    def bucket_for(self, num_tokens: int, num_seqs: int, adjustments: int = -1, logit_rows: int = 1) -> BucketKey:
+    def context_bucket(self, context_blocks: int) -> int:
+        """The table width C of a step whose longest context spans `context_blocks` blocks: the
+        smallest context width that holds it, or 0 (the full width) without context buckets."""
+        if not self.context_widths:
+            return 0
+        return next((c for c in self.context_widths if c >= context_blocks), self.context_widths[-1])
+
+    def table_width(self, key: BucketKey) -> int:
+        return key.c or self.max_blocks
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, adjustments: int = -1, logit_rows: int = 1,
+                   context_blocks: int = 0) -> BucketKey:
         """adjustments: the most sparse entries a row needs (-1: no row adjusts anything);
-        logit_rows: logits rows in the step (at most num_tokens and s_max)."""
+        logit_rows: logits rows in the step (at most num_tokens and s_max); context_blocks: the
+        longest sequence's context (this step's tokens included) in blocks."""
+        c = self.context_bucket(context_blocks)
+        return self._bucket(num_tokens, num_seqs, adjustments, logit_rows)._replace(c=c)
+
+    def _bucket(self, num_tokens: int, num_seqs: int, adjustments: int, logit_rows: int) -> BucketKey:
         if logit_rows > self.s_max:
             raise ValueError(f"{logit_rows} logits rows exceed the step's {self.s_max}")
         if adjustments < 0:
@@ -251,7 +306,7 @@ class BatchBuilder:
 
     def all_buckets(self) -> list[BucketKey]:
         """Every bucket a step can use: (T, S(T), 0), (T, 1, 0) from SINGLE_SEQ_MIN_TOKENS, and
-        (T, S(T), W) for each width W from its minimum T."""
+        (T, S(T), W) for each width W from its minimum T; each at every context width C."""
         keys = set()
         for t in self.t_buckets:
             keys.add(BucketKey(t, self.seq_bucket(t), 0))
@@ -261,6 +316,8 @@ class BatchBuilder:
                         if t >= min(self._min_tokens(w), self.t_buckets[-1]))
         if self.decode_buckets:  # a decode step's T is its sequence count
             keys.update(k._replace(decode=True) for k in list(keys) if k.t == k.s and k.t <= self.s_max)
+        if self.context_widths:
+            keys = {k._replace(c=c) for k in keys for c in self.context_widths}
         return sorted(keys)
 
     def field_specs(self, key: BucketKey) -> list[tuple[str, tuple[int, ...], str]]:
@@ -303,11 +360,12 @@ class BatchBuilder:
             else:
                 rowmap.out.append(-1)
         need = max((p.num_adjustments() for p in samplings if p.adjusts), default=-1)
-        key = self.bucket_for(n, num_rows, need, len(samplings))
+        bs = self.block_size
+        context = int((starts + lens).max(initial=0))
+        key = self.bucket_for(n, num_rows, need, len(samplings), -(-context // bs))
         if self.decode_buckets and n == num_rows and key.t == key.s:
             key = key._replace(decode=True)
         w = key.w
-        bs = self.block_size
         b = self.empty(key)
         # tokens
         if n == num_rows:  # one token per row (decode): no slicing
@@ -325,8 +383,10 @@ class BatchBuilder:
         tok_row = np.repeat(np.arange(num_rows), lens)
         pos = np.arange(n) - offsets[:-1][tok_row] + starts[tok_row]
         b.positions[:n] = pos
+        width = b.block_tables.shape[1]  # a context bucket's C >= every row's blocks in use
         for i, r in enumerate(rows):
-            b.block_tables[i, :len(r.block_ids)] = r.block_ids
+            ids = r.block_ids[:width]
+            b.block_tables[i, :len(ids)] = ids
         b.slot_mapping[:n] = b.block_tables[tok_row, pos // bs] * bs + pos % bs
         b.seq_lens[:num_rows] = starts + lens
         b.query_start_loc[1:num_rows + 1] = offsets[1:]
@@ -375,7 +435,7 @@ class BatchBuilder:
         z = lambda shape, dt=np.int32, v=0: np.full(shape, v, dt)  # noqa: E731
         return StepBatch(
             input_ids=z(t), prev_index=z(t, v=-1), positions=z(t), slot_mapping=z(t),
-            seq_lens=z(s), query_start_loc=z(s + 1), block_tables=z((s, self.max_blocks)),
+            seq_lens=z(s), query_start_loc=z(s + 1), block_tables=z((s, self.table_width(key))),
             num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), num_logits=z(1), temperature=z(s, np.float32),
             top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
             seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),

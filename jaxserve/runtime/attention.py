@@ -30,7 +30,7 @@ class AttentionMetadata(NamedTuple):
     slot_mapping: jax.Array  # i32[T] flat KV slot each new token writes (padding -> null block 0)
     seq_lens: jax.Array  # i32[S] context length incl. this step's tokens (0 for padding seqs)
     query_start_loc: jax.Array  # i32[S+1] cumulative new-token counts
-    block_tables: jax.Array  # i32[S, max_blocks]
+    block_tables: jax.Array  # i32[S, C]: C block columns (the step's context bucket, or max_blocks)
     num_seqs: jax.Array  # i32[1]
 
 
@@ -61,9 +61,10 @@ def xla_ragged_paged_attention(
 ):
     """Ragged paged attention in plain XLA: flash-style loops whose trip counts are static.
 
-    Every loop bound comes from the shapes (T, S, max_blocks), never from the batch's values, so
-    XLA sees fixed-count loops (no data-dependent ``while``, which on GPU costs a device->host
-    sync per iteration); masking makes the extra iterations no-ops. ``static_bounds=False``
+    Every loop bound comes from the shapes (T, S, and the table's width: the step's context bucket
+    C, `BucketKey.c`, so a step of short contexts is not scanned to max_model_len), never from the
+    batch's values, so XLA sees fixed-count loops (no data-dependent ``while``, which on GPU costs a
+    device->host sync per iteration); masking makes the extra iterations no-ops. ``static_bounds=False``
     (XLA:CPU, where a while loop is cheap and reading the whole block table is not) stops each
     loop at the batch's own extent instead; the loops are the same. Two parts:
 

@@ -104,6 +104,14 @@ class Backend:
         TPU kernel's decode block sizes (one sequence per grid step) on TPU."""
         return self.attention == "pallas" and self.platform in ("gpu", "tpu")
 
+    @property
+    def context_buckets(self) -> bool:
+        """The block table's width is a bucket dimension (`BucketKey.c`): the `xla` path's loops
+        and gathers span the table it is given, so a step of short contexts gets a narrow table
+        instead of max_model_len's. The native CPU kernel and the Pallas kernels walk only each
+        sequence's own blocks: they keep one full width (and their buckets)."""
+        return self.attention == "xla"
+
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
         """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py).
 

@@ -7,7 +7,8 @@ for sure. When a bucket's step fails to compile, `fall_back` switches the runner
 attention backend, with its KV layout, and the bucket compiles again. A Pallas backend the user
 asked for (`--attention-backend pallas`) gets the compiler's error instead. Switching KV layout
 (TPU's fused pages to xla's paged ones) is safe only while the cache holds nothing: after the
-first step it is an error naming the flag, never a silent loss of cached KV.
+first step it is an error naming the flag, never a silent loss of cached KV. The runner's batch
+builder takes the fallback's bucket dimensions (xla's context widths, no decode buckets).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import numpy as np
 from jaxserve.core.batch import BucketKey, StepBatch
 
 _STOP, _STEP = 0, 1
-_HEADER = 6  # cmd, T, S, W, decode, pool
+_HEADER = 7  # cmd, T, S, W, decode, pool, C
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -94,7 +94,7 @@ def follower_loop(runner) -> int:
         h = np.asarray(_broadcast(_header(_STOP)))
         if int(h[0]) == _STOP:
             return steps
-        key = BucketKey(int(h[1]), int(h[2]), int(h[3]), bool(h[4]), bool(h[5]))
+        key = BucketKey(int(h[1]), int(h[2]), int(h[3]), bool(h[4]), bool(h[5]), int(h[6]))
         flat = np.asarray(_broadcast(np.zeros(runner.builder.packed_size(key), np.int32)))
         result = runner.execute(flat, key)
         runner.fetch(result, key.s, True, True)  # keep in lock step with the leader

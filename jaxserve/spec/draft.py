@@ -47,7 +47,7 @@ class DraftModel:
             none_i, none_f = np.zeros((s, 0), np.int32), np.zeros((s, 0), np.float32)
             batch = batch._replace(adj_ids=none_i, adj_out_counts=none_f, adj_in_prompt=none_f, adj_bias=none_f,
                                    bitmask=none_i)
-            key = BucketKey(key.t, s, 0)
+            key = BucketKey(key.t, s, 0, c=key.c)
         self.runner.execute(batch, key)
 
     def propose(self, seqs: list[tuple[list[int], list[int], int]]) -> list[list[int]]:

@@ -34,7 +34,7 @@ def describe_kernels(kernels: list[deviceless.KernelReport]) -> str:
 
 
 def bucket_line(key: BucketKey, target: str, report: deviceless.CompileReport, estimate: int) -> str:
-    kind = " decode" if key.decode else ""
+    kind = (f" C={key.c}" if key.c else "") + (" decode" if key.decode else "")
     head = f"compiled T={key.t} S={key.s} W={key.w}{kind} for {target}: "
     if not report.ok:
         return head + f"ERROR after {report.seconds:.1f} s: {report.error}"
@@ -54,7 +54,7 @@ def pick_buckets(keys: list[BucketKey], which: str) -> list[BucketKey]:
         return keys
     mixed = [k for k in keys if not k.decode]
     decode = [k for k in keys if k.decode]
-    return [max(group, key=lambda k: (k.t, k.s, k.w)) for group in (mixed, decode) if group]
+    return [max(group, key=lambda k: (k.t, k.s, k.w, k.c)) for group in (mixed, decode) if group]
 
 
 def run(args, config: EngineConfig, out: Callable[[str], None] = print) -> int:
@@ -82,8 +82,8 @@ def run(args, config: EngineConfig, out: Callable[[str], None] = print) -> int:
         report = lowering.compile(key)
         estimate = lowering.estimate(key)
         out(bucket_line(key, target.name, report, estimate))
-        rows.append({"t": key.t, "s": key.s, "w": key.w, "decode": key.decode, "estimated_temp_bytes": estimate,
-                     **report.as_dict()})
+        rows.append({"t": key.t, "s": key.s, "w": key.w, "c": key.c, "decode": key.decode,
+                     "estimated_temp_bytes": estimate, **report.as_dict()})
     failed = [r for r in rows if not r["ok"]]
     out(f"compiled {len(rows)} buckets for {target.name}: {len(rows) - len(failed)} ok, {len(failed)} failed, "
         f"{time.perf_counter() - t0:.1f} s")

@@ -148,7 +148,7 @@ class LoweredStep:
 
     def describe(self) -> str:
         k = self.key
-        kind = " decode" if k.decode else ""
+        kind = (f" C={k.c}" if k.c else "") + (" decode" if k.decode else "")
         return (f"lowered T={k.t} S={k.s} W={k.w}{kind} for {self.platform} on {self.num_devices} device(s): "
                 f"{self.kernel_calls} {KERNEL_CALL[self.platform]} calls, "
                 f"{self.module_bytes / 1e6:.1f} MB StableHLO, {self.seconds:.1f} s")
@@ -389,7 +389,7 @@ def run(args, out: Callable[[str], None] = print) -> int:
             step = lowering.lower(key)
         except Exception as e:  # a bucket that does not lower: say which, and why, in one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise UserError(f"lowering bucket T={key.t} S={key.s} W={key.w} for {args.platform} failed: "
+            raise UserError(f"lowering bucket T={key.t} S={key.s} W={key.w} C={key.c} for {args.platform} failed: "
                             f"{type(e).__name__}: {first}") from e
         out(step.describe())
     out(f"lowered {len(keys)} buckets for {args.platform} in {time.perf_counter() - t0:.1f} s")

@@ -138,12 +138,11 @@ class ModelRunner:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
         self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
-        self._use_backend(self.backend)
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, vocab_size=model_cfg.vocab_size,
-            decode_buckets=self.backend.has_decode_kernel,
         )
+        self._use_backend(self.backend)
         self.max_blocks = self.builder.max_blocks
         self.s_max = self.builder.s_max
         self.last_tokens = self._put(np.zeros(self.s_max, np.int32))
@@ -159,6 +158,9 @@ class ModelRunner:
         """The attention backend's models (one per attention variant, same params: decode-only
         buckets get the decode kernel), KV layout and shardings, and a KV cache in that layout."""
         self.backend = backend
+        # the bucket dimensions the backend asks for (the engine's planner shares this builder)
+        self.builder.decode_buckets = backend.has_decode_kernel
+        self.builder.context_buckets = backend.context_buckets
         self.models = {d: CausalLM(self.model_cfg, self._ops(d), self.dtype) for d in (False, True)}
         self.model = self.models[False]
         quantized = kv_quant.is_quantized(self.kv_cache_dtype)
@@ -284,10 +286,15 @@ class ModelRunner:
         """Compile every bucket (or `keys`) now, so no request waits on a compile: in parallel,
         one XLA compile per core (compiling releases the GIL), largest first."""
         t0 = time.perf_counter()
-        keys = self.all_buckets() if keys is None else keys
+        every = keys is None
         hits0, misses0 = CACHE_EVENTS.values()
-        # a backend fallback drops what was compiled before it: the loop compiles what is missing
-        while todo := [k for k in sorted(keys, reverse=True) if k not in self._compiled]:
+        # a backend fallback drops what was compiled before it (and may change the bucket set:
+        # xla's context widths): the loop compiles what is missing
+        while True:
+            keys = self.all_buckets() if every else keys
+            todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
+            if not todo:
+                break
             generation = self._generation
             with ThreadPoolExecutor(max_workers=workers or min(len(todo), os.cpu_count() or 1)) as pool:
                 futures = {pool.submit(self._compile, k): k for k in todo}

@@ -29,3 +29,15 @@ def test_bench_matmul_compares_xla_and_native(tmp_path):
     cases = json.loads(out.read_text())["results"]["cases"]
     assert {(c["k"], c["n"], c["m"]) for c in cases} == {(k, n, m) for k, n in matmul.SHAPES for m in (1, 8)}
     assert all(c["xla_gflops"] > 0 and c["native_gflops"] > 0 for c in cases)
+
+
+def test_bench_context_buckets_times_narrow_and_full_tables(tmp_path, tiny_model):
+    from bench import context_buckets
+
+    out = tmp_path / "context_buckets.json"
+    assert context_buckets.main(["--model", tiny_model("llama"), "--max-model-len", "1024", "--block-size", "4",
+                                 "--rows", "2", "--min-ctx", "10", "--max-ctx", "40", "--steps", "1",
+                                 "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["results"]["cases"]
+    assert len(cases) == 2 and all(c["narrow_c"] == 16 and c["full_c"] in (0, 256) for c in cases)
+    assert all(c["narrow_ms"] > 0 and c["full_ms"] > 0 for c in cases)

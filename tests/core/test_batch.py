@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.core.batch import PENDING, BatchBuilder, BucketKey, RowSpec, Sampling, StepBatch
+from jaxserve.core.batch import (CONTEXT_MIN_BLOCKS, MAX_CONTEXT_WIDTHS, PENDING, BatchBuilder, BucketKey, RowSpec,
+                                  Sampling, StepBatch, context_widths)
 
 
 def builder(**kw) -> BatchBuilder:
@@ -98,3 +99,53 @@ def test_decode_buckets_where_the_backend_has_a_decode_kernel():
     assert not on.build([RowSpec([5, 6, 7, 8], 2, 2, [3], Sampling(), extra=[(0, Sampling())])])[1].decode
     assert {k for k in on.all_buckets() if not k.decode} == set(off.all_buckets())
     assert all(k._replace(decode=False) in off.all_buckets() for k in on.all_buckets())
+
+
+def test_context_widths_are_few_powers_of_two_up_to_max_blocks():
+    assert context_widths(16) == [16] and context_widths(4) == [4]  # one width: the table as it was
+    assert context_widths(64) == [16, 32, 64]
+    assert context_widths(128) == [16, 32, 64, 128]
+    assert context_widths(256) == [16, 64, 256]  # 4096 tokens of 16: spaced by 4 to stay within 4
+    assert context_widths(250) == [16, 64, 250]  # capped at max_model_len / block_size
+    assert context_widths(8192) == [16, 128, 1024, 8192]  # 128k tokens of 16
+    for n in range(1, 20000, 37):
+        w = context_widths(n)
+        assert len(w) <= MAX_CONTEXT_WIDTHS and w[-1] == n and w == sorted(set(w))
+        assert all(c & (c - 1) == 0 and c >= CONTEXT_MIN_BLOCKS for c in w[:-1])
+
+
+def test_context_buckets_size_the_block_table_to_the_longest_context():
+    """With context buckets (the xla backend) the block table is [S, C], C the smallest width that
+    holds the step's longest context (this step's tokens included); without, [S, max_blocks], C = 0."""
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=16, block_size=4, max_model_len=512, vocab_size=100)
+    on, off = BatchBuilder(**kw, context_buckets=True), BatchBuilder(**kw)
+    assert on.max_blocks == 128 and on.context_widths == [16, 32, 64, 128] and off.context_widths == []
+
+    def decode(ctx, blocks=None):  # one decode token at position ctx - 1
+        return RowSpec(list(range(1, ctx + 1)), ctx - 1, 1, blocks or list(range(1, -(-ctx // 4) + 1)), Sampling())
+
+    batch, key, _ = on.build([decode(10), decode(64)])  # 64 tokens = 16 blocks
+    assert key == BucketKey(2, 2, 0, c=16) and batch.block_tables.shape == (2, 16)
+    assert batch.block_tables[1].tolist() == list(range(1, 17))
+    assert batch.pack().size == on.packed_size(key)
+    full, key_off, _ = off.build([decode(10), decode(64)])
+    assert key_off == BucketKey(2, 2, 0) and full.block_tables.shape == (2, 128)
+    np.testing.assert_array_equal(full.block_tables[:, :16], batch.block_tables)
+    assert not full.block_tables[:, 16:].any()
+    for name in StepBatch._fields:  # every other field is the same
+        if name != "block_tables":
+            np.testing.assert_array_equal(getattr(full, name), getattr(batch, name), err_msg=name)
+    assert on.build([decode(10), decode(65)])[1].c == 32  # one token more: the next width
+    assert on.build([decode(400)])[1].c == 128
+    # a prefill chunk counts its own tokens; blocks allocated ahead of the context are not needed
+    prefill = RowSpec(list(range(1, 101)), 60, 40, list(range(1, 40)), None)
+    batch, key, _ = on.build([prefill])
+    assert key.c == 32 and batch.block_tables[0].tolist() == list(range(1, 33))
+    assert batch.slot_mapping[:40].tolist() == [(1 + p // 4) * 4 + p % 4 for p in range(60, 100)]
+    # every bucket a step can use is listed, at each width; the widths multiply the set
+    assert len(on.all_buckets()) == 4 * len(off.all_buckets())
+    assert {k._replace(c=0) for k in on.all_buckets()} == set(off.all_buckets())
+    assert set(on.all_buckets()) >= {on.bucket_for(n, s, a, context_blocks=cb) for n in (1, 3, 40, 64)
+                                     for s in (1, min(n, 16)) for a in (-1, 0) for cb in (0, 1, 16, 17, 100, 128)}
+    on.context_buckets = False  # what the runner does when the backend changes
+    assert on.all_buckets() == off.all_buckets() and on.build([decode(400)])[1].c == 0
