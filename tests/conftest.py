@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pathlib
 
 import pytest
 
@@ -11,16 +13,30 @@ import pytest
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
 
+# Each module's measured seconds on one xdist worker (setup, calls, teardown), written by
+# `python tools/suite_seconds.py <junit.xml>` from a run with `--junitxml`.
+MODULE_SECONDS = pathlib.Path(__file__).with_name("module_seconds.json")
+
+
+def pytest_configure(config):
+    """xdist's loadgroup hands out groups in collection order (see below), not largest-count first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 # tryfirst: xdist's own hook turns the marks into node-id suffixes; after it, the marks group nothing
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) a module's tests stay
-    on one worker, so its module fixtures (a server, an engine) are built once; tests/parallel is
-    one group, since its conftest runs those tests in a single 8-device child pytest."""
+    on one worker, so its module fixtures (a server, an engine) are built once (tests/parallel's
+    modules too: each runs in its own 8-device child pytest). Modules are handed out longest first
+    (by their measured seconds; a module not measured yet counts as a long one), so that the two
+    workers finish together rather than one waiting on a long module collected last."""
+    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+    unknown = max(seconds.values(), default=0.0)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], unknown))
     for item in items:
-        module = item.nodeid.split("::")[0]
-        group = "tests/parallel" if module.startswith("tests/parallel/") else module
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -68,7 +68,7 @@ def draft_pair(tiny_model):
 
 def test_draft_model_greedy_equals_plain(draft_pair, plain):
     target, draft = draft_pair
-    prompts, ps, want = plain
+    prompts, ps, want = (x[:24] for x in plain)  # 24 of the 64: 16 blocks still preempt
     spec = {"method": "draft", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
     llm = LLM(target, **{**ENGINE_KW, "num_blocks": 16, "prefix_cache": "hash"}, speculative_config=spec)
     outs = llm.generate(prompts, ps, use_tqdm=False)

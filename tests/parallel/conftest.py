@@ -7,9 +7,10 @@ How the device count is arranged, robustly:
   process) before the backend starts, and the tests run in-process.
 * Any run that also collects other folders (e.g. plain `pytest`): the other tests must keep the
   single-device JAX they were written for, and JAX cannot change its device count once started.
-  So this process is left alone, and the parallel tests are delegated to ONE child pytest process
-  with the flag set; each test here then reports its own child result (pass / fail with the child's
-  traceback / skip), so the summary still lists every parallel test by name.
+  So this process is left alone, and each module's parallel tests are delegated to one child pytest
+  process (per module, so that xdist's two workers can run two of them at once) with the flag set;
+  each test here then reports its own child result (pass / fail with the child's traceback / skip),
+  so the summary still lists every parallel test by name.
 * Same delegation if something already started JAX's backend with fewer devices.
 
 Tests in this folder therefore keep their fixtures cheap (paths only); real work happens in bodies.
@@ -67,14 +68,16 @@ def pytest_collection_modifyitems(session, config, items):
     only_mine = len(mine) == len(items)
     if os.environ.get(CHILD_ENV) or (only_mine and _try_in_process()):
         return
-    delegate = _Delegate(session)
+    delegates: dict[str, _Delegate] = {}
     for it in mine:
-        it.runtest = delegate.runner_for(it)
+        module = str(it.fspath)
+        it.runtest = delegates.setdefault(module, _Delegate(session, module)).runner_for(it)
 
 
 class _Delegate:
-    def __init__(self, session):
+    def __init__(self, session, module: str):
         self.session = session  # its items, read at the first run, are the ones left after -k / -m
+        self.module = module
         self.results: dict | None = None
         self.error = ""
 
@@ -84,7 +87,7 @@ class _Delegate:
         env[CHILD_ENV] = "1"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
                # without xdist's "@group" suffix (--dist loadgroup), which no collector knows
-               *[it.nodeid.split("@", 1)[0] for it in self.session.items if _ours(it)]]
+               *[it.nodeid.split("@", 1)[0] for it in self.session.items if str(it.fspath) == self.module]]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         self.results = {}
         self.error = proc.stdout[-4000:] + proc.stderr[-4000:]
