@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jaxserve.core.batch import BatchBuilder, BucketKey
+    from jaxserve.core.batch import BatchBuilder
+    from jaxserve.core.buckets import BucketKey
     from jaxserve.runtime.sampler import sample
 
     n = args.rows

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.core.batch import BatchBuilder, BucketKey, RowMap, RowSpec, Sampling
+from jaxserve.core.batch import BatchBuilder, RowMap, RowSpec, Sampling
+from jaxserve.core.buckets import BucketKey
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq

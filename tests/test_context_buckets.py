@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.batch import BatchBuilder, BucketKey, RowSpec, Sampling
+from jaxserve.core.batch import BatchBuilder, RowSpec, Sampling
+from jaxserve.core.buckets import BucketKey
 from jaxserve.model.loader import load_model
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.worker.runner import ModelRunner, RunnerConfig

@@ -17,7 +17,7 @@ import pytest
 
 from jaxserve import cli
 from jaxserve.config import EngineConfig
-from jaxserve.core.batch import BucketKey
+from jaxserve.core.buckets import BucketKey
 from jaxserve.runtime import compat, memory
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime import kv_sizing

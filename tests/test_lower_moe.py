@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.batch import BucketKey
+from jaxserve.core.buckets import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.worker.lower import AbstractCheckpoint, load_model_config, prepare
 from tests.test_lower import _one_layer

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime import sampler
-from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.core.batch import BatchBuilder, StepBatch
+from jaxserve.core.buckets import BucketKey
 from jaxserve.runtime.sampler import sample
 
 ROWS = 4096

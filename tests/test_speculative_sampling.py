@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.core.batch import BatchBuilder, BucketKey
+from jaxserve.core.batch import BatchBuilder
+from jaxserve.core.buckets import BucketKey
 from jaxserve.runtime.sampler import sample
 
 ROWS = 4096

@@ -25,7 +25,8 @@ import os
 
 import numpy as np
 
-from jaxserve.core.batch import BucketKey, StepBatch
+from jaxserve.core.batch import StepBatch
+from jaxserve.core.buckets import BucketKey
 
 _STOP, _STEP = 0, 1
 _HEADER = 7  # cmd, T, S, W, decode, pool, C

@@ -13,7 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.core.batch import BucketKey, RowSpec, Sampling, StepBatch
+from jaxserve.core.batch import RowSpec, Sampling, StepBatch
+from jaxserve.core.buckets import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.model.loader import load_model
 from jaxserve.worker.runner import ModelRunner

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.batch import BucketKey
+from jaxserve.core.buckets import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.runtime import deviceless, memory
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxserve.args import engine_config
 from jaxserve.config import EngineConfig
-from jaxserve.core.batch import BucketKey
+from jaxserve.core.buckets import BucketKey
 from jaxserve.errors import UserError
 from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig

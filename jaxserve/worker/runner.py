@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.core.batch import BatchBuilder, StepBatch
+from jaxserve.core.buckets import BucketKey
 from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.core.batch import (CONTEXT_MIN_BLOCKS, MAX_CONTEXT_WIDTHS, PENDING, BatchBuilder, BucketKey, RowSpec,
-                                  Sampling, StepBatch, context_widths)
+from jaxserve.core.batch import PENDING, BatchBuilder, RowSpec, Sampling, StepBatch
+from jaxserve.core.buckets import BucketKey
+from jaxserve.core.buckets import CONTEXT_MIN_BLOCKS, MAX_CONTEXT_WIDTHS, context_widths
 
 
 def builder(**kw) -> BatchBuilder:
