@@ -31,9 +31,9 @@ from pathlib import Path
 import jax
 
 from jaxserve.model.loader import resolve_model_path
-from jaxserve.runtime import cpu_isa, cpu_kernels
+from jaxserve.runtime import cpu_isa, cpu_kernels, weight_formats
 
-KEPT_BLOCKS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"})  # = model/gguf_loader.KEPT_TYPES
+KEPT_BLOCKS = frozenset(weight_formats.GGUF_KEPT_TYPES)
 FLOAT_TYPES = {"F32": "float32", "F64": "float32", "F16": "float16", "BF16": "bfloat16"}
 INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")  # Linux's /proc/cpuinfo names
 BF16_DOT = ("avx512_bf16", "amx_bf16")

@@ -183,7 +183,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # block types `keep_quantized` holds as stored
+KEPT_TYPES = weight_formats.GGUF_KEPT_TYPES  # block types `keep_quantized` holds as stored
 
 
 def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):

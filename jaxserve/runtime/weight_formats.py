@@ -32,6 +32,10 @@ from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
 from jaxserve.runtime.mxfp4 import Mxfp4Weight
 from jaxserve.runtime.panels import BLOCK, PANEL, from_panels, from_words, nibbles, to_panels, to_words
 
+# GGUF block types a GGUF load keeps as stored (model/gguf_loader.py `keep_quantized`), each one of
+# the formats below; the default weight format (default_format.py) reads it without importing gguf
+GGUF_KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
 
 class Int8Weight(NamedTuple):
     """Symmetric int8 per output channel: W[k, n] = q[k, n] * scale[n]."""
