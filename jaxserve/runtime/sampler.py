@@ -4,9 +4,9 @@ Per-row parameters arrive as arrays in the StepBatch. What costs extra work (ran
 top-k/top-p/min-p, top-N logprobs) runs under a `lax.cond` on whether any row of this step needs
 it, so one executable per bucket serves every mix of requests and a parameter at its neutral value
 costs nothing. Penalties and logit bias are sparse per-row entries whose width is part of the
-bucket (0 when no row uses them). Each row draws two uniforms from its own key,
-fold_in(fold_in(key(seed_lo), seed_hi), output index), so a seeded request samples the same tokens
-whatever else is in the batch.
+bucket (0 when no row uses them). Each row draws three uniforms (the draw's two levels, a draft's
+acceptance) from its own key, fold_in(the seed's 64 bits as a threefry key, output index), so a
+seeded request samples the same tokens whatever else is in the batch.
 
 Verification (speculative decoding; `verify_ids` >= 0): drafts are proposed deterministically (an
 n-gram lookup, a draft model's argmax), so the proposal puts all its mass q on the draft token d.
@@ -154,12 +154,12 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, ke
         temp = jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
         scaled = logits / temp
 
-        def uniforms(lo, hi, step):  # all 64 bits of the seed count
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), step)
-            accept_key = jax.random.fold_in(key, 1)  # the draws' own stream is unchanged
-            return jax.random.uniform(key, (2,), jnp.float32), jax.random.uniform(accept_key, (), jnp.float32)
+        def uniforms(lo, hi, step):  # the seed's 64 bits are the key; one hash per row and step
+            key = jax.random.fold_in(jax.random.wrap_key_data(jnp.stack([hi, lo]), impl="threefry2x32"), step)
+            return jax.random.uniform(key, (3,), jnp.float32)
 
-        u, u_accept = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
+        u3 = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
+        u, u_accept = u3[:, :2], u3[:, 2]  # the draw's two levels, the draft's acceptance
         truncating = (b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)
         weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
 
