@@ -15,6 +15,12 @@ Read as llama.cpp's convert_hf_to_gguf.py writes them and llama.cpp reads them b
   router `ffn_gate_inp`; qwen2moe's shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp`.
   A layer without a router is a dense layer (Qwen's mlp_only_layers). top-k renormalisation is
   `expert_weights_norm` where written, else llama.cpp's fixed choice (qwen3moe yes, qwen2moe no).
+- gpt-oss: q/k/v/o biases, `attn_sinks`, `post_attention_norm` the pre-MoE norm, a biased router
+  `ffn_gate_inp`, experts stacked whole (`ffn_{gate,up,down}_exps` [E, out, in] with their biases
+  [E, out]; gate and up already apart) in MXFP4 (ggml type 39: kept packed, the loader converts the
+  block layout) or a float / other type (dequantized). What llama.cpp fixes it does not store: the
+  SwiGLU clamp 7.0 and alpha 1.702, layers alternating sliding / full from layer 0, and YaRN without
+  truncation (gpt-oss's `truncate: false`; beta 32 / 1 unless written).
 """
 
 from __future__ import annotations
@@ -34,11 +40,14 @@ ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 PERMUTED_QK = {"llama", "mistral"}  # q/k rows stored permuted (convert_hf_to_gguf.py LlamaModel.permute)
 NORM_SHIFT = {"gemma3"}  # norm weights stored as w + 1
 MOE = {"qwen3moe", "qwen2moe"}
 EXPERT = "{expert}"  # the expert index's place in a stacked tensor's HF name
+WHOLE_EXPERTS = {"gpt-oss"}  # stacked experts kept as one [E, in, out] tensor (or MXFP4) under one HF name
+GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp: ggml_swiglu_oai's fixed limit, not stored in the file
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -74,7 +83,15 @@ _QWEN2MOE_TENSORS = _MOE_TENSORS | {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
-_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_TENSORS, "qwen3moe": _MOE_TENSORS, "qwen2moe": _QWEN2MOE_TENSORS}
+_GPT_OSS_TENSORS = {k: v for k, v in _LAYER_TENSORS.items() if k != "ffn_norm.weight"} | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+} | {f"ffn_{p}_exps.{kind}": f"mlp.experts.{p}_{'proj' if kind == 'weight' else 'bias'}"
+     for p in ("gate", "up", "down") for kind in ("weight", "bias")}
+_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_TENSORS, "qwen3moe": _MOE_TENSORS, "qwen2moe": _QWEN2MOE_TENSORS,
+                    "gpt-oss": _GPT_OSS_TENSORS}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -199,7 +216,29 @@ def gguf_config(g) -> dict:
         cfg |= _gemma3_config(get, cfg)
     elif arch in MOE:
         cfg |= _moe_config(g, get, cfg, arch)
+    elif arch == "gpt-oss":
+        cfg |= _gpt_oss_config(g, get, cfg)
     return cfg
+
+
+MXFP4_TYPE = 39  # ggml's GGML_TYPE_MXFP4
+
+
+def _gpt_oss_config(g, get, cfg: dict) -> dict:
+    """gpt-oss's experts and the choices llama.cpp fixes (see the module docstring)."""
+    if not get("expert_count") or not get("expert_used_count"):
+        raise UserError(f"{g.path}: a gpt-oss GGUF file without gpt-oss.expert_count / gpt-oss.expert_used_count "
+                        "metadata: re-convert it with llama.cpp's convert_hf_to_gguf.py.", param="model")
+    gate = g.tensors.get("blk.0.ffn_gate_exps.weight")
+    out = dict(num_local_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+               intermediate_size=int(get("expert_feed_forward_length") or (gate.shape[1] if gate else 0)),
+               swiglu_limit=GPT_OSS_SWIGLU_LIMIT, sliding_window=cfg.get("sliding_window") or 128)
+    if rope := cfg.get("rope_scaling"):
+        out["rope_scaling"] = rope | dict(beta_fast=_f32(get("rope.scaling.yarn_beta_fast", 32.0)),
+                                          beta_slow=_f32(get("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+    if gate is not None and gate.ggml_type == MXFP4_TYPE:  # kept packed: model/families/gpt_oss.py's expert_format
+        out["quantization_config"] = {"quant_method": "mxfp4"}
+    return out
 
 
 def _gemma3_config(get, cfg: dict) -> dict:

@@ -60,7 +60,7 @@ def _metadata(w: gguf.GGUFWriter, hf: dict, arch: gguf.MODEL_ARCH) -> None:
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
     w.add_expert_used_count(hf["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])  # gpt-oss: the latter
     if hf.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
 
