@@ -3,9 +3,10 @@
     config, weights = load_gguf("model.gguf")
 
 Architectures (model/gguf_arch.py: what each one's metadata and tensor names mean): llama, mistral,
-qwen2, qwen3, gemma3, qwen3moe, qwen2moe, gpt-oss (its MXFP4 experts, ggml type 39, stay packed:
-converted at load to runtime/mxfp4.py's block layout, uint8 only). With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
-matrices stay in their blocks (runtime/weight_formats.py formats). Stacked expert tensors (`ffn_*_exps`,
+qwen2, qwen3, gemma3, qwen3moe, qwen2moe, llama with experts (Mixtral), glm4moe, gpt-oss (its MXFP4
+experts, ggml type 39, stay packed: converted at load to runtime/mxfp4.py's layout, uint8 only).
+With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/weight_formats.py
+formats). Stacked expert tensors (`ffn_*_exps`,
 [E, out, in]) are always dequantized at load, to float32 per-expert matrices, whatever their type
 (Q8_0, Q4_K, Q6_K as llama.cpp's Q4_K_M writes them): the MoE op (runtime/moe.py) multiplies float
 or MXFP4 experts, not GGUF blocks, so a quantized MoE file costs its experts' float size in memory.
@@ -270,7 +271,7 @@ def _whole_experts(g: GGUFFile, info: TensorInfo, cfg: dict):
 
 def _split_experts(g: GGUFFile, info: TensorInfo, template: str, cfg: dict) -> dict[str, np.ndarray]:
     """A stacked expert tensor [E, out, in], dequantized, as E per-expert [out, in] views."""
-    n = cfg.get("num_experts", 0)
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if len(info.shape) != 3 or info.shape[0] != n:
         raise UserError(f"{g.path}: expert tensor {info.name!r} has shape {list(info.shape)}, expected "
                         f"[{n} (expert_count), out, in]: the file is inconsistent.", param="model")
