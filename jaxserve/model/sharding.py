@@ -28,6 +28,11 @@ and the combine is one all-reduce of [T, H] per MoE layer, the collective a row-
 costs anyway. An all-to-all dispatch pays off only once tokens are sharded (data-parallel
 attention), which this mesh does not do.
 
+MXFP4 experts (runtime/mxfp4.py: blocks [E, N, K/32, 16], scales [E, N, K/32]) shard as the float
+experts do, in whole blocks with their scales (`sharded_ops.expert_specs`): whole experts under EP;
+else gate / up on their N = I rows and down on its K/32 blocks, with I padded by zero blocks to a
+multiple of 32 * tp where the blocks would not split evenly (`packed_intermediate`).
+
 Quantized weights (runtime/weight_formats.py: [N / 64, K-ish, ...] panels and their block scales) shard as
 their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
 with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
