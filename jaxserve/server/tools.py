@@ -220,8 +220,6 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
     functions = {t.function.name: (t.function.parameters, t.function.strict) for t in tools}
     if len(functions) != len(tools):
         raise bad_request("Each tool needs a distinct function name.", "tools")
-    if hasattr(reasoning, "declared"):  # gpt_oss: a built-in tool (browser.search, python) declared by name
-        reasoning.declared = frozenset(functions)
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
@@ -242,8 +240,9 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
                 f"({', '.join(sorted(TOOL_PARSERS))}); or use 'required' or a named function.",
                 "tool_choice")
         parser = TOOL_PARSERS[tool_parser]()
-        if hasattr(parser, "declared"):
-            parser.declared = frozenset(functions)
+        for p in (reasoning, parser):  # gpt_oss: built-in tools (browser.search, python) declared by name
+            if hasattr(p, "declared"):
+                p.declared = frozenset(functions)
         # parallel_tool_calls false: a model that writes several calls gets its first one (vLLM)
         one = None if req.parallel_tool_calls else 1
         return ToolPlan(template_tools, None, OutputParser(reasoning, parser, one),

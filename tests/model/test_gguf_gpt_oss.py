@@ -94,7 +94,23 @@ def _reference(hf_dir, weights: dict, out) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize("experts", ["MXFP4"])  # F32 experts: the same path less the packing (not run: time)
+def test_gguf_gpt_oss_f32_loads_as_its_safetensors_twin(tiny_model, tmp_path):
+    """F32 experts: every parameter (experts transposed back to [E, in, out], their biases, sinks,
+    router, norms) equals the HF directory's, exactly; no forward needed (the MXFP4 test runs one)."""
+    import jax
+
+    hf_dir = tiny_model("gpt_oss", layers=2)
+    path = tmp_path / "model.gguf"
+    ref_dir = _reference(hf_dir, write_gpt_oss_gguf(hf_dir, path, "F32"), tmp_path / "ref")
+    got, want = load_model(str(path)), load_model(ref_dir)
+    assert _fields(got.config)["swiglu_limit"] == 7.0 and got.config.expert_format is None
+    paths = jax.tree_util.tree_flatten_with_path(got.params)[0]
+    assert len(paths) == len(jax.tree.leaves(want.params))
+    for (p, a), b in zip(paths, jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(p))
+
+
+@pytest.mark.parametrize("experts", ["MXFP4"])
 def test_gguf_gpt_oss_matches_transformers(tiny_model, tmp_path, experts):
     hf_dir = tiny_model("gpt_oss", layers=2)
     path = tmp_path / "model.gguf"
