@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.buckets import BucketKey
 from jaxserve.runtime import mxfp4
 from jaxserve.worker.lower import AbstractCheckpoint, load_model_config, prepare
 
@@ -53,7 +54,8 @@ def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
 def test_gpt_oss_120b_plans_at_tp8_with_mxfp4_experts(ep):
     """TP 8 splits each expert's intermediate axis: 2880 = 90 MXFP4 blocks do not split 8 ways, so
     it is padded to 3072 (384 per device, whole blocks; zero rows and blocks); EP 8 keeps 16 whole
-    experts per device, unpadded. Blocks and scales shard alike, and the plan fits one H200 each."""
+    experts per device, unpadded. Blocks and scales shard alike, the plan fits one H200 each, and a
+one-layer cut's step lowers for cuda on 8 devices."""
     lowering = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda",
                        EngineConfig(max_model_len=131072, tensor_parallel_size=8, enable_expert_parallel=ep),
                        device_memory=141 * GiB)
@@ -74,3 +76,8 @@ def test_gpt_oss_120b_plans_at_tp8_with_mxfp4_experts(ep):
     assert "experts in MXFP4" in text and "tensor parallel 8" in text
     assert ("padded to 3072" in text) != ep, text
     assert lowering.plan.num_blocks * 16 >= 131072
+    cut = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda", EngineConfig(
+        max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=16, tensor_parallel_size=8,
+        enable_expert_parallel=ep), device_memory=141 * GiB, num_layers=1)
+    step = cut.lower(BucketKey(16, 8, 0))  # one layer's step exports with the packed experts under shard_map
+    assert step.num_devices == 8 and step.kernel_calls == 1, step.describe()
