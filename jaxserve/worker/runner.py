@@ -212,6 +212,7 @@ class ModelRunner:
             params = params.restore(sharding.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
         if quantize:
             params = quant_params.quantize_params(params, self.cfg.quantization)
+        params = sharding.pad_packed_experts(params, mc, self.model_cfg)  # MXFP4 under TP: whole blocks per device
         if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
             self.param_shardings = sharding.quantized_shardings(params, mc, mesh)
             return quant_params.place_params(params, self.dtype, self.param_shardings)
