@@ -209,11 +209,12 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
-        if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 experts: whole, on one device
+        if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 or ExpertStack experts: whole, on one device
             if tp > 1:
-                raise UserError(f"MXFP4 experts ({'/'.join(names)}) under tensor or expert parallelism are not "
-                                "supported yet: use tensor_parallel_size 1, or the model's bfloat16 checkpoint.",
-                                param="tensor_parallel_size")
+                kind = "MXFP4" if isinstance(leaf, weight_formats.Mxfp4Weight) else type(leaf.w).__name__
+                raise UserError(f"{kind} experts ({'/'.join(names)}) under tensor or expert parallelism are not "
+                                "supported yet: use tensor_parallel_size 1, or float experts (no --quantization; "
+                                "a GGUF file without --quantization gguf).", param="tensor_parallel_size")
             return type(leaf)(*(NamedSharding(mesh, P()) for _ in leaf))
         if weight_formats.is_quantized(leaf):
             return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))

@@ -9,6 +9,7 @@ native CPU matmul), so each op dispatches on what it is given, not on a setting.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from jaxserve.config import DTYPES
 from jaxserve.errors import UserError
-from jaxserve.runtime import compat, cpu_kernels, quant
+from jaxserve.runtime import compat, cpu_kernels, expert_matmul, quant
 from jaxserve.runtime.attention import layer_attention
 from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
 from jaxserve.runtime.sampler import greedy_argmax
@@ -113,11 +114,13 @@ class Backend:
         return self.attention == "xla"
 
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
-        """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py).
+        """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py;
+        routed experts kept in one: runtime/expert_matmul.py).
 
         ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
         t), where the pallas backend runs the split-KV decode kernel on GPU."""
-        return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear, self.dot_isa)
+        ops = quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear, self.dot_isa)
+        return dataclasses.replace(ops, moe=expert_matmul.packed_moe(ops.moe, self.native_linear, self.dot_isa))
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))

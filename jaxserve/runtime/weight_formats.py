@@ -332,8 +332,35 @@ def format_of(w) -> WeightFormat | None:
     return _BY_TYPE.get(type(w))
 
 
+class ExpertStack(NamedTuple):
+    """A mixture-of-experts layer's E routed experts' [K, N] kernels in one of the formats above,
+    kept as stored: `w` is the format's NamedTuple with a leading axis of E on each part (expert e's
+    parts are each part's e-th slice; runtime/expert_matmul.py multiplies them where they lie)."""
+
+    w: QuantWeight
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The float stack's shape [E, K, N] (what the model's matmuls see)."""
+        return (self.w[0].shape[0], *jax.eval_shape(lambda w: dequantize(expert_at(w, 0)), self.w).shape)
+
+    def expert(self, i, dtype=jnp.float32):
+        """Expert i's [K, N] matrix, decoded (i may be traced)."""
+        return dequantize(expert_at(self.w, i)).astype(dtype)
+
+
+def expert_at(w: QuantWeight, i) -> QuantWeight:
+    """Expert i's weight of a format's NamedTuple of stacked parts (i may be traced)."""
+    return type(w)(*(jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in w))
+
+
+def stack_experts(ws: list) -> ExpertStack:
+    """Per-expert weights of one format (numpy) -> their ExpertStack."""
+    return ExpertStack(type(ws[0])(*(np.ascontiguousarray(np.stack(parts)) for parts in zip(*ws))))
+
+
 # stacked-expert formats kept as stored, read by the MoE op itself (runtime/moe.py), not by linear
-EXPERT_FORMATS = (Mxfp4Weight,)
+EXPERT_FORMATS = (Mxfp4Weight, ExpertStack)
 
 
 def is_quantized(w) -> bool:
