@@ -53,7 +53,10 @@ def native_grouped(lhs, rhs: ExpertStack, group_sizes, up: ExpertStack | None = 
 
 
 def grouped_matmul(lhs, rhs, group_sizes, native: bool = False, isa: cpu_kernels.DotIsa | None = None):
-    """`jax.lax.ragged_dot`'s contract for ExpertStack experts: natively where `native`, else tiled."""
+    """`jax.lax.ragged_dot`'s contract for ExpertStack experts: natively where `native`, else tiled
+    (float experts beside them - a GGUF's projection of a shape without whole blocks - tiled too)."""
+    if not isinstance(rhs, ExpertStack):
+        return blocked_ragged_dot(lhs, rhs, group_sizes)
     if native:
         return native_grouped(lhs, rhs, group_sizes, isa=isa)
     return blocked_ragged_dot(lhs, rhs, group_sizes, product=_tile_product)
@@ -61,7 +64,7 @@ def grouped_matmul(lhs, rhs, group_sizes, native: bool = False, isa: cpu_kernels
 
 def grouped_gated(lhs, w_gate, w_up, group_sizes, native: bool = False, isa: cpu_kernels.DotIsa | None = None):
     """silu(lhs @ Wg_e) * (lhs @ Wu_e) per expert group: one native call where `native`."""
-    if native and type(w_gate.w) is type(w_up.w):
+    if native and isinstance(w_gate, ExpertStack) and isinstance(w_up, ExpertStack) and type(w_gate.w) is type(w_up.w):
         return native_grouped(lhs, w_gate, group_sizes, up=w_up, isa=isa)
     g = grouped_matmul(lhs, w_gate, group_sizes, native, isa)
     return jax.nn.silu(g) * grouped_matmul(lhs, w_up, group_sizes, native, isa)
@@ -73,7 +76,7 @@ def packed_moe(moe, native: bool, isa: cpu_kernels.DotIsa | None = None):
     rows), else tiled; float and MXFP4 experts go to `moe` as before."""
 
     def run(x, ids, weights, w_gate, w_up, w_down, num_rows=None, **kw):
-        if not isinstance(w_gate, ExpertStack):
+        if not any(isinstance(w, ExpertStack) for w in (w_gate, w_up, w_down)):
             return moe(x, ids, weights, w_gate, w_up, w_down, num_rows, **kw)
         nat = native and x.dtype == jnp.float32
         return grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows,

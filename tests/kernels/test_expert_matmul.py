@@ -60,6 +60,8 @@ def test_grouped_equals_dense_per_expert(data, name):
     got = np.asarray(jax.jit(lambda x, g, u, s: grouped_gated(x, g, u, s, native=True, isa=isa))(x, g, u, sizes))
     want = per_expert(lambda r, a, b: quant.linear_gated(r, a, b, native=True, isa=isa), x, g, u)
     np.testing.assert_array_equal(got, want)
+    if name not in ("q4_k", "w4a8", "bfloat16"):  # the xla path (generic: one format per kernel family)
+        return
     # the xla path: each tile times its expert as the dense xla path computes it
     xla = np.asarray(jax.jit(lambda x, g, s: grouped_matmul(x, g, s, native=False))(x, g, sizes))
     ref = per_expert(lambda r, w: quant.linear(r, w, native=False), x, g)
