@@ -44,7 +44,7 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
 K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
 
 
-def quantize_params(params: dict, quantization: str) -> dict:
+def quantize_params(params: dict, quantization: str, experts: bool = True) -> dict:
     """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
     panels: see the module docstring) by `quantization`'s format; leaves whose shape has no quantized
     layout stay as they are. A K-quant quantization falls back, for a kernel whose K is not a multiple
@@ -52,8 +52,9 @@ def quantize_params(params: dict, quantization: str) -> dict:
     quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
     kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout and a Q8_0 one in Q8A8Weight's, the
     same values). Stacked routed experts (experts/{gate,up,down}_proj [E, K, N]) become an ExpertStack
-    of each expert's kernel in the format (runtime/expert_matmul.py multiplies them as stored). The
-    float leaves are dropped: nothing here holds on to them."""
+    of each expert's kernel in the format (runtime/expert_matmul.py multiplies them as stored), unless
+    not `experts` (under tensor parallelism, where the experts stay float). The float leaves are
+    dropped: nothing here holds on to them."""
     check_quantization(quantization, LOAD_QUANTIZATIONS)
     fallback = K_FALLBACK.get(quantization, quantization)
 
@@ -67,7 +68,7 @@ def quantize_params(params: dict, quantization: str) -> dict:
             return leaf
         on_device = isinstance(leaf, jax.Array)
         if len(names) >= 2 and names[-2] == "experts" and names[-1] in EXPERT_KERNELS:
-            return _experts(leaf, quantization, fallback, on_device)
+            return _experts(leaf, quantization, fallback, on_device) if experts else leaf
         if names[-1] == "kernel":
             kernel = leaf
         elif names[-2:] == ["embed_tokens", "embedding"]:
@@ -106,6 +107,20 @@ def _experts(leaf, quantization: str, fallback: str, on_device: bool):
     w = np.asarray(leaf, np.float32)
     stack = stack_experts([quantize(w[i], kind) for i in range(e)])
     return ExpertStack(type(stack.w)(*map(jnp.asarray, stack.w))) if on_device else stack
+
+
+def float_experts(params: dict) -> dict:
+    """Every ExpertStack (a GGUF's experts kept as stored) as its float32 [E, K, N] array (numpy; shapes
+    only for lowering): what a model under tensor or expert parallelism holds, whose experts are sharded
+    as float arrays (model/sharding.py refuses stacked formats there)."""
+    def convert(leaf):
+        if not isinstance(leaf, ExpertStack):
+            return leaf
+        if isinstance(jax.tree.leaves(leaf)[0], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+        return np.stack([np.asarray(leaf.expert(e)) for e in range(leaf.shape[0])])
+
+    return jax.tree.map(convert, params, is_leaf=is_quantized)
 
 
 def abstract(shape, quantization: str) -> QuantWeight:
