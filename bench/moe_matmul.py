@@ -11,7 +11,8 @@ combine cost nothing). `--impls ragged` adds XLA's ragged_dot (on CPU a dense pr
 expert: slow). The grouped time includes routing's sort, gather and weighted combine.
 `--formats bfloat16,w8a8,w4a8,q8_0,q4_k` adds experts kept in those weight formats (an ExpertStack:
 runtime/expert_matmul.py's native grouped calls), each against the dense native kernel of the same
-format over the same rows (quant.linear_gated, then quant.linear).
+format over the same rows (quant.linear_gated, then quant.linear); a K-quant falls back for a K not in
+its super-blocks as --quantization does (q4_k: the down projection's K = I = 384 as q4_1).
 Default shapes: a Qwen3-30B-A3B layer cut down to fit this CPU (H 1024, I 384, 32 experts, top 4).
 """
 
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
     from jaxserve.runtime import cpu_kernels, quant
     from jaxserve.runtime.expert_matmul import packed_moe
     from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
-    from jaxserve.runtime.weight_formats import ExpertStack, quantize, stack_experts
+    from jaxserve.runtime.quant_params import K_FALLBACK
+    from jaxserve.runtime.weight_formats import ExpertStack, block_of, quantizable, quantize, stack_experts
 
     h, i, e, k = args.hidden, args.intermediate, args.experts, args.top_k
     dt = jnp.dtype(args.dtype)
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
     for name in filter(None, args.formats.split(",")):
         stacks = []
         for w in (w_gate, w_up, w_down):
-            s = stack_experts([quantize(np.asarray(w[j], np.float32), name) for j in range(e)])
+            kind = name if quantizable(w.shape[1:], block_of(name)) else K_FALLBACK.get(name, name)  # as quantize_params
+            s = stack_experts([quantize(np.asarray(w[j], np.float32), kind) for j in range(e)])
             stacks.append(ExpertStack(type(s.w)(*map(jnp.asarray, s.w))))
         one = [type(s.w)(*(a[0] for a in s.w)) for s in stacks]  # expert 0's weights: the dense baseline
         packed[name] = (jax.jit(packed_moe(None, native=isa is not None, isa=isa)),

@@ -14,6 +14,8 @@ float weights, `dequantize` (inside the computation: no float copy of a weight i
 the rows an embedding lookup decodes, the operands its native kernel takes, and that kernel
 (csrc/quant_matmul.cc or csrc/dot_matmul.cc) with its id there (the kernel's `format` attribute;
 runtime/native_build.py generates the C++ table of them, formats.h, from these records).
+A MoE layer's routed experts keep any of these formats stacked, as an `ExpertStack` (each part with
+a leading expert axis; runtime/expert_matmul.py).
 """
 
 from __future__ import annotations
