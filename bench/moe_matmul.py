@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for name in filter(None, args.formats.split(",")):
         stacks = []
         for w in (w_gate, w_up, w_down):
-            kind = name if quantizable(w.shape[1:], block_of(name)) else K_FALLBACK.get(name, name)  # as quantize_params
+            kind = name if quantizable(w.shape[1:], block_of(name)) else K_FALLBACK.get(name, name)
             s = stack_experts([quantize(np.asarray(w[j], np.float32), kind) for j in range(e)])
             stacks.append(ExpertStack(type(s.w)(*map(jnp.asarray, s.w))))
         one = [type(s.w)(*(a[0] for a in s.w)) for s in stacks]  # expert 0's weights: the dense baseline
