@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.runtime import kquants
+from jaxserve.runtime import kquants, mxfp4
 from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
-from jaxserve.runtime.mxfp4 import Mxfp4Weight
+from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
 from jaxserve.runtime.panels import BLOCK, PANEL, from_panels, from_words, nibbles, to_panels, to_words
 
 # GGUF block types a GGUF load keeps as stored (model/gguf_loader.py `keep_quantized`), each one of
@@ -107,7 +107,7 @@ class Q8A8Weight(NamedTuple):
 
 
 QuantWeight = (Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | W4A8Weight | Q8A8Weight
-               | Q4KWeight | Q6KWeight)
+               | Q4KWeight | Q6KWeight | Mxfp4Panels)
 
 
 # ---- codecs: float [K, N] -> a format (numpy, at load time) ------------------------------------
@@ -307,6 +307,12 @@ FORMATS = (
                    lambda w, p, c, ids: kquants.decode(kquants.gather_rows(w, p, c), jnp)[:, :, 0],
                    lambda w: (w.q, w.d, w.s), QUANT_MATMUL, i)
       for i, (t, cls) in enumerate(kquants.FORMATS.items(), start=4)),
+    # gpt-oss's MXFP4 experts (runtime/mxfp4.py), laid out in panels on the native CPU backend
+    WeightFormat("mxfp4", Mxfp4Panels,
+                 mxfp4.quantize_panels,
+                 lambda w: from_panels(mxfp4.panel_values(nibbles(w.q), w.e), jnp),
+                 lambda w, p, c, ids: mxfp4.row_values(w.q[p, :, c], w.e[p, :, c]),
+                 lambda w: (w.q, w.e, _none(jnp.float16)), QUANT_MATMUL, 6),
     WeightFormat("bfloat16", Bf16Weight, quantize_bf16,
                  lambda w: from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp), _word_rows,
                  lambda w: (w.q, _none(jnp.float32), _none(jnp.float16)), DOT_MATMUL, 0),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runtime import cpu_kernels, quant
+from jaxserve.runtime import cpu_kernels, quant, weight_formats
 from jaxserve.runtime.expert_matmul import grouped_gated, grouped_matmul
 from jaxserve.runtime.weight_formats import FORMATS, ExpertStack, expert_at, stack_experts
 from jaxserve.runtime.weight_formats import quantize as quantize_weight
@@ -66,3 +66,21 @@ def test_grouped_equals_dense_per_expert(data, name):
     xla = np.asarray(jax.jit(lambda x, g, s: grouped_matmul(x, g, s, native=False))(x, g, sizes))
     ref = per_expert(lambda r, w: quant.linear(r, w, native=False), x, g)
     np.testing.assert_allclose(xla[:sum(SIZES)], ref[:sum(SIZES)], rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_kernel_exact_against_numpy():
+    """MXFP4 in panels (csrc/quant_matmul.cc kMXFP4, decoded in registers) against numpy's float64
+    product of mxfp4.decode_numpy's values, at 1, 7 and 113 rows (issue 28's reference): every value
+    and product is exact in float32, so only the float32 sums' rounding differs."""
+    from jaxserve.runtime import mxfp4
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((1, K, N)) * np.exp2(rng.integers(-6, 3, (1, 1, N)))).astype(np.float32)
+    hf = mxfp4.quantize(w)
+    dense = np.swapaxes(mxfp4.decode_numpy(hf.blocks[0], hf.scales[0]), 0, 1)  # [K, N] float64
+    panels = mxfp4.to_panels(hf.blocks[0], hf.scales[0])
+    np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(panels)), dense)
+    for m in (1, 7, 113):
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        got = np.asarray(quant.linear(jnp.asarray(x), type(panels)(*map(jnp.asarray, panels)), native=True))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())

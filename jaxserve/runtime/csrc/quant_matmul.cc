@@ -19,6 +19,8 @@
 //            64 rows of the high 2 bits, k = 4j + t in bits 2t), d f16[N / 64, K / 256, 64],
 //            m i8[N / 64, K / 16, 64] (sc per 16-block)  W = (q - 32) * (d * sc)
 //            (runtime/kquants.py: each product there is exact in float32, so the decode is too)
+//   kMXFP4:  q u8[N / 64, K / 2, 64] e2m1 codes laid out as Q4's, d u8[N / 64, K / 32, 64] E8M0
+//            exponents  W = e2m1(q) * 2^(d - 127)  (gpt-oss's experts: runtime/mxfp4.py; exact in float32)
 // Why: decoding streams every weight once per step, so bytes per weight bound its speed. Each
 // k-row of a panel (64 weights) is decoded in registers into four 16-lane float vectors right
 // before the FMAs that use it, so memory traffic is that of the packed form, and the arithmetic
@@ -120,6 +122,26 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
   for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
 
+// MXFP4's e2m1 codes (sign bit 3, exponent bits 2..1, mantissa bit 0) -> their float32 values.
+inline v16 E2m1(u8x16 c) {
+  const i32x16 x = __builtin_convertvector(c, i32x16), e = (x >> 1) & 3, m = x & 1;
+  const i32x16 normal = ((e + 126) << 23) | (m << 22), sub = m * (126 << 23);  // 1.m * 2^(e-1); 0 or 0.5
+  const i32x16 is_normal = e != 0;
+  const i32x16 bits = (normal & is_normal) | (sub & ~is_normal) | ((x & 8) << 28);
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// E8M0 exponents -> 2^(e - 127) in float32 (e = 0: the subnormal 2^-127).
+inline v16 E8m0(u8x16 s) {
+  const i32x16 e = __builtin_convertvector(s, i32x16);
+  const i32x16 bits = (e << 23) | ((e == 0) & 0x00400000);
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // Weights per block that shares one (d, m) pair of vectors in ForEachRow.
 template <Format F>
 constexpr int kSub = F == kQ6_K ? 16 : kBlock;
@@ -136,6 +158,8 @@ inline void BlockScales(const Panel& p, int64_t b, v16 d[kNV], v16 m[kNV]) {
   } else if constexpr (F == kQ6_K) {
     for (int v = 0; v < kNV; ++v)
       d[v] = Half(p.d + b / (kSuper / 16) * kPanel + v * kW) * Float(Load<i8x16>(p.s + b * kPanel + v * kW));
+  } else if constexpr (F == kMXFP4) {
+    for (int v = 0; v < kNV; ++v) d[v] = E8m0(Load<u8x16>(p.s + b * kPanel + v * kW));
   } else {
     Halves(p.d + b * kPanel, d);
     if constexpr (F == kQ4_1) Halves(p.m + b * kPanel, m);
@@ -185,6 +209,11 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
             const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
             w[v] = Float(byte & 15) * d[v] + m[v];
             hi[v] = Float(byte >> 4) * d[v] + m[v];
+            Opaque(hi[v]);
+          } else if constexpr (F == kMXFP4) {
+            const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
+            w[v] = E2m1(byte & 15) * d[v];
+            hi[v] = E2m1(byte >> 4) * d[v];
             Opaque(hi[v]);
           } else if constexpr (F == kQ6_K) {
             i8x16 lo, up;
@@ -258,6 +287,11 @@ struct Weight {
   const _Float16* m;
   Panel At(int64_t panel, int64_t k_len, Format f) const {
     if (f == kINT8 || f == kFP8) return {q + panel * k_len * kPanel, nullptr, nullptr};
+    if (f == kMXFP4) {  // the exponents (bytes) in s
+      Panel p{q + panel * k_len / 2 * kPanel, nullptr, nullptr};
+      p.s = static_cast<const uint8_t*>(d) + panel * k_len / kBlock * kPanel;
+      return p;
+    }
     if (f == kQ4_K || f == kQ6_K) {  // m holds the sub-blocks' integer scales
       const int64_t qs = (f == kQ4_K ? k_len / 2 : k_len / kSuper * 192) * kPanel;
       const int64_t ds = k_len / kSuper * (f == kQ4_K ? 2 : 1) * kPanel;
@@ -378,6 +412,9 @@ int64_t Check(Format f, int64_t k_len, const Shape& q, const Shape& d, const Sha
     case kQ4_K:
     case kQ6_K:
       return k_len % kSuper == 0 && KQuantShapes(f, panels, k_len, q, d, m) ? panels : -1;
+    case kMXFP4:
+      return k_len % kBlock == 0 && Dims(q, ffi::U8, {panels, k_len / 2, kPanel}) &&
+                     Dims(d, ffi::U8, {panels, k_len / kBlock, kPanel}) ? panels : -1;
   }
   return -1;
 }
@@ -402,6 +439,7 @@ ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t form
     case kFP8: Run<kFP8>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
     case kQ4_K: Run<kQ4_K>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
     case kQ6_K: Run<kQ6_K>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kMXFP4: Run<kMXFP4>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
   }
   return ffi::Error::Success();
 }
