@@ -215,7 +215,7 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
                 raise UserError(f"{kind} experts ({'/'.join(names)}) under tensor or expert parallelism are not "
                                 "supported yet: use tensor_parallel_size 1, or float experts (no --quantization; "
                                 "a GGUF file without --quantization gguf).", param="tensor_parallel_size")
-            return type(leaf)(*(NamedSharding(mesh, P()) for _ in leaf))
+            return jax.tree.map(lambda _: NamedSharding(mesh, P()), leaf)
         if weight_formats.is_quantized(leaf):
             return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))
         return NamedSharding(mesh, param_spec(names, tuple(leaf.shape), cfg, tp))
