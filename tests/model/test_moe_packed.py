@@ -97,3 +97,20 @@ def test_quantized_float_experts(float_moe, quantization, kind, bits, tol):
     logits, _ = greedy_run(native, PROMPTS, 3)
     scale = np.abs(ref_logits).max()
     assert np.abs(logits[0] - ref_logits[0]).max() / scale < tol  # the prefill: quantization error only
+
+
+def test_float_experts_under_tensor_parallelism():
+    """Under TP/EP > 1 (the runner's `float_experts`) a GGUF's kept experts become their float32
+    stacks, each expert its dequantized kernel; shapes stay shapes for lowering."""
+    from jaxserve.runtime.quant_params import float_experts
+
+    w = np.random.default_rng(0).standard_normal((3, 64, 64)).astype(np.float32)
+    stack = weight_formats.stack_experts([weight_formats.quantize(w[e], "q8_0") for e in range(3)])
+    norm = w[0, 0]
+    out = float_experts({"experts": {"down_proj": stack}, "norm": norm})
+    assert out["experts"]["down_proj"].shape == (3, 64, 64) and out["norm"] is norm
+    for e in range(3):
+        np.testing.assert_array_equal(out["experts"]["down_proj"][e], np.asarray(weight_formats.dequantize(
+            weight_formats.expert_at(stack.w, e))))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
+    assert float_experts({"x": shapes})["x"] == jax.ShapeDtypeStruct((3, 64, 64), np.float32)
