@@ -9,10 +9,12 @@ At T tokens with top-k routing over E experts (hidden H, expert width I), the gr
 same rows, one weight set), so efficiency = dense time / grouped time (1.0: the grouping, sort and
 combine cost nothing). `--impls ragged` adds XLA's ragged_dot (on CPU a dense product over every
 expert: slow). The grouped time includes routing's sort, gather and weighted combine.
-`--formats bfloat16,w8a8,w4a8,q8_0,q4_k` adds experts kept in those weight formats (an ExpertStack:
-runtime/expert_matmul.py's native grouped calls), each against the dense native kernel of the same
-format over the same rows (quant.linear_gated, then quant.linear); a K-quant falls back for a K not in
-its super-blocks as --quantization does (q4_k: the down projection's K = I = 384 as q4_1).
+`--formats bfloat16,w8a8,w4a8,q8_0,q4_k,mxfp4` adds experts kept in those weight formats (an
+ExpertStack: runtime/expert_matmul.py's native grouped calls), each against the dense native kernel
+of the same format over the same rows (quant.linear_gated, then quant.linear); `mxfp4-tiled` is
+gpt-oss's MXFP4 as loaded through the tiled loop that decodes one expert per tile (the path before
+the native kernel). A K-quant falls back for a K not in its super-blocks as --quantization does
+(q4_k: the down projection's K = I = 384 as q4_1).
 Default shapes: a Qwen3-30B-A3B layer cut down to fit this CPU (H 1024, I 384, 32 experts, top 4).
 """
 
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
 
     import functools
 
-    from jaxserve.runtime import cpu_kernels, quant
+    from jaxserve.runtime import cpu_kernels, mxfp4, quant
     from jaxserve.runtime.expert_matmul import packed_moe
     from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
     from jaxserve.runtime.quant_params import K_FALLBACK
@@ -64,6 +66,13 @@ def main(argv=None) -> int:
     packed = {}  # format -> (grouped fn, dense fn, (gate, up, down) stacks)
     isa = cpu_kernels.choose_isa() if args.formats and cpu_kernels.available() is None else None
     for name in filter(None, args.formats.split(",")):
+        if name == "mxfp4-tiled":  # gpt-oss's MXFP4 as loaded, through the tiled loop (the xla backend's path)
+            hf = [mxfp4.quantize(np.asarray(w, np.float32)) for w in (w_gate, w_up, w_down)]
+            one = [mxfp4.quantize_panels(mxfp4.decode_numpy(x.blocks[0], x.scales[0]).T) for x in hf]
+            packed[name] = (jax.jit(functools.partial(grouped_experts, matmul=blocked_ragged_dot)),
+                            jax.jit(lambda x, g, u, d: quant.linear(quant.linear_gated(x, g, u, isa=isa), d, isa=isa)),
+                            [type(x)(*map(jnp.asarray, x)) for x in hf], [type(o)(*map(jnp.asarray, o)) for o in one])
+            continue
         stacks = []
         for w in (w_gate, w_up, w_down):
             kind = name if quantizable(w.shape[1:], block_of(name)) else K_FALLBACK.get(name, name)
