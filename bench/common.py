@@ -35,6 +35,14 @@ def percentile(values: Sequence[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all threads (a compile's cost, whatever the load)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def median_seconds(fn, *args, repeats: int) -> float:
     """Median wall time of fn(*args) over `repeats` synced calls, after one warm-up call."""
     import jax

@@ -49,12 +49,17 @@ def main(argv=None) -> int:
         ("temperature 1, top_p 0.95, flat", base, tensors(1.0, top_p=0.95)),
     ]
     fn = jax.jit(sample)
+    cpu0 = common.cpu_seconds()
+    fn.lower(*cases[0][1:]).compile()  # the sampler's share of every bucket's compile
+    compile_cpu = common.cpu_seconds() - cpu0
     results = []
     for name, logits, t in cases:
         results.append({"case": name, "ms": 1e3 * common.median_seconds(fn, logits, t, repeats=args.repeats)})
     print(common.table([(r["case"], r["ms"]) for r in results], ("case", "ms per step"),
                        f"Sampler, {n} rows x {args.vocab} vocabulary"))
-    common.report("sampler", argv, model={}, config=vars(args), results={"cases": results}, out=args.out)
+    print(f"compile: {compile_cpu:.2f} s of CPU (XLA:CPU, once per bucket)")
+    common.report("sampler", argv, model={}, config=vars(args),
+                  results={"cases": results, "compile_cpu_s": compile_cpu}, out=args.out)
     return 0
 
 

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.errors import UserError
+from jaxserve.core.buckets import BucketKey
 from jaxserve.runtime import mxfp4
 from jaxserve.worker.lower import AbstractCheckpoint, load_model_config, prepare
 
@@ -50,6 +50,34 @@ def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
     assert "experts in MXFP4" in text and "attention=pallas" in text
 
 
-def test_mxfp4_experts_refuse_tensor_parallel_for_now():
-    with pytest.raises(UserError, match="MXFP4 experts .* tensor_parallel_size 1"):
-        prepare(str(MODELS / "gpt-oss-20b.json"), "cuda", EngineConfig(max_model_len=4096, tensor_parallel_size=2))
+@pytest.mark.parametrize("ep", [False, True])
+def test_gpt_oss_120b_plans_at_tp8_with_mxfp4_experts(ep):
+    """TP 8 splits each expert's intermediate axis: 2880 = 90 MXFP4 blocks do not split 8 ways, so
+    it is padded to 3072 (384 per device, whole blocks; zero rows and blocks); EP 8 keeps 16 whole
+    experts per device, unpadded. Blocks and scales shard alike, the plan fits one H200 each, and a
+one-layer cut's step lowers for cuda on 8 devices."""
+    lowering = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda",
+                       EngineConfig(max_model_len=131072, tensor_parallel_size=8, enable_expert_parallel=ep),
+                       device_memory=141 * GiB)
+    experts = lowering.runner.params["layers_0"]["mlp"]["experts"]
+    gate, down = experts["gate_proj"], experts["down_proj"]
+
+    def shard(a):
+        return a.sharding.shard_shape(a.shape)
+
+    if ep:
+        assert gate.blocks.shape == (128, 2880, 90, 16) and shard(gate.blocks) == (16, 2880, 90, 16)
+        assert shard(down.scales) == (16, 2880, 90) and shard(experts["gate_bias"]) == (16, 2880)
+    else:
+        assert shard(gate.blocks) == (128, 384, 90, 16) and shard(gate.scales) == (128, 384, 90)
+        assert shard(down.blocks) == (128, 2880, 12, 16) and shard(down.scales) == (128, 2880, 12)
+        assert shard(experts["up_bias"]) == (128, 384) and lowering.runner.model_cfg.moe_intermediate_size == 3072
+    text = "\n".join(lowering.describe())
+    assert "experts in MXFP4" in text and "tensor parallel 8" in text
+    assert ("padded to 3072" in text) != ep, text
+    assert lowering.plan.num_blocks * 16 >= 131072
+    cut = prepare(str(MODELS / "gpt-oss-120b.json"), "cuda", EngineConfig(
+        max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=16, tensor_parallel_size=8,
+        enable_expert_parallel=ep), device_memory=141 * GiB, num_layers=1)
+    step = cut.lower(BucketKey(16, 8, 0))  # one layer's step exports with the packed experts under shard_map
+    assert step.num_devices == 8 and step.kernel_calls == 1, step.describe()

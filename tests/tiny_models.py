@@ -41,6 +41,12 @@ ARCH = {
                                                      n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                                                      topk_group=2, routed_scaling_factor=2.0, head_dim=32,
                                                      tie_word_embeddings=False)),
+    # GLM-4.5 as llama.cpp's GGUF stores it (model/gguf_arch.py): no expert groups (n_group 1)
+    "glm4_moe_gguf": dict(cls="Glm4MoeConfig", extra=dict(n_routed_experts=8, num_experts_per_tok=2,
+                                                          moe_intermediate_size=32, n_shared_experts=1,
+                                                          first_k_dense_replace=1, n_group=1, topk_group=1,
+                                                          routed_scaling_factor=2.0, head_dim=32,
+                                                          tie_word_embeddings=False)),
     # Gemma 3: head_dim 256, layers sliding (window 20: straddles the 16-token KV blocks) / global /
     # sliding / global, each kind its own RoPE, query_pre_attn_scalar != head_dim, a final soft cap
     # that bites; norm weights perturbed too (Gemma's (1 + w))

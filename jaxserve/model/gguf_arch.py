@@ -15,6 +15,20 @@ Read as llama.cpp's convert_hf_to_gguf.py writes them and llama.cpp reads them b
   router `ffn_gate_inp`; qwen2moe's shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp`.
   A layer without a router is a dense layer (Qwen's mlp_only_layers). top-k renormalisation is
   `expert_weights_norm` where written, else llama.cpp's fixed choice (qwen3moe yes, qwen2moe no).
+- llama with `expert_count` (Mixtral, as llama.cpp writes it: arch llama, q/k permuted): the router
+  `ffn_gate_inp` and stacked `ffn_{gate,up,down}_exps` are Mixtral's block_sparse_moe gate and
+  experts' w1 / w3 / w2; `feed_forward_length` is the expert size.
+- glm4moe (GLM-4.5 / -Air): `post_attention_norm` the pre-MLP norm, sigmoid router `ffn_gate_inp`
+  with its correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, the first
+  `leading_dense_block_count` layers dense, partial RoPE from `rope.dimension_count`; the
+  `nextn_predict_layers` multi-token-prediction layers past the decoder are not loaded. llama.cpp
+  stores no expert groups (its GLM-4.5 routing takes the top k of all experts): n_group 1.
+- gpt-oss: q/k/v/o biases, `attn_sinks`, `post_attention_norm` the pre-MoE norm, a biased router
+  `ffn_gate_inp`, experts stacked whole (`ffn_{gate,up,down}_exps` [E, out, in] with their biases
+  [E, out]; gate and up already apart) in MXFP4 (ggml type 39: kept packed, the loader converts the
+  block layout) or a float / other type (dequantized). What llama.cpp fixes it does not store: the
+  SwiGLU clamp 7.0 and alpha 1.702, layers alternating sliding / full from layer 0, and YaRN without
+  truncation (gpt-oss's `truncate: false`; beta 32 / 1 unless written).
 """
 
 from __future__ import annotations
@@ -34,11 +48,15 @@ ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
 PERMUTED_QK = {"llama", "mistral"}  # q/k rows stored permuted (convert_hf_to_gguf.py LlamaModel.permute)
 NORM_SHIFT = {"gemma3"}  # norm weights stored as w + 1
 MOE = {"qwen3moe", "qwen2moe"}
 EXPERT = "{expert}"  # the expert index's place in a stacked tensor's HF name
+WHOLE_EXPERTS = {"gpt-oss"}  # stacked experts kept as one [E, in, out] tensor (or MXFP4) under one HF name
+GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp: ggml_swiglu_oai's fixed limit, not stored in the file
 
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -74,7 +92,29 @@ _QWEN2MOE_TENSORS = _MOE_TENSORS | {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
-_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_TENSORS, "qwen3moe": _MOE_TENSORS, "qwen2moe": _QWEN2MOE_TENSORS}
+_GPT_OSS_TENSORS = {k: v for k, v in _LAYER_TENSORS.items() if k != "ffn_norm.weight"} | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+} | {f"ffn_{p}_exps.{kind}": f"mlp.experts.{p}_{'proj' if kind == 'weight' else 'bias'}"
+     for p in ("gate", "up", "down") for kind in ("weight", "bias")}
+_MIXTRAL_TENSORS = _LAYER_TENSORS | {  # arch llama with experts
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+    "ffn_gate_exps.weight": f"block_sparse_moe.experts.{EXPERT}.w1.weight",
+    "ffn_up_exps.weight": f"block_sparse_moe.experts.{EXPERT}.w3.weight",
+    "ffn_down_exps.weight": f"block_sparse_moe.experts.{EXPERT}.w2.weight",
+}
+_GLM4MOE_TENSORS = {k: v for k, v in _MOE_TENSORS.items() if k != "ffn_norm.weight"} | {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_TENSORS_BY_ARCH = {"gemma3": _GEMMA3_TENSORS, "qwen3moe": _MOE_TENSORS, "qwen2moe": _QWEN2MOE_TENSORS,
+                    "gpt-oss": _GPT_OSS_TENSORS, "llama": _MIXTRAL_TENSORS, "mistral": _MIXTRAL_TENSORS,
+                    "glm4moe": _GLM4MOE_TENSORS}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -89,7 +129,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     stacked expert tensor's name has EXPERT where the expert index goes. KeyError: not known."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    if gguf_name == "rope_freqs.weight":
+    if gguf_name == "rope_freqs.weight" or ".nextn." in gguf_name:  # GLM's MTP layers: not loaded
         return None
     table = _TENSORS_BY_ARCH.get(arch, _LAYER_TENSORS)
     parts = gguf_name.split(".", 2)
@@ -199,7 +239,52 @@ def gguf_config(g) -> dict:
         cfg |= _gemma3_config(get, cfg)
     elif arch in MOE:
         cfg |= _moe_config(g, get, cfg, arch)
+    elif arch == "gpt-oss":
+        cfg |= _gpt_oss_config(g, get, cfg)
+    elif arch == "glm4moe":
+        cfg |= _glm4moe_config(g, get, cfg)
+    elif get("expert_count"):  # llama / mistral with experts: Mixtral
+        cfg.pop("mlp_bias", None)
+        cfg |= dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                    num_local_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count") or 2))
     return cfg
+
+
+def _glm4moe_config(g, get, cfg: dict) -> dict:
+    """GLM-4.5's experts, dense lead layers, partial RoPE and decoder depth (see the module docstring)."""
+    if get("expert_gating_func") not in (None, 2):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise UserError(f"{g.path}: glm4moe.expert_gating_func={get('expert_gating_func')} is not sigmoid (2), the "
+                        "only routing GLM-4.5 has: the file is inconsistent.", param="model")
+    rot = get("rope.dimension_count")
+    return dict(num_hidden_layers=cfg["num_hidden_layers"] - int(get("nextn_predict_layers") or 0),
+                n_routed_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+                moe_intermediate_size=int(get("expert_feed_forward_length")),
+                n_shared_experts=int(get("expert_shared_count") or 0),
+                first_k_dense_replace=int(get("leading_dense_block_count") or 0),
+                routed_scaling_factor=_f32(get("expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(get("expert_weights_norm", True)), n_group=1, topk_group=1,
+                partial_rotary_factor=int(rot) / cfg["head_dim"] if rot else 0.5,
+                use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors)
+
+
+MXFP4_TYPE = 39  # ggml's GGML_TYPE_MXFP4
+
+
+def _gpt_oss_config(g, get, cfg: dict) -> dict:
+    """gpt-oss's experts and the choices llama.cpp fixes (see the module docstring)."""
+    if not get("expert_count") or not get("expert_used_count"):
+        raise UserError(f"{g.path}: a gpt-oss GGUF file without gpt-oss.expert_count / gpt-oss.expert_used_count "
+                        "metadata: re-convert it with llama.cpp's convert_hf_to_gguf.py.", param="model")
+    gate = g.tensors.get("blk.0.ffn_gate_exps.weight")
+    out = dict(num_local_experts=int(get("expert_count")), num_experts_per_tok=int(get("expert_used_count")),
+               intermediate_size=int(get("expert_feed_forward_length") or (gate.shape[1] if gate else 0)),
+               swiglu_limit=GPT_OSS_SWIGLU_LIMIT, sliding_window=cfg.get("sliding_window") or 128)
+    if rope := cfg.get("rope_scaling"):
+        out["rope_scaling"] = rope | dict(beta_fast=_f32(get("rope.scaling.yarn_beta_fast", 32.0)),
+                                          beta_slow=_f32(get("rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+    if gate is not None and gate.ggml_type == MXFP4_TYPE:  # kept packed: model/families/gpt_oss.py's expert_format
+        out["quantization_config"] = {"quant_method": "mxfp4"}
+    return out
 
 
 def _gemma3_config(get, cfg: dict) -> dict:

@@ -3,11 +3,13 @@
     config, weights = load_gguf("model.gguf")
 
 Architectures (model/gguf_arch.py: what each one's metadata and tensor names mean): llama, mistral,
-qwen2, qwen3, gemma3, qwen3moe, qwen2moe. With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
-matrices stay in their blocks (runtime/weight_formats.py formats), and so do stacked expert tensors
-(`ffn_*_exps`, [E, out, in]) of those types (Q8_0, Q4_K, Q6_K as llama.cpp's Q4_K_M writes them), as
-one ExpertStack of the E experts' kernels (runtime/expert_matmul.py multiplies them as stored).
-Otherwise, and for other types, experts are dequantized to float32 per-expert matrices.
+qwen2, qwen3, gemma3, qwen3moe, qwen2moe, llama with experts (Mixtral), glm4moe, gpt-oss (its MXFP4
+experts, ggml type 39, stay packed: converted at load to runtime/mxfp4.py's layout, uint8 only).
+With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/weight_formats.py
+formats), and so do stacked expert tensors (`ffn_*_exps`, [E, out, in]) of those types (Q8_0, Q4_K,
+Q6_K as llama.cpp's Q4_K_M writes them), as one ExpertStack of the E experts' kernels
+(runtime/expert_matmul.py multiplies them as stored). Otherwise, and for other types, experts are
+dequantized to float32 per-expert matrices.
 
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
@@ -28,8 +30,16 @@ import gguf
 import numpy as np
 
 from jaxserve.errors import UserError
-from jaxserve.model.gguf_arch import EXPERT, NORM_SHIFT, PERMUTED_QK, gguf_config, hf_tensor_name
-from jaxserve.runtime import weight_formats
+from jaxserve.model.gguf_arch import (
+    EXPERT,
+    MXFP4_TYPE,
+    NORM_SHIFT,
+    PERMUTED_QK,
+    WHOLE_EXPERTS,
+    gguf_config,
+    hf_tensor_name,
+)
+from jaxserve.runtime import mxfp4, weight_formats
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -44,7 +54,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84),
     11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-    28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+    28: ("F64", 1, 8), 30: ("BF16", 1, 2), 39: ("MXFP4", 32, 17),
 }
 
 @dataclass(frozen=True)
@@ -223,6 +233,9 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
         if EXPERT in hf:
             weights |= _split_experts(g, info, hf, cfg, keep_quantized)
             continue
+        if arch in WHOLE_EXPERTS and name.endswith("_exps.weight"):
+            weights[hf] = _whole_experts(g, info, cfg)
+            continue
         heads = None
         if arch in PERMUTED_QK and ".attn_q." in name:
             heads = cfg["num_attention_heads"]
@@ -245,10 +258,22 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
     return cfg, weights
 
 
+def _whole_experts(g: GGUFFile, info: TensorInfo, cfg: dict):
+    """gpt-oss's stacked experts [E, out, in] under one name: MXFP4 kept packed in HF's block layout
+    (runtime/mxfp4.py), any other type dequantized to [E, in, out] (HF's float gpt-oss layout)."""
+    n = cfg.get("num_local_experts", 0)
+    if len(info.shape) != 3 or info.shape[0] != n:
+        raise UserError(f"{g.path}: expert tensor {info.name!r} has shape {list(info.shape)}, expected "
+                        f"[{n} (expert_count), out, in]: the file is inconsistent.", param="model")
+    if info.ggml_type == MXFP4_TYPE:
+        return mxfp4.from_ggml(g.raw(info))
+    return np.ascontiguousarray(g.dequantize(info.name).swapaxes(-1, -2))
+
+
 def _split_experts(g: GGUFFile, info: TensorInfo, template: str, cfg: dict, keep_quantized: bool = False) -> dict:
     """A stacked expert tensor [E, out, in], dequantized, as E per-expert [out, in] views; with
     `keep_quantized` and a kept type, its blocks as stored, one ExpertStack under expert 0's name."""
-    n = cfg.get("num_experts", 0)
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if len(info.shape) != 3 or info.shape[0] != n:
         raise UserError(f"{g.path}: expert tensor {info.name!r} has shape {list(info.shape)}, expected "
                         f"[{n} (expert_count), out, in]: the file is inconsistent.", param="model")

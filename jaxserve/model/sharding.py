@@ -28,6 +28,11 @@ and the combine is one all-reduce of [T, H] per MoE layer, the collective a row-
 costs anyway. An all-to-all dispatch pays off only once tokens are sharded (data-parallel
 attention), which this mesh does not do.
 
+MXFP4 experts (runtime/mxfp4.py: blocks [E, N, K/32, 16], scales [E, N, K/32]) shard as the float
+experts do, in whole blocks with their scales (`sharded_ops.expert_specs`): whole experts under EP;
+else gate / up on their N = I rows and down on its K/32 blocks, with I padded by zero blocks to a
+multiple of 32 * tp where the blocks would not split evenly (`packed_intermediate`).
+
 Quantized weights (runtime/weight_formats.py: [N / 64, K-ish, ...] panels and their block scales) shard as
 their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
 with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
@@ -40,13 +45,15 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.errors import UserError
 from jaxserve.model.config import ModelConfig
-from jaxserve.runtime import panels, weight_formats
+from jaxserve.runtime import mxfp4, panels, weight_formats
 from jaxserve.runtime.mesh import MODEL, map_paths, replicated, tp_size
+from jaxserve.runtime.sharded_ops import expert_specs
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -64,7 +71,7 @@ def _layout_problem(cfg: ModelConfig, tp: int) -> str | None:
     if cfg.is_moe:
         if cfg.expert_parallel and cfg.num_experts % tp:
             return f"num_experts={cfg.num_experts} is not divisible by {tp} (expert parallel)"
-        if not cfg.expert_parallel and cfg.moe_intermediate_size % tp:
+        if not cfg.expert_parallel and cfg.moe_intermediate_size % tp and cfg.expert_format != "mxfp4":  # padded
             return (f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by {tp} "
                     "(--enable-expert-parallel splits whole experts instead)")
         if cfg.shared_expert_intermediate_size % tp:
@@ -102,11 +109,28 @@ def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:
     return dataclasses.replace(cfg, expert_parallel=True)
 
 
+def packed_intermediate(cfg: ModelConfig, tp: int) -> int:
+    """The routed experts' intermediate size as the sharded model holds it: MXFP4 experts split on
+    their intermediate axis (tensor, not expert, parallel) need whole 32-value blocks per device
+    along the down projection's K, so I is padded up to a multiple of 32 * tp (gpt-oss-120b at TP 8:
+    2880 -> 3072, 360 -> 384 per device, as vLLM pads it); the padded rows and blocks are zeros,
+    which the clamped SwiGLU maps to exactly zero (`pad_packed_experts`)."""
+    i = cfg.moe_intermediate_size
+    if cfg.expert_format != "mxfp4" or cfg.expert_parallel or tp == 1:
+        return i
+    unit = mxfp4.BLOCK * tp
+    return -(-i // unit) * unit
+
+
 def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config the sharded model runs with (kv heads repeated when tp > num_kv_heads)."""
+    """The config the sharded model runs with (kv heads repeated when tp > num_kv_heads; packed
+    experts' intermediate size padded to whole blocks per device: `packed_intermediate`)."""
     check_layout(cfg, tp)
     r = kv_replication(cfg, tp)
-    return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+    if r > 1:
+        cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+    i = packed_intermediate(cfg, tp)
+    return cfg if i == cfg.moe_intermediate_size else dataclasses.replace(cfg, moe_intermediate_size=i)
 
 
 def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P:
@@ -114,14 +138,11 @@ def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg: ModelConfig, 
     if tp == 1:
         return P()
     name, leaf = path[-2], path[-1]
-    if name == "experts" and leaf.endswith("_bias"):  # gpt-oss: [E, I] gate / up, [E, H] down
-        if cfg.expert_parallel:
-            return P(MODEL, None)
-        return P() if leaf == "down_bias" else P(None, MODEL)
-    if name == "experts":  # stacked routed experts [E, H, I] (gate/up) or [E, I, H] (down)
-        if cfg.expert_parallel:
-            return P(MODEL, None, None)
-        return P(None, MODEL, None) if leaf == "down_proj" else P(None, None, MODEL)
+    if name == "experts":  # stacked routed experts [E, H, I] (gate/up) or [E, I, H] (down), their biases
+        w_in, w_out, b_in = expert_specs(cfg.expert_parallel)
+        if leaf.endswith("_bias"):  # gpt-oss: [E, I] gate / up, [E, H] down
+            return P() if leaf == "down_bias" and not cfg.expert_parallel else b_in
+        return w_out if leaf == "down_proj" else w_in
     if name in COLUMN:
         return P(None, MODEL) if leaf == "kernel" else P(MODEL)
     if name in ROW and leaf == "kernel":
@@ -209,18 +230,53 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
-        if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 or ExpertStack experts: whole, on one device
-            if tp > 1:
-                kind = "MXFP4" if isinstance(leaf, weight_formats.Mxfp4Weight) else type(leaf.w).__name__
-                raise UserError(f"{kind} experts ({'/'.join(names)}) under tensor or expert parallelism are not "
-                                "supported yet: use tensor_parallel_size 1, or float experts (no --quantization; "
-                                "a GGUF file without --quantization gguf).", param="tensor_parallel_size")
+        if isinstance(leaf, weight_formats.ExpertStack):  # experts in a weight format: whole, on one device
+            if tp > 1:  # (the runner turns them back to float first: quant_params.float_experts)
+                raise UserError(f"{type(leaf.w).__name__} experts ({'/'.join(names)}) under tensor or expert "
+                                "parallelism are not supported: use tensor_parallel_size 1, or float experts.",
+                                param="tensor_parallel_size")
             return jax.tree.map(lambda _: NamedSharding(mesh, P()), leaf)
+        if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 experts: whole blocks per device
+            w_in, w_out, _ = expert_specs(cfg.expert_parallel, packed=True) if tp > 1 else (P(), P(), P())
+            spec = w_out if names[-1] == "down_proj" else w_in
+            return type(leaf)(*(NamedSharding(mesh, spec) for _ in leaf))
         if weight_formats.is_quantized(leaf):
             return type(leaf)(*(NamedSharding(mesh, s) for s in quantized_specs(names, leaf, cfg, tp)))
         return NamedSharding(mesh, param_spec(names, tuple(leaf.shape), cfg, tp))
 
     return jax.tree_util.tree_map_with_path(f, params, is_leaf=weight_formats.is_quantized)
+
+
+def _pad_axis(a, axis: int, size: int):
+    """a (numpy, jax or a ShapeDtypeStruct) padded with zeros to `size` along `axis`."""
+    if a.shape[axis] == size:
+        return a
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(a.shape[:axis] + (size,) + a.shape[axis + 1:], a.dtype)
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return (np.pad if isinstance(a, np.ndarray) else jnp.pad)(a, widths)
+
+
+def pad_packed_experts(params: dict, cfg: ModelConfig, sharded: ModelConfig) -> dict:
+    """MXFP4 experts (and gpt-oss's gate / up biases) padded from cfg's intermediate size to
+    sharded's (`packed_intermediate`): gate / up gain zero output rows (blocks and scales), down
+    zero K blocks; a padded row's gate and up are 0 + 0, so its activation and output are 0."""
+    i = sharded.moe_intermediate_size
+    if i == cfg.moe_intermediate_size or not isinstance(params, dict):
+        return params
+    out = dict(params)
+    for layer in cfg.moe_layers:
+        experts = dict(out[f"layers_{layer}"]["mlp"]["experts"])
+        for name, w in experts.items():
+            if isinstance(w, mxfp4.Mxfp4Weight):  # gate / up: N (axis 1) = I; down: K / 32 (axis 2) = I / 32
+                axis, size = (2, i // mxfp4.BLOCK) if name == "down_proj" else (1, i)
+                experts[name] = mxfp4.Mxfp4Weight(*(_pad_axis(a, axis, size) for a in w))
+            elif name in ("gate_bias", "up_bias"):
+                experts[name] = _pad_axis(w, 1, i)
+        out[f"layers_{layer}"] = {**out[f"layers_{layer}"], "mlp": {**out[f"layers_{layer}"]["mlp"],
+                                                                    "experts": experts}}
+    return out
 
 
 # ---- placing weights --------------------------------------------------------------------------

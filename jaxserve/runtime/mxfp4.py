@@ -98,6 +98,22 @@ def deinterleave_rows(w: Mxfp4Weight) -> tuple[Mxfp4Weight, Mxfp4Weight]:
             Mxfp4Weight(w.blocks[:, 1::2], w.scales[:, 1::2]))
 
 
+GGML_BLOCK_BYTES = 1 + BLOCK // 2  # ggml's block_mxfp4: the E8M0 exponent, then 16 bytes of codes
+
+
+def from_ggml(raw: np.ndarray) -> Mxfp4Weight:
+    """A GGUF's MXFP4 tensor (ggml type 39) as stored: u8[E, N, K/32 * 17], each block its exponent
+    e (the same E8M0 byte: ggml's half-scale times its doubled e2m1 table is HF's 2^(e-127) times
+    e2m1) and 16 bytes whose low nibbles are values 0..15 and high nibbles values 16..31 -> HF's
+    layout (byte m: values 2m low, 2m+1 high). uint8 shuffles only, no float copy."""
+    raw = np.asarray(raw, np.uint8)
+    blk = raw.reshape(*raw.shape[:-1], raw.shape[-1] // GGML_BLOCK_BYTES, GGML_BLOCK_BYTES)
+    qs = blk[..., 1:]
+    vals = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # [..., 32] codes in value order
+    blocks = (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8)
+    return Mxfp4Weight(np.ascontiguousarray(blocks), np.ascontiguousarray(blk[..., 0]))
+
+
 def weight_bytes(w: Mxfp4Weight) -> int:
     return int(np.prod(w.blocks.shape)) + int(np.prod(w.scales.shape))
 

@@ -11,6 +11,7 @@ the build directory, and it is part of the library's key, so a change to the reg
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -102,12 +103,23 @@ def build() -> Path:
     sources = sorted(CSRC.glob("*.cc"))
     header = formats_header()
     out = library_path(cxx, header)
-    if out.exists():
-        if verified(out):
-            return out
-        logger.warning("The cached CPU kernel library %s is damaged (truncated or changed): rebuilding it", out)
-        out.unlink(missing_ok=True)
+    if out.exists() and verified(out):
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per library: processes starting together (test workers, replicas, the
+    # processes of a multi-host run) wait for the first one's build instead of each repeating it.
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            if verified(out):
+                return out
+            logger.warning("The cached CPU kernel library %s is damaged (truncated or changed): rebuilding it", out)
+            out.unlink(missing_ok=True)
+        _compile(cxx, sources, header, out)
+    return out
+
+
+def _compile(cxx: str, sources: list[Path], header: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         (Path(tmp) / "formats.h").write_text(header)
         # One compiler process per source, side by side (the attention source alone takes ~10 s).
@@ -128,9 +140,8 @@ def build() -> Path:
         for rc, err in results:
             if rc != 0:
                 raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
-        os.replace(tmp_so, out)  # atomic: concurrent builders never see half a file
+        os.replace(tmp_so, out)  # atomic: concurrent readers never see half a file
     write_digest(out)
-    return out
 
 
 def digest_path(so: Path) -> Path:

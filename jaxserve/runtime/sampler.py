@@ -4,9 +4,9 @@ Per-row parameters arrive as arrays in the StepBatch. What costs extra work (ran
 top-k/top-p/min-p, top-N logprobs) runs under a `lax.cond` on whether any row of this step needs
 it, so one executable per bucket serves every mix of requests and a parameter at its neutral value
 costs nothing. Penalties and logit bias are sparse per-row entries whose width is part of the
-bucket (0 when no row uses them). Each row draws two uniforms from its own key,
-fold_in(fold_in(key(seed_lo), seed_hi), output index), so a seeded request samples the same tokens
-whatever else is in the batch.
+bucket (0 when no row uses them). Each row draws three uniforms (the draw's two levels, a draft's
+acceptance) from its own key, fold_in(the seed's 64 bits as a threefry key, output index), so a
+seeded request samples the same tokens whatever else is in the batch.
 
 Verification (speculative decoding; `verify_ids` >= 0): drafts are proposed deterministically (an
 n-gram lookup, a draft model's argmax), so the proposal puts all its mass q on the draft token d.
@@ -70,12 +70,6 @@ def keep_threshold(sorted_desc, probs, t, vocab: int):
     return jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
 
 
-def truncation_mask(scaled, t):
-    """Keep-mask for top-k, top-p and min-p over the whole vocabulary (a full sort)."""
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    return scaled >= keep_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), t, scaled.shape[-1])
-
-
 BLOCK = 256  # tokens per first-level block of the inverse-CDF draw
 CANDIDATES = 256  # top logits per row that truncation looks at first
 
@@ -98,33 +92,25 @@ def draw(weights, u):
     return b * BLOCK + _first_above(cum_inner, u[:, 1] * cum_inner[:, -1])
 
 
-def _residual_draw(weights, ids, verify, u):
-    """(a draw from weights without each row's verify token, that token's probability under
-    weights). ids: the token id of each column, or None when columns are the vocabulary. Rows
-    without a verify token (-1) draw from all their weights; a step without any skips the work."""
-    s, v = weights.shape
-
-    def verifying():
-        if ids is None:
-            col = jnp.where(verify >= 0, verify, v)[:, None]  # out of range: nothing dropped
-            w_verify = jnp.take_along_axis(weights, col, axis=-1, mode="fill", fill_value=0.0)[:, 0]
-            rest = jnp.put_along_axis(weights, col, 0.0, axis=-1, inplace=False, mode="drop")
-        else:
-            hit = ids == verify[:, None]
-            w_verify = jnp.sum(jnp.where(hit, weights, 0.0), axis=-1)
-            rest = jnp.where(hit, 0.0, weights)
-        p_verify = w_verify / jnp.sum(weights, axis=-1)
-        # All mass on the verify token: it is always accepted; keep the unused draw a valid token.
-        rest = jnp.where((p_verify >= 1.0)[:, None], weights, rest)
-        return draw(rest, u), p_verify
-
-    return jax.lax.cond(jnp.any(verify >= 0), verifying, lambda: (draw(weights, u), jnp.zeros((s,), jnp.float32)))
+def _residual_draw(weights, verify, u):
+    """(a draw from weights[S, V] without each row's verify token, that token's probability under
+    weights). A row without a verify token (-1) reads and drops nothing: it draws from all its
+    weights, with probability 0. One draw for every row: no branch per case, which keeps the
+    step's compile short (each copy of the draw is ~0.3 s of XLA:CPU compile per bucket)."""
+    v = weights.shape[-1]
+    col = jnp.where(verify >= 0, verify, v)[:, None]  # out of range: nothing read or dropped
+    w_verify = jnp.take_along_axis(weights, col, axis=-1, mode="fill", fill_value=0.0)[:, 0]
+    p_verify = w_verify / jnp.sum(weights, axis=-1)
+    # All mass on the verify token: it is always accepted; keep the unused draw a valid token.
+    drop = (jnp.arange(v)[None, :] == col) & (p_verify < 1.0)[:, None]
+    rest = jnp.where(drop, 0.0, weights)  # elementwise: fuses into the draw's first pass
+    return draw(rest, u), p_verify
 
 
-def _truncated_draw(scaled, t, u, keep_topk: bool):
-    """Sample under top-k/top-p/min-p: on each row's top CANDIDATES logits when that is exact for
-    every row (the kept set ends inside them), else with truncation_mask over the vocabulary.
-    Returns (token, probability of the row's verify token)."""
+def _truncation_threshold(scaled, t, truncating, keep_topk: bool):
+    """Each row's smallest kept logit [S, 1] under top-k/top-p/min-p: from its top CANDIDATES logits
+    when that is exact for every truncating row (the kept set ends inside them), else from a sort
+    of the whole vocabulary. Rows keep every logit >= it (ties included)."""
     vocab = scaled.shape[-1]
     c = min(CANDIDATES, vocab)
     # The barrier keeps XLA:CPU's TopK (11 ms at 64 rows): without it, next to the fallback's sort,
@@ -135,21 +121,13 @@ def _truncated_draw(scaled, t, u, keep_topk: bool):
         vals, ids = jax.lax.optimization_barrier((vals, ids))
     probs = jnp.exp(vals - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     threshold = keep_threshold(vals, probs, t, vocab)
-    truncating = (t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0)  # other rows draw from everything
     exact = (c == vocab) | jnp.all(~truncating | (threshold[:, 0] > vals[:, -1]))
-    weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
-
-    def on_candidates():
-        w = jnp.where(vals >= threshold, jnp.exp(vals - vals[:, :1]), 0.0)
-        pick, p_kept = _residual_draw(w, ids, t.verify_ids, u)
-        kept = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        full, p_full = _residual_draw(weights, None, t.verify_ids, u)
-        return jnp.where(truncating, kept, full), jnp.where(truncating, p_kept, p_full)
 
     def on_vocabulary():
-        return _residual_draw(jnp.where(truncation_mask(scaled, t), weights, 0.0), None, t.verify_ids, u)
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        return keep_threshold(sorted_desc, jax.nn.softmax(sorted_desc, axis=-1), t, vocab)
 
-    return jax.lax.cond(exact, on_candidates, on_vocabulary)
+    return jax.lax.cond(exact, lambda: threshold, on_vocabulary)
 
 
 def greedy_argmax(x):
@@ -176,23 +154,21 @@ def sample(logits, b, argmax: Callable = greedy_argmax, adjust: bool = False, ke
         temp = jnp.where(b.temperature > 0, b.temperature, 1.0)[:, None]
         scaled = logits / temp
 
-        def uniforms(lo, hi, step):  # all 64 bits of the seed count
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), step)
-            accept_key = jax.random.fold_in(key, 1)  # the draws' own stream is unchanged
-            return jax.random.uniform(key, (2,), jnp.float32), jax.random.uniform(accept_key, (), jnp.float32)
+        def uniforms(lo, hi, step):  # the seed's 64 bits are the key; one hash per row and step
+            key = jax.random.fold_in(jax.random.wrap_key_data(jnp.stack([hi, lo]), impl="threefry2x32"), step)
+            return jax.random.uniform(key, (3,), jnp.float32)
 
-        u, u_accept = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
+        u3 = jax.vmap(uniforms)(b.seed_lo, b.seed_hi, b.steps)
+        u, u_accept = u3[:, :2], u3[:, 2]  # the draw's two levels, the draft's acceptance
         truncating = (b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)
+        weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
 
-        def untruncated():
-            weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
-            return _residual_draw(weights, None, verify, u)
+        def truncated():
+            threshold = _truncation_threshold(scaled, b, truncating, keep_topk)
+            return jnp.where(truncating[:, None] & (scaled < threshold), 0.0, weights)
 
-        sampled, p_verify = jax.lax.cond(
-            jnp.any(truncating & (b.temperature > 0)),
-            lambda: _truncated_draw(scaled, b, u, keep_topk),
-            untruncated,
-        )
+        weights = jax.lax.cond(jnp.any(truncating & (b.temperature > 0)), truncated, lambda: weights)
+        sampled, p_verify = _residual_draw(weights, verify, u)
         random = b.temperature > 0
         accepted = jnp.where(random, (verify >= 0) & (u_accept < p_verify), greedy_tokens == verify)
         return jnp.where(random, sampled, greedy_tokens), accepted

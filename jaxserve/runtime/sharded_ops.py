@@ -43,6 +43,19 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
 
 
 # ---- routed experts under shard_map ------------------------------------------------------------
+def expert_specs(expert_parallel: bool, packed: bool = False) -> tuple[P, P, P]:
+    """PartitionSpecs of the routed experts on the model axis: (gate / up, down, gate / up biases
+    [E, I]). Expert parallel: whole experts (axis 0). Else the intermediate axis I: float gate / up
+    [E, H, I] on axis 2, down [E, I, H] on axis 1; packed MXFP4 (runtime/mxfp4.py: blocks
+    [E, N, K/32, 16], scales [E, N, K/32], the same spec for both) gate / up on N = I (axis 1) and
+    down on its K/32 blocks (axis 2), so each device holds whole blocks with their scales."""
+    if expert_parallel:
+        return (P(MODEL), P(MODEL), P(MODEL)) if packed else (P(MODEL, None, None),) * 2 + (P(MODEL, None),)
+    if packed:
+        return P(None, MODEL), P(None, None, MODEL), P(None, MODEL)
+    return P(None, None, MODEL), P(None, MODEL, None), P(None, MODEL)
+
+
 def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
     """Run `ops.moe` (runtime/moe.py's signature) per device over its slice of the experts (whole
     experts with expert parallelism, else every expert's slice of the intermediate axis), then sum
@@ -50,21 +63,18 @@ def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
     if tp_size(mesh) == 1:
         return moe_fn
     rep = P()
-    w_in, w_out = (P(MODEL, None, None),) * 2 if expert_parallel else (P(None, None, MODEL), P(None, MODEL, None))
-
-    # gpt-oss's gate / up biases [E, I] split as their experts' columns do
-    b_in = P(MODEL, None) if expert_parallel else P(None, MODEL)
 
     def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None, biases=None, **kw):
         if num_rows is None:
             num_rows = jnp.full((1,), x.shape[0], jnp.int32)
+        w_in, w_out, b_in = expert_specs(expert_parallel, packed=hasattr(w_gate, "expert"))
 
         def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows, biases):
             offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
             y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset, biases=biases, **kw)
             return jax.lax.psum(y, MODEL)
 
-        b_spec = None if biases is None else (b_in, b_in)
+        b_spec = None if biases is None else (b_in, b_in)  # gpt-oss's gate / up biases split with their columns
         f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep, b_spec),
                           out_specs=rep, check_vma=False)
         return f(x, ids, weights, w_gate, w_up, w_down, num_rows, biases)

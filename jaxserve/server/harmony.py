@@ -13,6 +13,13 @@ The markers are special tokens: the parsers need them in the text (skip_special_
 body holds back a half-written marker at the end, and text before a header that is not complete
 is held back, so what it returns only grows as text is added. Text outside any message (a model
 answering without the format) is a message of channel None.
+
+Built-in tools (gpt-oss's `browser.search` / `browser.open` / `browser.find` and `python`, usually
+addressed from the analysis channel): a call to one the request declared as a function of that
+name is a tool call like a function's (`Message.tool`); an undeclared one is the model's own work,
+not its answer: reasoning (server/reasoning.py), never content. vLLM's chat completions put
+analysis-channel messages in reasoning and drop commentary-channel ones with a recipient from the
+content; here both channels' undeclared built-in calls go to reasoning, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -43,6 +50,18 @@ class Message:
         if self.recipient and self.recipient.startswith("functions."):
             return self.recipient[len("functions."):]
         return None
+
+    def tool(self, declared: frozenset[str] = frozenset()) -> str | None:
+        """The tool this message calls, as a tool call names it: a function's NAME, or a built-in
+        tool's recipient (`browser.search`, `browser.open`, `python`, ...) when the request declared
+        a function of exactly that name; None for any other message (an undeclared built-in
+        tool's call included: `builtin`)."""
+        return self.function or (self.recipient if self.recipient in declared else None)
+
+    @property
+    def builtin(self) -> bool:
+        """A message to a recipient that is not a function: one of gpt-oss's built-in tools."""
+        return self.recipient is not None and self.function is None
 
 
 def _held(text: str) -> int:

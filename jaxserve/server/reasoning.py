@@ -4,9 +4,11 @@
 - deepseek_r1: the chat template opens `<think>` in the prompt, so the answer starts inside the
   thinking; everything before `</think>` is reasoning (an opening tag, if written, is dropped),
   and an answer that never closes it is all reasoning.
-- gpt_oss: harmony (server/harmony.py): the `analysis` channel's messages are reasoning; the
-  `final` and plain `commentary` messages' bodies are content; a message to a function stays as
-  written (markup included) for the gpt_oss tool parser to read.
+- gpt_oss: harmony (server/harmony.py): the `analysis` channel's messages, and calls to built-in
+  tools the request did not declare (`to=browser.search`, `to=python`, either channel), are
+  reasoning; the `final` and plain `commentary` messages' bodies are content; a message to a
+  function or a declared built-in tool stays as written (markup included) for the gpt_oss tool
+  parser to read.
 
 Like the tool parsers, `extract(text, final)` keeps back a half-written tag while streaming, so the
 reported reasoning and content only grow.
@@ -49,11 +51,15 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class GptOssReasoningParser(ReasoningParser):
     name = "gpt_oss"
     skip_special_tokens = False
+    declared: frozenset[str] = frozenset()  # the request's function names (tools.plan): built-in tools it declared
 
     def extract(self, text: str, final: bool) -> Parsed:
         messages = harmony.parse(text, final)
-        return Parsed(content="".join(m.raw if m.function else m.body for m in messages if m.channel != "analysis"),
-                      reasoning="\n".join(m.body for m in messages if m.channel == "analysis"))
+        calls = [m.tool(self.declared) is not None for m in messages]
+        thinking = [not call and (m.channel == "analysis" or m.builtin) for m, call in zip(messages, calls)]
+        return Parsed(content="".join(m.raw if call else m.body
+                                      for m, call, think in zip(messages, calls, thinking) if not think),
+                      reasoning="\n".join(m.body for m, think in zip(messages, thinking) if think))
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

@@ -16,7 +16,9 @@ sends what grew (output_parser.py), and its sum equals the whole answer's.
   marker is a special token: the server keeps special tokens in the text for this parser).
 - gpt_oss: harmony messages to a function, `<|start|>assistant<|channel|>commentary
   to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (server/harmony.py, where the
-  parsing lives), any number; every other message's body is content.
+  parsing lives), any number, and calls to built-in tools (`to=browser.search`, `to=python`) the
+  request declared by that name; an undeclared built-in call is not content; every other
+  message's body is.
 - json_array: the `[{"name", "arguments"}]` array that tool_choice "required" or a named function
   forces with a grammar (structured.spec.ToolCallSpec); no flag selects it.
 """
@@ -259,15 +261,18 @@ class JsonArrayToolParser(ToolParser):
 class GptOssToolParser(ToolParser):
     name = "gpt_oss"
     skip_special_tokens = False
+    declared: frozenset[str] = frozenset()  # the request's function names (tools.plan): built-in tools it declared
 
     def extract(self, text: str, final: bool) -> Parsed:
         out = Parsed()
         for m in harmony.parse(text, final):
-            if m.function is None:
-                out.content += m.body
+            name = m.tool(self.declared)
+            if name is None:
+                if not m.builtin:  # an undeclared built-in tool's call is not content (server/harmony.py)
+                    out.content += m.body
                 continue
             args = m.body.lstrip()
-            out.calls.append(FunctionCall(m.function, args if args or not m.done else "{}"))
+            out.calls.append(FunctionCall(name, args if args or not m.done else "{}"))
         return out
 
 

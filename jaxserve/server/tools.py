@@ -240,6 +240,9 @@ def plan(req, tool_parser: str | None, reasoning_parser: str | None) -> ToolPlan
                 f"({', '.join(sorted(TOOL_PARSERS))}); or use 'required' or a named function.",
                 "tool_choice")
         parser = TOOL_PARSERS[tool_parser]()
+        for p in (reasoning, parser):  # gpt_oss: built-in tools (browser.search, python) declared by name
+            if hasattr(p, "declared"):
+                p.declared = frozenset(functions)
         # parallel_tool_calls false: a model that writes several calls gets its first one (vLLM)
         one = None if req.parallel_tool_calls else 1
         return ToolPlan(template_tools, None, OutputParser(reasoning, parser, one),

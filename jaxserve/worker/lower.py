@@ -220,6 +220,9 @@ def _experts(full: ModelConfig, mc: ModelConfig) -> str:
     split = ("whole experts split over the model axis" if mc.expert_parallel
              else "each expert split on its intermediate axis")
     packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
+    if mc.moe_intermediate_size != full.moe_intermediate_size:  # model/sharding.py: packed_intermediate
+        packed += (f", intermediate {full.moe_intermediate_size} padded to {mc.moe_intermediate_size} "
+                   "for whole MXFP4 blocks per device")
     return (f"; {len(full.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
             f"({split}{packed})")
 

@@ -215,6 +215,7 @@ class ModelRunner:
             params = quant_params.quantize_params(params, self.cfg.quantization, experts=tp == 1)
         if tp > 1 and not hasattr(params, "restore"):  # a GGUF's experts kept as stored: float under TP/EP
             params = quant_params.float_experts(params)
+        params = sharding.pad_packed_experts(params, mc, self.model_cfg)  # MXFP4 under TP: whole blocks per device
         if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
             self.param_shardings = sharding.quantized_shardings(params, mc, mesh)
             return quant_params.place_params(params, self.dtype, self.param_shardings)

@@ -27,6 +27,17 @@ MODELS = {
 }
 
 
+
+def interpreted_heads(model: str, max_kv_heads: int = 2) -> tuple[int, int, int]:
+    """A family's (Hq, Hkv, head_dim) for an interpreter test: its GQA ratio and head_dim with at
+    most `max_kv_heads` KV heads. Each kernel program (or unrolled head step) runs the same code
+    for one KV head's query group, and the interpreters run them one by one, so a family's 8 KV
+    heads cost 4x its 2 for no code path more. The families' full head counts are compiled by the
+    compile tier (tools/compile_tier.py) and lowered in tests/kernels/test_lowering.py."""
+    hq, hkv, d = MODELS[model]
+    kv = min(hkv, max_kv_heads)
+    return hq // hkv * kv, kv, d
+
 @dataclasses.dataclass
 class Batch:
     args: tuple  # (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs)

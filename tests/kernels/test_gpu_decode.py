@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gpu_decode, reference
-from tests.kernels.batch import MODELS, assert_close, make_batch
+from tests.kernels.batch import assert_close, interpreted_heads, make_batch
 
 KW = {"sm_scale": 0.125}
 
@@ -36,7 +36,7 @@ def _decode_batch(seed, kv_lens, heads, block_size=16, dtype=jnp.bfloat16, pad=2
 )
 def test_models(model):
     # 300 tokens over 4 splits of 2 chunks of 4 pages; a 1-token context leaves 3 splits empty.
-    _check(_decode_batch(1, [400, 1, 47], MODELS[model]), num_splits=4, pages_per_chunk=4)
+    _check(_decode_batch(1, [400, 1, 47], interpreted_heads(model)), num_splits=4, pages_per_chunk=4)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 16])

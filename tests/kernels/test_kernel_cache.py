@@ -29,3 +29,29 @@ def test_truncated_library_is_never_loaded(built, tmp_path):
     native_build.digest_path(so).unlink()
     assert not native_build.verified(so)  # without a digest, the child that loads it dies, not us
     assert native_build.verified(built)  # the real cache verifies
+
+
+def test_builders_starting_together_build_once(tmp_path, monkeypatch):
+    """Processes that start together (test workers, replicas, multi-host processes) wait for one
+    build under the library's lock instead of each compiling the sources (~45 s of CPU each)."""
+    import threading
+    import time
+
+    out = tmp_path / "kernels" / "jaxserve_cpu-test.so"
+    builds = []
+
+    def fake_compile(cxx, sources, header, so):
+        builds.append(so)
+        time.sleep(0.3)  # the others arrive while this build runs
+        so.write_bytes(b"library")
+        native_build.write_digest(so)
+
+    monkeypatch.setattr(native_build, "library_path", lambda cxx, header: out)
+    monkeypatch.setattr(native_build, "_compile", fake_compile)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(native_build.build())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [out] * 3 and builds == [out]

@@ -1,5 +1,6 @@
-"""Both Pallas kernels (in their interpreters) at the head shapes of the model families we serve,
-against the jnp reference, for decode, prefill, chunked-prefill and mixed batches.
+"""Both Pallas kernels (in their interpreters) at the head shapes of the model families we serve
+(each family's GQA ratio and head_dim, at most 2 KV heads: batch.interpreted_heads), against the
+jnp reference, for decode, prefill, chunked-prefill and mixed batches.
 
 Pages a batch does not reference (the null block too) hold NaN, so a read outside a sequence's
 own context fails. Each model runs the mixed batch; a few run each single kind. Contexts are short
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gpu, reference, tpu
-from tests.kernels.batch import MODELS, assert_close, make_batch
+from tests.kernels.batch import MODELS, assert_close, interpreted_heads, make_batch
 
 # (q_lens, kv_lens); kv_lens include the new tokens; a 0-length real sequence in chunked.
 BATCHES = {
@@ -47,7 +48,7 @@ def _run(kernel_fn, batch, to_f32, **kw):
 
 
 def _batch(model, case, dtype, seed: str):
-    hq, hkv, d = MODELS[model]
+    hq, hkv, d = interpreted_heads(model)
     rng = np.random.default_rng(zlib.crc32(f"{model}-{case}-{seed}".encode()))
     return make_batch(rng, *BATCHES[case], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                       block_size=16, dtype=dtype)

@@ -28,8 +28,10 @@ from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_hf_parity import BS, run_logits
 
 GGUF_ARCH = {"gemma3_text": gguf.MODEL_ARCH.GEMMA3, "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
-             "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE}
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+             "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
+             "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
+_EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 def _metadata(w: gguf.GGUFWriter, hf: dict, arch: gguf.MODEL_ARCH) -> None:
@@ -38,7 +40,8 @@ def _metadata(w: gguf.GGUFWriter, hf: dict, arch: gguf.MODEL_ARCH) -> None:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
-    w.add_block_count(hf["num_hidden_layers"])
+    nextn = (hf.get("num_nextn_predict_layers") or 0) if arch == gguf.MODEL_ARCH.GLM4_MOE else 0
+    w.add_block_count(hf["num_hidden_layers"] + nextn)  # GLM: its MTP layers count (none stored here)
     w.add_feed_forward_length(hf["intermediate_size"])
     w.add_head_count(hf["num_attention_heads"])
     w.add_head_count_kv(hf["num_key_value_heads"])
@@ -59,11 +62,19 @@ def _metadata(w: gguf.GGUFWriter, hf: dict, arch: gguf.MODEL_ARCH) -> None:
         w.add_sliding_window(hf["sliding_window"])
         return
     w.add_rope_freq_base(rope["rope_theta"])
-    w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
+    w.add_expert_count(hf.get("num_experts") or hf.get("num_local_experts") or hf["n_routed_experts"])
     w.add_expert_used_count(hf["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])  # gpt-oss: the latter
     if hf.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(hf["shared_expert_intermediate_size"])
+    if arch == gguf.MODEL_ARCH.GLM4_MOE:  # Glm4MoeModel.set_gguf_parameters
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(hf["n_shared_experts"])
+        w.add_leading_dense_block_count(hf["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(hf["routed_scaling_factor"])
+        w.add_expert_weights_norm(hf["norm_topk_prob"])
+        w.add_nextn_predict_layers(nextn)
 
 
 def write_gguf(hf_dir, out, qtype: str = "F32") -> dict[str, np.ndarray]:
@@ -82,10 +93,15 @@ def write_gguf(hf_dir, out, qtype: str = "F32") -> dict[str, np.ndarray]:
             stacked.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = x
     merged = {k: np.stack([v[e] for e in sorted(v)]) for k, v in stacked.items()}
     for name, x in [(k, v) for k, v in tensors.items() if not _EXPERT.match(k)] + list(merged.items()):
-        gname = (names.get_name(name, try_suffixes=(".weight", ".bias"))
+        gname = (names.get_name(name.replace("e_score_correction_bias", "e_score_correction.bias"),
+                                try_suffixes=(".weight", ".bias"))  # the converter's rename of GLM's bias
                  or dense.get_name(name, try_suffixes=(".weight",)))
         assert gname, name
         stored = x + np.float32(1.0) if arch == gguf.MODEL_ARCH.GEMMA3 and name.endswith("norm.weight") else x
+        if arch == gguf.MODEL_ARCH.LLAMA and re.search(r"self_attn\.[qk]_proj\.weight$", name):  # LlamaModel.permute
+            assert qtype == "F32", "held would need the permutation undone"
+            heads = hf["num_attention_heads"] if ".q_proj" in name else hf["num_key_value_heads"]
+            stored = x.reshape(heads, 2, x.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(x.shape)
         if qtype != "F32" and x.ndim >= 2 and "ffn_gate_inp" not in gname and x.shape[-1] % 32 == 0:
             q = gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype])
             writer.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType[qtype])
@@ -138,7 +154,8 @@ def _fields(cfg) -> dict:
 
 @pytest.mark.parametrize("arch,layers,qtype", [("gemma3_gguf", 6, "F32"), ("gemma3_gguf", 6, "Q8_0"),
                                                ("qwen3_moe", 2, "F32"), ("qwen3_moe", 2, "Q8_0"),
-                                               ("qwen2_moe", 2, "F32")])
+                                               ("qwen2_moe", 2, "F32"), ("mixtral", 2, "F32"),
+                                               ("glm4_moe_gguf", 2, "F32")])
 def test_gguf_logits_match_transformers(tiny_model, tmp_path, arch, layers, qtype):
     hf_dir = tiny_model(arch, layers=layers)
     path = tmp_path / "model.gguf"
@@ -148,11 +165,12 @@ def test_gguf_logits_match_transformers(tiny_model, tmp_path, arch, layers, qtyp
     assert _fields(lm.config) == _fields(load_model(hf_dir).config)  # the file stands for the HF config
     if arch == "gemma3_gguf":  # llama.cpp's pattern: five sliding layers, then a global one
         assert [lm.config.layer_window(i) for i in range(6)] == [20] * 5 + [None]
-    else:  # stacked; Q8_0 down experts (N = 64: whole panels) kept as stored, gate / up (N = 32) dequantized
-        experts = lm.params["layers_0"]["mlp"]["experts"]
-        kept = {p: isinstance(experts[p], weight_formats.ExpertStack) for p in ("gate_proj", "up_proj", "down_proj")}
-        assert kept == {"gate_proj": False, "up_proj": False, "down_proj": quantization == "gguf"}
-        assert all(experts[p].shape[0] == 8 for p in kept)
+    else:  # stacked; under gguf the Q8_0 experts whose [K, N] has whole panels (N % 64) stay as stored
+        experts = lm.params[f"layers_{lm.config.moe_layers[0]}"]["mlp"]["experts"]
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            assert experts[p].shape[0] == lm.config.num_experts
+            kept = quantization == "gguf" and experts[p].shape[2] % 64 == 0
+            assert isinstance(experts[p], weight_formats.ExpertStack if kept else np.ndarray), p
     if quantization:
         kept = lm.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
         assert isinstance(kept, weight_formats.Q8Weight)  # the dense matrices stay in their blocks

@@ -153,9 +153,21 @@ def test_mxfp4_grouped_experts_match_numpy_at_every_row_count():
     for rows in (1, 7, 113):
         got = np.asarray(run(x[:rows], ids[:rows], w[:rows], jnp.array([rows], jnp.int32), wg, wu, wd, (bg, bu)))
         assert np.abs(got - want[:rows]).max() <= 1e-5 * scale, rows
+    # I = 96 (3 blocks) padded to 128 as TP 4 pads it (model/sharding.py): zero rows and blocks change nothing
+    from types import SimpleNamespace
+
+    from jaxserve.model.sharding import pad_packed_experts
+
+    tree = {"layers_0": {"mlp": {"experts": dict(gate_proj=wg, up_proj=wu, down_proj=wd, gate_bias=bg, up_bias=bu)}}}
+    padded = pad_packed_experts(tree, SimpleNamespace(moe_intermediate_size=i, moe_layers=(0,)),
+                                SimpleNamespace(moe_intermediate_size=128))["layers_0"]["mlp"]["experts"]
+    assert padded["gate_proj"].shape == (e, h, 128) and padded["down_proj"].shape == (e, 128, h)
+    got = np.asarray(run(x, ids, w, jnp.array([113], jnp.int32), padded["gate_proj"], padded["up_proj"],
+                         padded["down_proj"], (padded["gate_bias"], padded["up_bias"])))
+    assert np.abs(got - want).max() <= 1e-5 * scale
 
 
-def _mxfp4_checkpoints(src, tmp_path):
+def mxfp4_checkpoints(src, tmp_path):
     """The tiny model with its experts quantized: (MXFP4 checkpoint dir, the same values as float)."""
     from safetensors.numpy import load_file, save_file
 
@@ -190,7 +202,7 @@ def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
     packed experts: 4.25 bits, also once laid out for the native kernel."""
     import torch
 
-    packed_dir, float_dir = _mxfp4_checkpoints(gpt_oss, tmp_path)
+    packed_dir, float_dir = mxfp4_checkpoints(gpt_oss, tmp_path)
     lm_q, runner_q = _runner(packed_dir)
     experts = lm_q.params["layers_0"]["mlp"]["experts"]
     assert lm_q.config.expert_format == "mxfp4"
@@ -220,6 +232,6 @@ def test_mxfp4_checkpoint_convert_is_refused_by_name(gpt_oss, tmp_path):
     from jaxserve.errors import UserError
     from jaxserve.convert import convert_model
 
-    packed_dir, _ = _mxfp4_checkpoints(gpt_oss, tmp_path)
+    packed_dir, _ = mxfp4_checkpoints(gpt_oss, tmp_path)
     with pytest.raises(UserError, match="MXFP4.*serve the Hugging Face directory"):
         convert_model(packed_dir, tmp_path / "out")

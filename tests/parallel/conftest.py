@@ -38,11 +38,12 @@ def xla_env(n: int = N_DEVICES) -> dict:
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
-    # A cache of its own: executables compiled with n host devices must never be read back by
-    # the one-device test process (a clean-clone run segfaulted deserializing one in the server
-    # tests that follow these).
+    # An XLA compilation cache of its own: executables compiled with n host devices must never be
+    # read back by the one-device test process (a clean-clone run segfaulted deserializing one in
+    # the server tests that follow these). The native kernels (JAXSERVE_CACHE_DIR/kernels) are
+    # shared: they do not depend on the device count, and each build costs ~45 s of CPU.
     base = env.get("JAXSERVE_CACHE_DIR") or str(ROOT / ".cache")
-    env["JAXSERVE_CACHE_DIR"] = os.path.join(base, f"host-devices-{n}")
+    env["JAXSERVE_COMPILATION_CACHE"] = os.path.join(base, f"host-devices-{n}", "xla")
     return env
 
 

@@ -1,7 +1,8 @@
 """Mixture-of-experts under tensor and expert parallelism (8 forced CPU devices: see conftest.py):
 experts split on their intermediate axis (TP) or whole experts per device (EP = TP size, attention
 tensor-parallel alongside) give EP=1's greedy tokens and logits; each device holds E / N experts;
-impossible layouts and EP on a dense model are clear errors."""
+impossible layouts and EP on a dense model are clear errors. gpt-oss's MXFP4 experts shard as
+whole blocks with their scales, padded on the intermediate axis where the blocks do not split."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 from jaxserve.errors import UserError
 from jaxserve.model import sharding
 from jaxserve.model.loader import load_model
+from jaxserve.runtime import mxfp4
 from jaxserve.worker.runner import ModelRunner, RunnerConfig
+from tests.model.test_gpt_oss import mxfp4_checkpoints
 from tests.parallel.test_tensor_parallel import BS, greedy_run
 
 CFG = RunnerConfig(block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
@@ -40,6 +43,29 @@ def test_ep_same_greedy_tokens(tiny_model, arch, layouts):
         np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{arch} tp={tp} ep={ep}: greedy tokens differ")
         err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
         assert err < 1e-5, f"{arch} tp={tp} ep={ep}: logits differ by {err:.2e} of their scale"
+
+
+def test_mxfp4_experts_under_tp_and_ep(tiny_model, tmp_path):
+    """A tiny gpt-oss with MXFP4 experts (hidden 32: I = 64, two blocks along down's K) at TP 2 (one
+    block per device) and EP 2 (4 whole experts per device) gives TP 1's greedy tokens and logits.
+    (The padding a TP that splits blocks needs: tests/model/test_gpt_oss.py, test_lower_gpt_oss.py.)"""
+    packed_dir, _ = mxfp4_checkpoints(tiny_model("gpt_oss", hidden=32, kv_heads=4), tmp_path)
+    lm = load_model(packed_dir)
+    assert lm.config.expert_format == "mxfp4" and lm.config.moe_intermediate_size == 64
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, lm.config.vocab_size, n).tolist() for n in (19, 11)]
+    ref_logits, ref_tokens = greedy_run(ModelRunner(lm.config, lm.params, CFG), prompts, steps=4)
+    for tp, ep, shards in [(2, False, ((8, 32, 1, 16), (8, 32, 1, 16))), (2, True, ((4, 64, 1, 16), (4, 32, 2, 16)))]:
+        runner = ModelRunner(lm.config, lm.params, dataclasses.replace(
+            CFG, tensor_parallel_size=tp, enable_expert_parallel=ep))
+        experts = runner.params["layers_0"]["mlp"]["experts"]
+        assert isinstance(experts["gate_proj"], mxfp4.Mxfp4Weight)
+        got = tuple(w.blocks.sharding.shard_shape(w.blocks.shape) for w in (experts["gate_proj"], experts["down_proj"]))
+        assert got == shards, (tp, ep, got)
+        logits, tokens = greedy_run(runner, prompts, steps=4)
+        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"mxfp4 tp={tp} ep={ep}: greedy tokens differ")
+        err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+        assert err < 1e-5, f"mxfp4 tp={tp} ep={ep}: logits differ by {err:.2e} of their scale"
 
 
 def test_ep_layout_errors(tiny_model):

@@ -1,7 +1,8 @@
 """gpt-oss's harmony output (`--reasoning-parser gpt_oss`, `--tool-call-parser gpt_oss`): answers as
 gpt-oss writes them after the chat template's `<|start|>assistant` (reasoning then a final answer,
 a tool call, two parallel calls, a preamble, the recipient in the role header, the stop token cut
-or kept), whole and streamed one character at a time and in random splits, giving the same split."""
+or kept, built-in browser / python tool calls declared or not), whole and streamed one character
+at a time and in random splits, giving the same split."""
 
 from __future__ import annotations
 
@@ -95,7 +96,53 @@ def test_unfinished_call_keeps_its_arguments():
     assert got.calls == [FunctionCall("get_weather", '{"location":"Oslo, Norway","unit":"')]
 
 
+# gpt-oss's built-in tools, addressed from the analysis channel (browser, python) or commentary
+SEARCH = '{"query": "Oslo weather today", "topn": 5}'
+BUILTIN = ("<|channel|>analysis<|message|>Need current data: search.<|end|>"
+           f"<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{SEARCH}<|call|>")
+PYTHON = ("<|channel|>analysis<|message|>Compute it.<|end|>"
+          "<|start|>assistant<|channel|>analysis to=python code<|message|>print(2 ** 100)<|call|>"
+          "<|start|>assistant<|channel|>commentary to=browser.open code<|message|>{\"id\": 3}<|call|>")
+
+
+def _check_streams(p, text, want):
+    got = p.extract(text)
+    assert (got.reasoning, got.content, got.calls) == want
+    shown = message_json(got)["content"] or ""
+    assert one_char_at_a_time(p, text) == (shown, want[0], want[2])
+    for seed in range(20):
+        assert streamed(p, text, seed) == (shown, want[0], want[2])
+
+
+def test_undeclared_builtin_tool_calls_are_reasoning_not_content():
+    """A request that declared no browser / python tool: the model's calls to them are its own
+    work, shown as reasoning (both channels), never content or tool calls; the tool parser alone
+    leaves them out of the content too."""
+    _check_streams(both(), BUILTIN, ("Need current data: search.\n" + SEARCH, "", []))
+    _check_streams(both(), PYTHON, ('Compute it.\nprint(2 ** 100)\n{"id": 3}', "", []))
+    got = OutputParser(tools=TOOL_PARSERS["gpt_oss"]()).extract(PYTHON)
+    assert got.content == "Compute it." and not got.calls
+
+
+def test_declared_builtin_tools_are_tool_calls():
+    """A request that declared functions named `browser.search` / `browser.open` / `python` gets
+    the model's calls to them as tool calls, from either channel, whole and streamed."""
+    from jaxserve.server import protocol as P
+    from jaxserve.server.tools import plan
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("browser.search", "browser.open", "python")]
+    req = P.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                  "tools": tools})
+    p = plan(req, "gpt_oss", "gpt_oss").output
+    _check_streams(p, BUILTIN, ("Need current data: search.", "", [FunctionCall("browser.search", SEARCH)]))
+    _check_streams(p, PYTHON, ("Compute it.", "", [FunctionCall("python", "print(2 ** 100)"),
+                                                   FunctionCall("browser.open", '{"id": 3}')]))
+    _check_streams(p, SAMPLES[2][0], (THINK, "", [W]))  # functions.* calls as before
+
+
 ATOMS = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.f", " json",
+         " to=python", " to=browser.search",
          "<|constrain|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|", "|>", "<", "{", '"a": 1', "}",
          " ", "hi", "to=", "\n"]
 
