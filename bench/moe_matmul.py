@@ -9,6 +9,12 @@ At T tokens with top-k routing over E experts (hidden H, expert width I), the gr
 same rows, one weight set), so efficiency = dense time / grouped time (1.0: the grouping, sort and
 combine cost nothing). `--impls ragged` adds XLA's ragged_dot (on CPU a dense product over every
 expert: slow). The grouped time includes routing's sort, gather and weighted combine.
+`--formats bfloat16,w8a8,w4a8,q8_0,q4_k,mxfp4` adds experts kept in those weight formats (an
+ExpertStack: runtime/expert_matmul.py's native grouped calls), each against the dense native kernel
+of the same format over the same rows (quant.linear_gated, then quant.linear); `mxfp4-tiled` is
+gpt-oss's MXFP4 as loaded through the tiled loop that decodes one expert per tile (the path before
+the native kernel). A K-quant falls back for a K not in its super-blocks as --quantization does
+(q4_k: the down projection's K = I = 384 as q4_1).
 Default shapes: a Qwen3-30B-A3B layer cut down to fit this CPU (H 1024, I 384, 32 experts, top 4).
 """
 
@@ -28,6 +34,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--impls", default="blocked", help="comma-separated: blocked, ragged (default blocked)")
+    p.add_argument("--formats", default="", help="comma-separated weight formats of packed experts (native grouped "
+                   "calls), e.g. bfloat16,w8a8,w4a8,q8_0,q4_k (default none)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per case (default 20)")
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
@@ -38,7 +46,11 @@ def main(argv=None) -> int:
 
     import functools
 
+    from jaxserve.runtime import cpu_kernels, mxfp4, quant
+    from jaxserve.runtime.expert_matmul import packed_moe
     from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
+    from jaxserve.runtime.quant_params import K_FALLBACK
+    from jaxserve.runtime.weight_formats import ExpertStack, block_of, quantizable, quantize, stack_experts
 
     h, i, e, k = args.hidden, args.intermediate, args.experts, args.top_k
     dt = jnp.dtype(args.dtype)
@@ -51,6 +63,25 @@ def main(argv=None) -> int:
     impls = {"blocked": blocked_ragged_dot, "ragged": jax.lax.ragged_dot}
     grouped = {name: jax.jit(functools.partial(grouped_experts, matmul=impls[name])) for name in args.impls.split(",")}
     dense = jax.jit(lambda x, g, u, d: (jax.nn.silu(x @ g) * (x @ u)) @ d)
+    packed = {}  # format -> (grouped fn, dense fn, (gate, up, down) stacks)
+    isa = cpu_kernels.choose_isa() if args.formats and cpu_kernels.available() is None else None
+    for name in filter(None, args.formats.split(",")):
+        if name == "mxfp4-tiled":  # gpt-oss's MXFP4 as loaded, through the tiled loop (the xla backend's path)
+            hf = [mxfp4.quantize(np.asarray(w, np.float32)) for w in (w_gate, w_up, w_down)]
+            one = [mxfp4.quantize_panels(mxfp4.decode_numpy(x.blocks[0], x.scales[0]).T) for x in hf]
+            packed[name] = (jax.jit(functools.partial(grouped_experts, matmul=blocked_ragged_dot)),
+                            jax.jit(lambda x, g, u, d: quant.linear(quant.linear_gated(x, g, u, isa=isa), d, isa=isa)),
+                            [type(x)(*map(jnp.asarray, x)) for x in hf], [type(o)(*map(jnp.asarray, o)) for o in one])
+            continue
+        stacks = []
+        for w in (w_gate, w_up, w_down):
+            kind = name if quantizable(w.shape[1:], block_of(name)) else K_FALLBACK.get(name, name)
+            s = stack_experts([quantize(np.asarray(w[j], np.float32), kind) for j in range(e)])
+            stacks.append(ExpertStack(type(s.w)(*map(jnp.asarray, s.w))))
+        one = [type(s.w)(*(a[0] for a in s.w)) for s in stacks]  # expert 0's weights: the dense baseline
+        packed[name] = (jax.jit(packed_moe(None, native=isa is not None, isa=isa)),
+                        jax.jit(lambda x, g, u, d: quant.linear(quant.linear_gated(x, g, u, isa=isa), d, isa=isa)),
+                        stacks, one)
     results = []
     for t in (int(v) for v in args.tokens.split(",")):
         x = jnp.asarray(rng.standard_normal((t, h)), dt)
@@ -62,6 +93,13 @@ def main(argv=None) -> int:
         for name, fn in grouped.items():
             t_grouped = common.median_seconds(fn, x, ids, w, w_gate, w_up, w_down, repeats=args.repeats)
             results.append({"impl": name, "tokens": t, "rows": t * k, "grouped_ms": 1e3 * t_grouped,
+                            "dense_ms": 1e3 * t_dense, "grouped_gflops": gflop / t_grouped,
+                            "dense_gflops": gflop / t_dense, "efficiency": t_dense / t_grouped})
+        xf = x.astype(jnp.float32)
+        for name, (fn, dense_fn, stacks, one) in packed.items():
+            t_grouped = common.median_seconds(fn, xf, ids, w, *stacks, repeats=args.repeats)
+            t_dense = common.median_seconds(dense_fn, rows.astype(jnp.float32), *one, repeats=args.repeats)
+            results.append({"impl": f"{name} (packed)", "tokens": t, "rows": t * k, "grouped_ms": 1e3 * t_grouped,
                             "dense_ms": 1e3 * t_dense, "grouped_gflops": gflop / t_grouped,
                             "dense_gflops": gflop / t_dense, "efficiency": t_dense / t_grouped})
     print(common.table([(r["impl"], r["tokens"], r["rows"], f"{r['grouped_ms']:.2f}", f"{r['dense_ms']:.2f}",

@@ -6,10 +6,10 @@ Architectures (model/gguf_arch.py: what each one's metadata and tensor names mea
 qwen2, qwen3, gemma3, qwen3moe, qwen2moe, llama with experts (Mixtral), glm4moe, gpt-oss (its MXFP4
 experts, ggml type 39, stay packed: converted at load to runtime/mxfp4.py's layout, uint8 only).
 With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their blocks (runtime/weight_formats.py
-formats). Stacked expert tensors (`ffn_*_exps`,
-[E, out, in]) are always dequantized at load, to float32 per-expert matrices, whatever their type
-(Q8_0, Q4_K, Q6_K as llama.cpp's Q4_K_M writes them): the MoE op (runtime/moe.py) multiplies float
-or MXFP4 experts, not GGUF blocks, so a quantized MoE file costs its experts' float size in memory.
+formats), and so do stacked expert tensors (`ffn_*_exps`, [E, out, in]) of those types (Q8_0, Q4_K,
+Q6_K as llama.cpp's Q4_K_M writes them), as one ExpertStack of the E experts' kernels
+(runtime/expert_matmul.py multiplies them as stored). Otherwise, and for other types, experts are
+dequantized to float32 per-expert matrices.
 
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
@@ -210,8 +210,9 @@ def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
 def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:
     """(HF-style config dict, {HF tensor name: float32 ndarray in HF shape}) for a GGUF model file.
     With `keep_quantized`, 2-D tensors of a KEPT_TYPES type stay in their blocks instead, as the
-    quantized format of their [in, out] kernel (no float copy is made of them). Stacked experts are
-    dequantized either way (see the module docstring) and split into per-expert views."""
+    quantized format of their [in, out] kernel (no float copy is made of them), and stacked experts
+    of those types as one ExpertStack under expert 0's name (model/weights.py places it whole);
+    other stacked experts are dequantized and split into per-expert views."""
     path = str(path)
     if not os.path.isfile(path):
         raise UserError(f"GGUF file not found: {path}")
@@ -230,7 +231,7 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
         if hf is None:
             continue
         if EXPERT in hf:
-            weights |= _split_experts(g, info, hf, cfg)
+            weights |= _split_experts(g, info, hf, cfg, keep_quantized)
             continue
         if arch in WHOLE_EXPERTS and name.endswith("_exps.weight"):
             weights[hf] = _whole_experts(g, info, cfg)
@@ -269,11 +270,17 @@ def _whole_experts(g: GGUFFile, info: TensorInfo, cfg: dict):
     return np.ascontiguousarray(g.dequantize(info.name).swapaxes(-1, -2))
 
 
-def _split_experts(g: GGUFFile, info: TensorInfo, template: str, cfg: dict) -> dict[str, np.ndarray]:
-    """A stacked expert tensor [E, out, in], dequantized, as E per-expert [out, in] views."""
+def _split_experts(g: GGUFFile, info: TensorInfo, template: str, cfg: dict, keep_quantized: bool = False) -> dict:
+    """A stacked expert tensor [E, out, in], dequantized, as E per-expert [out, in] views; with
+    `keep_quantized` and a kept type, its blocks as stored, one ExpertStack under expert 0's name."""
     n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     if len(info.shape) != 3 or info.shape[0] != n:
         raise UserError(f"{g.path}: expert tensor {info.name!r} has shape {list(info.shape)}, expected "
                         f"[{n} (expert_count), out, in]: the file is inconsistent.", param="model")
+    if keep_quantized and info.type_name in KEPT_TYPES and weight_formats.quantizable(
+            info.shape[:0:-1], weight_formats.block_of(info.type_name)):
+        raw = g.raw(info).reshape(n, info.shape[1], -1)  # [E, out rows, bytes per row]
+        stack = weight_formats.stack_experts([weight_formats.from_gguf(raw[e], info.type_name) for e in range(n)])
+        return {template.replace(EXPERT, "0"): stack}
     w = g.dequantize(info.name)
     return {template.replace(EXPERT, str(e)): w[e] for e in range(n)}

@@ -5,7 +5,8 @@ Parameters (HF names, experts stacked): gate/kernel [H, E] (the router),
 experts/{gate_proj, up_proj} [E, H, I], experts/down_proj [E, I, H], and for the sigmoid router
 e_score_correction_bias [E]; shared_expert/{gate,up,down}_proj/kernel, shared_expert_gate/kernel [H, 1];
 gpt-oss: gate/bias [E], experts/{gate_bias, up_bias} [E, I], experts/down_bias [E, H]. The experts
-may be a packed format (runtime/mxfp4.py's MXFP4), which `ops.moe` decodes where it multiplies.
+may be a packed format (runtime/mxfp4.py's MXFP4, or a weight format's ExpertStack: runtime/expert_matmul.py),
+which `ops.moe` decodes where it multiplies.
 """
 
 from __future__ import annotations

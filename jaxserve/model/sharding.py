@@ -230,6 +230,12 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
+        if isinstance(leaf, weight_formats.ExpertStack):  # experts in a weight format: whole, on one device
+            if tp > 1:  # (the runner turns them back to float first: quant_params.float_experts)
+                raise UserError(f"{type(leaf.w).__name__} experts ({'/'.join(names)}) under tensor or expert "
+                                "parallelism are not supported: use tensor_parallel_size 1, or float experts.",
+                                param="tensor_parallel_size")
+            return jax.tree.map(lambda _: NamedSharding(mesh, P()), leaf)
         if isinstance(leaf, weight_formats.EXPERT_FORMATS):  # MXFP4 experts: whole blocks per device
             w_in, w_out, _ = expert_specs(cfg.expert_parallel, packed=True) if tp > 1 else (P(), P(), P())
             spec = w_out if names[-1] == "down_proj" else w_in

@@ -9,6 +9,7 @@ native CPU matmul), so each op dispatches on what it is given, not on a setting.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -21,9 +22,12 @@ import jax.numpy as jnp
 import pallas_kernels
 from jaxserve.config import DTYPES
 from jaxserve.errors import UserError
-from jaxserve.runtime import compat, cpu_kernels, quant
+from jaxserve.runtime import compat, cpu_kernels, expert_matmul, mxfp4, quant
 from jaxserve.runtime.attention import layer_attention
 from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
+from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
+from jaxserve.runtime.panels import PANEL
+from jaxserve.runtime.weight_formats import ExpertStack
 from jaxserve.runtime.sampler import greedy_argmax
 from pallas_kernels import kv_quant
 
@@ -113,11 +117,13 @@ class Backend:
         return self.attention == "xla"
 
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
-        """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py).
+        """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py;
+        routed experts kept in one: runtime/expert_matmul.py).
 
         ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
         t), where the pallas backend runs the split-KV decode kernel on GPU."""
-        return quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear, self.dot_isa)
+        ops = quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear, self.dot_isa)
+        return dataclasses.replace(ops, moe=expert_matmul.packed_moe(ops.moe, self.native_linear, self.dot_isa))
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
@@ -151,10 +157,15 @@ class Backend:
 
     def prepare_params(self, params: dict, tied_embeddings: bool) -> dict:
         """Weights in the formats this backend's ops read: packed panels for the native matmul
-        (every linear kernel whose N is a multiple of 64, and a tied embedding as its transpose)."""
+        (every linear kernel whose N is a multiple of 64, and a tied embedding as its transpose), and
+        MXFP4 experts in the panels of their native kernel (the same bytes: runtime/mxfp4.py)."""
         if not self.native_linear:
             return params
         def pack(path, leaf):
+            if isinstance(leaf, Mxfp4Weight):
+                if leaf.shape[2] % PANEL:
+                    return leaf
+                return ExpertStack(Mxfp4Panels(*(jnp.asarray(a) for a in mxfp4.stack_panels(leaf))))
             names = [getattr(k, "key", None) for k in path]
             if names[-1] == "kernel" and cpu_kernels.packable(leaf.shape):
                 return PackedWeight(cpu_kernels.pack_kernel(leaf))
@@ -162,7 +173,7 @@ class Backend:
                 return PackedWeight(cpu_kernels.pack_kernel(leaf.T))
             return leaf
 
-        return jax.tree_util.tree_map_with_path(pack, params)
+        return jax.tree_util.tree_map_with_path(pack, params, is_leaf=lambda x: isinstance(x, Mxfp4Weight))
 
 
 @dataclass(frozen=True)

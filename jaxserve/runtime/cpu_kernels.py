@@ -39,7 +39,9 @@ TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write
            "jaxserve_argmax": "JaxserveArgmax",
            "jaxserve_quant_matmul": "JaxserveQuantMatmul",
            "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated",
-           "jaxserve_dot_matmul": "JaxserveDotMatmul", "jaxserve_dot_matmul_gated": "JaxserveDotMatmulGated"}
+           "jaxserve_dot_matmul": "JaxserveDotMatmul", "jaxserve_dot_matmul_gated": "JaxserveDotMatmulGated",
+           "jaxserve_quant_matmul_grouped": "JaxserveQuantMatmulGrouped",
+           "jaxserve_dot_matmul_grouped": "JaxserveDotMatmulGrouped"}
 
 _lock = threading.Lock()
 _state: dict = {}  # "error": str | None once a build was tried

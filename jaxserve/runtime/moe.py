@@ -87,9 +87,15 @@ def tile_rows(m: int, e: int) -> int:
     return max(1, -(-m // e))
 
 
-def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None):
+def expert_product(x, rhs, i):
+    """x @ expert i's matrix of rhs (stacked [E, K, N] or a packed format: `expert_matrix`)."""
+    return x @ expert_matrix(rhs, i, x.dtype)
+
+
+def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None, product=expert_product):
     """`jax.lax.ragged_dot` as tiles: lhs [M, K] rows sorted by group, rhs [E, K, N], group_sizes
-    i32[E] (summing to at most M; rows past the sum come out zero) -> [M, N]."""
+    i32[E] (summing to at most M; rows past the sum come out zero) -> [M, N]. `product(tile, rhs, i)`:
+    a tile of rows times expert i (a weight format's own product: runtime/expert_matmul.py)."""
     m, e = lhs.shape[0], rhs.shape[0]
     b = block or tile_rows(m, e)
     tiles = (m + min(e, m) * (b - 1)) // b  # an upper bound on sum(ceil(size / b))
@@ -106,13 +112,13 @@ def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None):
     expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), e - 1)
     # one tile at a time: each reads its expert's matrix in place (a gathered [tiles, K, N] copy of
     # the weights is ~20x slower on XLA:CPU)
-    y = jax.lax.map(lambda a: a[0] @ expert_matrix(rhs, a[1], lhs.dtype),
+    y = jax.lax.map(lambda a: product(a[0], rhs, a[1]),
                     (x.reshape(tiles, b, -1), expert)).reshape(tiles * b, -1)
     return jnp.where((g < e)[:, None], y[jnp.minimum(pos, tiles * b - 1)], 0).astype(lhs.dtype)
 
 
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
-                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate):
+                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None):
     """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e
     (act silu(g) * u unless given; `biases` (b_gate, b_up) [E, I] add to x Wg_e and x Wu_e; a down
     bias is the caller's: sum_j weights * b_down[ids] needs no grouped product).
@@ -121,8 +127,10 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     w_gate / w_up: [E, H, I]; w_down: [E, I, H] - the E experts this device holds, global ids
     expert_offset .. expert_offset + E - 1 (expert parallelism; 0 otherwise);
     num_rows: i32[1] real tokens (rows past them are never routed); matmul: `jax.lax.ragged_dot` or
-    `blocked_ragged_dot`; a packed expert format (runtime/mxfp4.py) always goes through the blocked
-    product, which decodes one expert's matrix per tile. -> [T, H] in x's dtype."""
+    `blocked_ragged_dot`, or a weight format's grouped product (runtime/expert_matmul.py); a packed
+    expert format (runtime/mxfp4.py) given `ragged_dot` goes through the blocked product, which decodes
+    one expert's matrix per tile; `gated(rows, w_gate, w_up, sizes)`: silu(rows Wg) * (rows Wu) in one
+    product, used for the default act without biases. -> [T, H] in x's dtype."""
     t, k = ids.shape
     e = w_gate.shape[0]
     local = ids - expert_offset
@@ -133,14 +141,17 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros((e + 1,), jnp.int32).at[group].add(1)[:e]
     packed = hasattr(w_gate, "expert")
-    dot = blocked_ragged_dot if packed else matmul
+    dot = blocked_ragged_dot if packed and matmul is jax.lax.ragged_dot else matmul
     dtype = x.dtype if packed else w_gate.dtype
     xs = x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
-    g, u = dot(xs, w_gate, sizes), dot(xs, w_up, sizes)
-    if biases is not None:
-        row_expert = jnp.minimum(group[order], e - 1)
-        g, u = g + biases[0][row_expert].astype(g.dtype), u + biases[1][row_expert].astype(u.dtype)
-    h = act(g, u)
+    if gated is not None and act is silu_gate and biases is None:
+        h = gated(xs, w_gate, w_up, sizes)
+    else:
+        g, u = dot(xs, w_gate, sizes), dot(xs, w_up, sizes)
+        if biases is not None:
+            row_expert = jnp.minimum(group[order], e - 1)
+            g, u = g + biases[0][row_expert].astype(g.dtype), u + biases[1][row_expert].astype(u.dtype)
+        h = act(g, u)
     y = dot(h.astype(dtype), w_down, sizes)  # [T*k, H]
     y = jnp.where(group[order][:, None] < e, y, 0)  # rows outside every group: exactly zero
     y = y[jnp.argsort(order)].reshape(t, k, -1)  # back to (token, slot) order

@@ -10,7 +10,11 @@ blocked grouped matmul multiplies one tile of rows by one expert at a time), so 
 most one expert's float copy per tile, transiently. e2m1 values times a power of two are exact in
 float32 and bfloat16, so the decode itself is exact.
 
-Not here (see issue 28): a native CPU kernel decoding in registers against int8 activations.
+On the native CPU backend the experts are laid out again at load (`to_panels`, the same bytes: 4.25
+bits a weight) as `Mxfp4Panels`, a weight format of runtime/weight_formats.py, and run in
+csrc/quant_matmul.cc (kMXFP4: each code and exponent decoded in registers before its FMA, float32
+activations; exact) through the grouped expert call of runtime/expert_matmul.py. Not here (issue 28):
+MXFP4 times int8 activations on the dot-product instructions.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.runtime.panels import PANEL
 
 BLOCK = 32  # values per scale
 # e2m1 codes 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0
@@ -110,3 +116,47 @@ def from_ggml(raw: np.ndarray) -> Mxfp4Weight:
 
 def weight_bytes(w: Mxfp4Weight) -> int:
     return int(np.prod(w.blocks.shape)) + int(np.prod(w.scales.shape))
+
+
+class Mxfp4Panels(NamedTuple):
+    """One [K, N] matrix's MXFP4 blocks in the 64-column panels of runtime/panels.py (csrc/quant_matmul.cc
+    kMXFP4): W[k, n] = e2m1(code[k, n]) * 2^(e[k / 32, n] - 127); codes two a byte along K as Q4Weight's
+    (k = 2j the low nibble, 2j + 1 the high one)."""
+
+    q: jax.Array  # u8[N / 64, K / 2, 64]
+    e: jax.Array  # u8[N / 64, K / 32, 64]
+
+
+def to_panels(blocks: np.ndarray, scales: np.ndarray) -> Mxfp4Panels:
+    """One matrix of HF's layout (blocks u8[N, K/32, 16], scales u8[N, K/32]) in panels (numpy; bytes moved only)."""
+    n = blocks.shape[0]
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(n, -1)  # [N, K]: k = 2j low nibble
+    q = codes.T.reshape(-1, n // PANEL, PANEL).transpose(1, 0, 2)  # [P, K, 64]
+    e = np.ascontiguousarray(scales).T.reshape(-1, n // PANEL, PANEL).transpose(1, 0, 2)
+    return Mxfp4Panels(np.ascontiguousarray(q[:, 0::2] | q[:, 1::2] << 4), np.ascontiguousarray(e))
+
+
+def stack_panels(w: Mxfp4Weight):
+    """Stacked experts (Mxfp4Weight, numpy or device arrays) -> the (q, e) parts stacked [E, ...]."""
+    blocks, scales = np.asarray(w.blocks), np.asarray(w.scales)
+    per = [to_panels(blocks[i], scales[i]) for i in range(blocks.shape[0])]
+    return Mxfp4Panels(np.stack([p.q for p in per]), np.stack([p.e for p in per]))
+
+
+def panel_values(codes, e):
+    """Codes [..., K, 64] in 0..15 and exponents [..., K / 32, 64] -> float32 values (jnp, exact)."""
+    lut = jnp.asarray(E2M1, jnp.float32)
+    return jnp.ldexp(lut[codes.astype(jnp.int32)], jnp.repeat(e.astype(jnp.int32) - 127, BLOCK, axis=-2))
+
+
+def row_values(b, e):
+    """Rows of codes u8[T, K / 2] (two a byte) and exponents u8[T, K / 32] -> float32 [T, K] (jnp)."""
+    codes = jnp.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1)
+    lut = jnp.asarray(E2M1, jnp.float32)
+    return jnp.ldexp(lut[codes.astype(jnp.int32)], jnp.repeat(e.astype(jnp.int32) - 127, BLOCK, axis=-1))
+
+
+def quantize_panels(w) -> Mxfp4Panels:
+    """Float [K, N] -> MXFP4 in panels (`quantize`'s rounding): the registry's codec (tests, benches)."""
+    hf = quantize(np.asarray(w, np.float32)[None])
+    return to_panels(hf.blocks[0], hf.scales[0])

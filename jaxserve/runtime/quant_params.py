@@ -1,7 +1,7 @@
 """The parameter tree with quantized weights: every linear kernel (and a tied embedding table, held
-once as its LM head's [H, V] panels, as the float packed path does) replaced by a format of
-runtime/weight_formats.py at load time, or as shapes only for lowering; placed on devices; and
-measured."""
+once as its LM head's [H, V] panels, as the float packed path does; and a MoE layer's stacked routed
+experts, as an ExpertStack of per-expert kernels) replaced by a format of runtime/weight_formats.py
+at load time, or as shapes only for lowering; placed on devices; and measured."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from jaxserve.errors import UserError
 from jaxserve.runtime.panels import PANEL
 from jaxserve.runtime.weight_formats import (
     DOT_QUANTIZATIONS,
+    ExpertStack,
     Q4Weight,
     Q8Weight,
     QuantWeight,
@@ -21,6 +22,7 @@ from jaxserve.runtime.weight_formats import (
     is_quantized,
     quantizable,
     quantize,
+    stack_experts,
     to_q8a8,
     to_w4a8,
 )
@@ -42,15 +44,17 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
 K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
 
 
-def quantize_params(params: dict, quantization: str) -> dict:
+def quantize_params(params: dict, quantization: str, experts: bool = True) -> dict:
     """Replace every linear "kernel" [K, N] (and the embedding table, held as its LM head's
     panels: see the module docstring) by `quantization`'s format; leaves whose shape has no quantized
     layout stay as they are. A K-quant quantization falls back, for a kernel whose K is not a multiple
     of 256, to a 32-block type of as many bits or more (q4_k -> q4_1, q6_k -> q8_0), as llama.cpp's
     quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
     kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout and a Q8_0 one in Q8A8Weight's, the
-    same values). The float leaves
-    are dropped: nothing here holds on to them."""
+    same values). Stacked routed experts (experts/{gate,up,down}_proj [E, K, N]) become an ExpertStack
+    of each expert's kernel in the format (runtime/expert_matmul.py multiplies them as stored), unless
+    not `experts` (under tensor parallelism, where the experts stay float). The float leaves are
+    dropped: nothing here holds on to them."""
     check_quantization(quantization, LOAD_QUANTIZATIONS)
     fallback = K_FALLBACK.get(quantization, quantization)
 
@@ -58,9 +62,13 @@ def quantize_params(params: dict, quantization: str) -> dict:
         names = [getattr(k, "key", None) for k in path]
         if isinstance(leaf, (Q4Weight, Q8Weight)) and quantization == "w4a8":
             return to_w4a8(leaf) if isinstance(leaf, Q4Weight) else to_q8a8(leaf)
+        if isinstance(leaf, ExpertStack) and isinstance(leaf.w, (Q4Weight, Q8Weight)) and quantization == "w4a8":
+            return stack_experts([convert(path, w) for w in _unstack(leaf)])
         if is_quantized(leaf):
             return leaf
         on_device = isinstance(leaf, jax.Array)
+        if len(names) >= 2 and names[-2] == "experts" and names[-1] in EXPERT_KERNELS:
+            return _experts(leaf, quantization, fallback, on_device) if experts else leaf
         if names[-1] == "kernel":
             kernel = leaf
         elif names[-2:] == ["embed_tokens", "embedding"]:
@@ -77,6 +85,42 @@ def quantize_params(params: dict, quantization: str) -> dict:
         return type(w)(*map(jnp.asarray, w)) if on_device else w
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+
+
+EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's stacked routed experts [E, K, N]
+
+
+def _unstack(stack: ExpertStack) -> list[QuantWeight]:
+    return [type(stack.w)(*(np.asarray(a[e]) for a in stack.w)) for e in range(stack.w[0].shape[0])]
+
+
+def _experts(leaf, quantization: str, fallback: str, on_device: bool):
+    """Stacked float experts [E, K, N] -> an ExpertStack of `quantization`'s format (its fallback for
+    a K not in its blocks; unchanged where neither fits)."""
+    e, k, n = leaf.shape
+    kind = quantization if quantizable((k, n), block_of(quantization)) else fallback
+    if not quantizable((k, n), block_of(kind)):
+        return leaf
+    if isinstance(leaf, jax.ShapeDtypeStruct):  # lowering: only the shapes
+        one = abstract((k, n), kind)
+        return ExpertStack(type(one)(*(jax.ShapeDtypeStruct((e, *a.shape), a.dtype) for a in one)))
+    w = np.asarray(leaf, np.float32)
+    stack = stack_experts([quantize(w[i], kind) for i in range(e)])
+    return ExpertStack(type(stack.w)(*map(jnp.asarray, stack.w))) if on_device else stack
+
+
+def float_experts(params: dict) -> dict:
+    """Every ExpertStack (a GGUF's experts kept as stored) as its float32 [E, K, N] array (numpy; shapes
+    only for lowering): what a model under tensor or expert parallelism holds, whose experts are sharded
+    as float arrays (model/sharding.py refuses stacked formats there)."""
+    def convert(leaf):
+        if not isinstance(leaf, ExpertStack):
+            return leaf
+        if isinstance(jax.tree.leaves(leaf)[0], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
+        return np.stack([np.asarray(leaf.expert(e)) for e in range(leaf.shape[0])])
+
+    return jax.tree.map(convert, params, is_leaf=is_quantized)
 
 
 def abstract(shape, quantization: str) -> QuantWeight:
@@ -100,7 +144,8 @@ def place_params(params: dict, dtype, shardings) -> dict:
     model.sharding.quantized_shardings): float leaves cast to `dtype`, quantized ones as they are (their
     scales stay float32 / float16 whatever the compute dtype)."""
     def put(w, sharding):
-        if isinstance(w, jax.ShapeDtypeStruct) or is_quantized(w) and isinstance(w[0], jax.ShapeDtypeStruct):
+        if isinstance(w, jax.ShapeDtypeStruct) or is_quantized(w) and isinstance(jax.tree.leaves(w)[0],
+                                                                                 jax.ShapeDtypeStruct):
             return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype if is_quantized(w) else dtype,
                                                                   sharding=s), w, sharding)
         return jax.device_put(w if is_quantized(w) else np.asarray(w, jnp.dtype(dtype)), sharding)

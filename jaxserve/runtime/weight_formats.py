@@ -14,6 +14,8 @@ float weights, `dequantize` (inside the computation: no float copy of a weight i
 the rows an embedding lookup decodes, the operands its native kernel takes, and that kernel
 (csrc/quant_matmul.cc or csrc/dot_matmul.cc) with its id there (the kernel's `format` attribute;
 runtime/native_build.py generates the C++ table of them, formats.h, from these records).
+A MoE layer's routed experts keep any of these formats stacked, as an `ExpertStack` (each part with
+a leading expert axis; runtime/expert_matmul.py).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.runtime import kquants
+from jaxserve.runtime import kquants, mxfp4
 from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
-from jaxserve.runtime.mxfp4 import Mxfp4Weight
+from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
 from jaxserve.runtime.panels import BLOCK, PANEL, from_panels, from_words, nibbles, to_panels, to_words
 
 # GGUF block types a GGUF load keeps as stored (model/gguf_loader.py `keep_quantized`), each one of
@@ -105,7 +107,7 @@ class Q8A8Weight(NamedTuple):
 
 
 QuantWeight = (Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | W4A8Weight | Q8A8Weight
-               | Q4KWeight | Q6KWeight)
+               | Q4KWeight | Q6KWeight | Mxfp4Panels)
 
 
 # ---- codecs: float [K, N] -> a format (numpy, at load time) ------------------------------------
@@ -305,6 +307,12 @@ FORMATS = (
                    lambda w, p, c, ids: kquants.decode(kquants.gather_rows(w, p, c), jnp)[:, :, 0],
                    lambda w: (w.q, w.d, w.s), QUANT_MATMUL, i)
       for i, (t, cls) in enumerate(kquants.FORMATS.items(), start=4)),
+    # gpt-oss's MXFP4 experts (runtime/mxfp4.py), laid out in panels on the native CPU backend
+    WeightFormat("mxfp4", Mxfp4Panels,
+                 mxfp4.quantize_panels,
+                 lambda w: from_panels(mxfp4.panel_values(nibbles(w.q), w.e), jnp),
+                 lambda w, p, c, ids: mxfp4.row_values(w.q[p, :, c], w.e[p, :, c]),
+                 lambda w: (w.q, w.e, _none(jnp.float16)), QUANT_MATMUL, 6),
     WeightFormat("bfloat16", Bf16Weight, quantize_bf16,
                  lambda w: from_panels(from_words(w.q, 2, jnp).astype(jnp.float32), jnp), _word_rows,
                  lambda w: (w.q, _none(jnp.float32), _none(jnp.float16)), DOT_MATMUL, 0),
@@ -332,8 +340,35 @@ def format_of(w) -> WeightFormat | None:
     return _BY_TYPE.get(type(w))
 
 
+class ExpertStack(NamedTuple):
+    """A mixture-of-experts layer's E routed experts' [K, N] kernels in one of the formats above,
+    kept as stored: `w` is the format's NamedTuple with a leading axis of E on each part (expert e's
+    parts are each part's e-th slice; runtime/expert_matmul.py multiplies them where they lie)."""
+
+    w: QuantWeight
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The float stack's shape [E, K, N] (what the model's matmuls see)."""
+        return (self.w[0].shape[0], *jax.eval_shape(lambda w: dequantize(expert_at(w, 0)), self.w).shape)
+
+    def expert(self, i, dtype=jnp.float32):
+        """Expert i's [K, N] matrix, decoded (i may be traced)."""
+        return dequantize(expert_at(self.w, i)).astype(dtype)
+
+
+def expert_at(w: QuantWeight, i) -> QuantWeight:
+    """Expert i's weight of a format's NamedTuple of stacked parts (i may be traced)."""
+    return type(w)(*(jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in w))
+
+
+def stack_experts(ws: list) -> ExpertStack:
+    """Per-expert weights of one format (numpy) -> their ExpertStack."""
+    return ExpertStack(type(ws[0])(*(np.ascontiguousarray(np.stack(parts)) for parts in zip(*ws))))
+
+
 # stacked-expert formats kept as stored, read by the MoE op itself (runtime/moe.py), not by linear
-EXPERT_FORMATS = (Mxfp4Weight,)
+EXPERT_FORMATS = (Mxfp4Weight, ExpertStack)
 
 
 def is_quantized(w) -> bool:

@@ -3,9 +3,10 @@ llama.cpp's convert_hf_to_gguf.py writes them (gguf's own HF -> GGUF tensor-name
 stored as w + 1, experts stacked [E, out, in], the metadata keys the converter writes and no more;
 as llama.cpp's quantizer, 1-D tensors and routers stay F32), read back by jaxserve and run against
 transformers' float32 forward of the weights the file holds: F32, and Q8_0 with the dense matrices
-kept in their blocks (the experts dequantized at load). The config a file stands for equals the one
-read from the HF directory. Also: Q4_K / Q6_K stacked experts (Q4_K_M's mix) dequantize as their
-per-expert matrices, and an inconsistent MoE file is refused by name."""
+kept in their blocks (and the experts whose shape has whole blocks and panels). The config a file
+stands for equals the one read from the HF directory. Also: Q4_K / Q6_K stacked experts (Q4_K_M's
+mix) dequantize, or decode kept, as their per-expert matrices, and an inconsistent MoE file is
+refused by name."""
 
 from __future__ import annotations
 
@@ -164,10 +165,12 @@ def test_gguf_logits_match_transformers(tiny_model, tmp_path, arch, layers, qtyp
     assert _fields(lm.config) == _fields(load_model(hf_dir).config)  # the file stands for the HF config
     if arch == "gemma3_gguf":  # llama.cpp's pattern: five sliding layers, then a global one
         assert [lm.config.layer_window(i) for i in range(6)] == [20] * 5 + [None]
-    else:
+    else:  # stacked; under gguf the Q8_0 experts whose [K, N] has whole panels (N % 64) stay as stored
         experts = lm.params[f"layers_{lm.config.moe_layers[0]}"]["mlp"]["experts"]
-        assert all(isinstance(experts[p], np.ndarray) and experts[p].shape[0] == lm.config.num_experts
-                   for p in ("gate_proj", "up_proj", "down_proj"))  # dequantized at load, stacked
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            assert experts[p].shape[0] == lm.config.num_experts
+            kept = quantization == "gguf" and experts[p].shape[2] % 64 == 0
+            assert isinstance(experts[p], weight_formats.ExpertStack if kept else np.ndarray), p
     if quantization:
         kept = lm.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
         assert isinstance(kept, weight_formats.Q8Weight)  # the dense matrices stay in their blocks
@@ -200,7 +203,9 @@ def _synthetic_moe(path, types: dict, hidden=256, inter=256, experts=4) -> dict:
             stored[name] = x
             w.add_tensor(name, x)
         else:
-            raw = kquants.quantize_gguf(x.reshape(-1, shape[-1]), kind).reshape(*shape[:-1], -1)
+            rows = x.reshape(-1, shape[-1])
+            raw = (kquants.quantize_gguf(rows, kind) if kind in kquants.FORMATS
+                   else gguf.quants.quantize(rows, gguf.GGMLQuantizationType[kind])).reshape(*shape[:-1], -1)
             stored[name] = raw
             w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
@@ -212,8 +217,9 @@ def _synthetic_moe(path, types: dict, hidden=256, inter=256, experts=4) -> dict:
 
 def test_k_quant_experts_dequantized_per_expert(tmp_path):
     """Q4_K gate/up and Q6_K down experts, as Q4_K_M writes them: each expert's matrix is what
-    gguf.quants.dequantize gives for that expert's rows; under keep_quantized too (experts are never
-    kept packed), while the Q4_K attention matrices stay in their blocks."""
+    gguf.quants.dequantize gives for that expert's rows; under keep_quantized they stay in their
+    blocks (one ExpertStack per projection, under expert 0's name) and decode to the same matrices,
+    as the Q4_K attention matrices do."""
     path = tmp_path / "moe.gguf"
     stored = _synthetic_moe(path, {"ffn_down_exps": "Q6_K", "_exps": "Q4_K", "attn_q.": "Q4_K"})
     cfg, floats = load_gguf(path)
@@ -228,8 +234,10 @@ def test_k_quant_experts_dequantized_per_expert(tmp_path):
             want = gguf.quants.dequantize(raw[e], gguf.GGMLQuantizationType[kind])
             name = f"model.layers.0.mlp.experts.{e}.{proj}.weight"
             np.testing.assert_array_equal(floats[name], want, err_msg=name)
-            assert isinstance(kept[name], np.ndarray) and kept[name].dtype == np.float32
-            np.testing.assert_array_equal(kept[name], want, err_msg=name)
+            stack = kept[f"model.layers.0.mlp.experts.0.{proj}.weight"]
+            assert isinstance(stack, weight_formats.ExpertStack) and type(stack.w).__name__ == f"{kind[:2]}KWeight"
+            np.testing.assert_array_equal(np.asarray(stack.expert(e)).T, want, err_msg=name)
+    assert not any(".experts.1." in name for name in kept)  # the stack is one entry
 
 
 def test_inconsistent_moe_file_refused(tmp_path):

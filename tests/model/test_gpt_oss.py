@@ -199,7 +199,7 @@ def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
     """Tolerance: 1e-5 of the logit scale (the decode is exact; only the summation order differs).
     The same MXFP4 checkpoint as transformers reads it (its own dequantization: the layout, nibble
     order and exponent bias are HF's) within 1e-4, as the float model is. Bytes per weight of the
-    packed experts: 4.25 bits."""
+    packed experts: 4.25 bits, also once laid out for the native kernel."""
     import torch
 
     packed_dir, float_dir = mxfp4_checkpoints(gpt_oss, tmp_path)
@@ -210,6 +210,12 @@ def test_mxfp4_model_matches_its_dequantized_float_model(gpt_oss, tmp_path):
     n = sum(int(np.prod(experts[p].shape)) for p in ("gate_proj", "up_proj", "down_proj"))
     stored = sum(mxfp4.weight_bytes(experts[p]) for p in ("gate_proj", "up_proj", "down_proj"))
     assert stored * 8 / n == mxfp4.BITS_PER_WEIGHT == 4.25
+    if runner_q.backend.native_linear:  # in the native kernel's panels (csrc/quant_matmul.cc kMXFP4): the same bytes
+        from jaxserve.runtime.quant_params import weight_bytes
+
+        placed = runner_q.params["layers_0"]["mlp"]["experts"]
+        assert all(isinstance(placed[p].w, mxfp4.Mxfp4Panels) for p in ("gate_proj", "up_proj", "down_proj"))
+        assert weight_bytes([placed[p] for p in ("gate_proj", "up_proj", "down_proj")]) == stored
     _, runner_f = _runner(float_dir)
     ids = np.random.default_rng(3).integers(3, lm_q.config.vocab_size, size=sum(CHUNKS) + DECODES).tolist()
     got = _logits(runner_q, ids, CHUNKS, DECODES, BLOCKS)

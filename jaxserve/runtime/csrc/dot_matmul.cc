@@ -2,6 +2,9 @@
 //
 //   jaxserve_dot_matmul:       y[M, N] = x[M, K] @ W
 //   jaxserve_dot_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
+//   jaxserve_dot_matmul_grouped: the same over row groups, each times its own weight: a mixture-of-
+//       experts layer's experts, stacked [E, ...] (each operand with a leading axis of E), rows sorted
+//       by expert, sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0
 //
 // W is held in the 64-column panels of csrc/matmul.cc with consecutive k values interleaved, so one
 // 32-bit lane holds what one dot-product step of one column needs (attribute `format`: an id of
@@ -439,16 +442,23 @@ static_assert(kMaxMR<kBFLOAT16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMax
                   kMaxMR<kQ8A8> <= kAmxRows,
               "the gated buffers hold 16 rows");
 
+// ys = x @ W, or silu(x @ W) * (x @ W_up) where `ups`, over row groups (group g: the next
+// group_rows[g] rows, times ws[g] and ups[g]); the rows after the groups' (to m_padded) come out zero.
 template <Format F, Isa I>
-void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int64_t panels, const Weight& w,
-         const Weight* up, float* ys) {
+void Run(ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& group_rows, int64_t m_padded,
+         int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
   // Rows per work item: AMX reads a panel's weights once per 16 rows, from L2 after the first.
   constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk, step = I == kAmx ? kAmxRows : kMaxMR<F>;
   static_assert(kAmxChunk % kAmxRows == 0, "AMX row tiles do not straddle chunks");
-  const int64_t n = panels * kPanel, chunks = (m + chunk - 1) / chunk;
+  const jaxserve::RowChunks chunks(group_rows.data(), int64_t(group_rows.size()), chunk);
+  const int64_t n = panels * kPanel, m = chunks.rows();
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
-  jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
-    const int64_t panel = i % panels, c0 = (i / panels) * chunk, rows = std::min<int64_t>(chunk, m - c0);
+  jaxserve::ParallelFor(pool, panels * chunks.size(), [&](int64_t i) {
+    int64_t group, c0, rows;
+    chunks.At(i / panels, group, c0, rows);
+    const int64_t panel = i % panels;
+    const Weight& w = ws[group];
+    const Weight* up = ups ? ups + group : nullptr;
     int configured = 0;  // the rows the tiles are configured for (AMX)
     // w4a8 on AMX: the panel's nibbles split into bytes once per work item (gate, then up)
     thread_local std::vector<uint32_t> split[2];
@@ -502,32 +512,54 @@ void Run(ffi::ThreadPool& pool, const Acts& a, int64_t m, int64_t m_padded, int6
 
 // The weight's panel count if (w, scale, mins) is a well-formed weight of format f for x[., K],
 // else -1.
-int64_t Check(Format f, int64_t k_len, ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
-  const auto wd = w.dimensions();
+// An operand's element type and dimensions; a stacked operand's (`lead` 1) without its expert axis.
+struct Shape {
+  ffi::DataType type;
+  std::vector<int64_t> dims;
+  Shape(ffi::AnyBuffer a, size_t lead = 0) : type(a.element_type()) {
+    const auto d = a.dimensions();
+    dims.assign(d.begin() + std::min(lead, d.size()), d.end());
+  }
+  int64_t count() const {
+    int64_t c = 1;
+    for (int64_t d : dims) c *= d;
+    return c;
+  }
+};
+
+int64_t Check(Format f, int64_t k_len, const Shape& w, const Shape& scale, const Shape& mins) {
+  const auto& wd = w.dims;
   const int64_t per = f == kBFLOAT16 ? 2 : f == kW4A8 ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)
   if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * (f == kBFLOAT16 ? 2 : 4)) return -1;
-  if (f == kBFLOAT16) return w.element_type() == ffi::BF16 ? wd[0] : -1;
-  if (w.element_type() != ffi::U8 || k_len % kBlock != 0) return -1;
+  if (f == kBFLOAT16) return w.type == ffi::BF16 ? wd[0] : -1;
+  if (w.type != ffi::U8 || k_len % kBlock != 0) return -1;
   if (f == kW8A8)
-    return scale.element_type() == ffi::F32 && scale.element_count() == wd[0] * kPanel ? wd[0] : -1;
-  const auto blocks = [&](ffi::AnyBuffer b) {
-    const auto bd = b.dimensions();
-    return b.element_type() == ffi::F16 && bd.size() == 3 && bd[0] == wd[0] && bd[1] == k_len / kBlock &&
+    return scale.type == ffi::F32 && scale.count() == wd[0] * kPanel ? wd[0] : -1;
+  const auto blocks = [&](const Shape& b) {
+    const auto& bd = b.dims;
+    return b.type == ffi::F16 && bd.size() == 3 && bd[0] == wd[0] && bd[1] == k_len / kBlock &&
            bd[2] == kPanel;
   };
   return blocks(scale) && blocks(mins) ? wd[0] : -1;
 }
 
-Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins) {
-  const void* s = scale.untyped_data();
-  return {static_cast<const uint32_t*>(w.untyped_data()), static_cast<const float*>(s),
-          static_cast<const _Float16*>(s), static_cast<const _Float16*>(mins.untyped_data())};
+// Expert e's part of operand a: a's bytes from e * (its size / experts) (experts 1: a itself).
+const void* Part(ffi::AnyBuffer a, int64_t experts, int64_t e) {
+  return static_cast<const uint8_t*>(a.untyped_data()) + a.size_bytes() / experts * e;
 }
 
-ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w, const Weight* up, int64_t panels,
-                ffi::Buffer<ffi::S32> rows, float* y, int32_t format, int32_t isa) {
+Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins, int64_t experts = 1, int64_t e = 0) {
+  const void* s = Part(scale, experts, e);
+  return {static_cast<const uint32_t*>(Part(w, experts, e)), static_cast<const float*>(s),
+          static_cast<const _Float16*>(s), static_cast<const _Float16*>(Part(mins, experts, e))};
+}
+
+// x's rows as groups (group_rows: rows per group, in order; one group: a plain matmul) times ws (and ups).
+ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* ws, const Weight* ups, int64_t panels,
+                const std::vector<int64_t>& group_rows, float* y, int32_t format, int32_t isa) {
   const auto xd = x.dimensions();
-  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
+  int64_t m = 0;
+  for (int64_t r : group_rows) m += r;
   const Format f = Format(format);
   if ((isa == kDot && !(f == kBFLOAT16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
     return ffi::Error::InvalidArgument("dot matmul: an isa asked of a library built without its instructions");
@@ -535,24 +567,29 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight& w,
   thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
   Prepare(pool, f, x.typed_data(), m, xd[1], acts);
 #ifdef JAXSERVE_AMX
-  if (f == kBFLOAT16 && isa == kAmx) Run<kBFLOAT16, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW4A8 && isa == kAmx) Run<kW4A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kQ8A8 && isa == kAmx) Run<kQ8A8, kAmx>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBFLOAT16 && isa == kAmx) Run<kBFLOAT16, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kW4A8 && isa == kAmx) Run<kW4A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kQ8A8 && isa == kAmx) Run<kQ8A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
 #endif
-  if (f == kBFLOAT16 && isa == kDot) Run<kBFLOAT16, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kBFLOAT16 && isa == kPortable) Run<kBFLOAT16, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW8A8 && isa == kPortable) Run<kW8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW4A8 && isa == kDot) Run<kW4A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kW4A8 && isa == kPortable) Run<kW4A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kQ8A8 && isa == kDot) Run<kQ8A8, kDot>(pool, acts, m, xd[0], panels, w, up, y);
-  if (f == kQ8A8 && isa == kPortable) Run<kQ8A8, kPortable>(pool, acts, m, xd[0], panels, w, up, y);
+  if (f == kBFLOAT16 && isa == kDot) Run<kBFLOAT16, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kBFLOAT16 && isa == kPortable) Run<kBFLOAT16, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kW8A8 && isa == kDot) Run<kW8A8, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kW8A8 && isa == kPortable) Run<kW8A8, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kW4A8 && isa == kDot) Run<kW4A8, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kW4A8 && isa == kPortable) Run<kW4A8, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kQ8A8 && isa == kDot) Run<kQ8A8, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kQ8A8 && isa == kPortable) Run<kQ8A8, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   return ffi::Error::Success();
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, int32_t isa, ffi::Buffer<ffi::S32> rows) {
   return x.dimensions().size() == 2 && (isa == kPortable || isa == kDot || isa == kAmx) && rows.element_count() == 1;
+}
+
+// One group: a call's first `rows` rows (clamped to x's).
+std::vector<int64_t> OneGroup(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rows) {
+  return {std::clamp<int64_t>(rows.typed_data()[0], 0, x.dimensions()[0])};
 }
 
 // A `format` that is not one of formats.h's ids (the caller and the library disagree on the table).
@@ -570,7 +607,7 @@ ffi::Error DotMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   if (panels < 0)
     return ffi::Error::InvalidArgument("dot matmul: expected x[M, K], a weight of its format (quant.py), rows[1]");
   const Weight wt = Of(w, s, mn);
-  return Call(pool, x, wt, nullptr, panels, rows, y->typed_data(), format, isa);
+  return Call(pool, x, &wt, nullptr, panels, OneGroup(x, rows), y->typed_data(), format, isa);
 }
 
 ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
@@ -581,7 +618,34 @@ ffi::Error DotMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   if (panels < 0 || Check(Format(format), x.dimensions()[1], wu, su, mu) != panels)
     return ffi::Error::InvalidArgument("gated dot matmul: expected x[M, K], two weights of its format alike, rows[1]");
   const Weight g = Of(wg, sg, mg), u = Of(wu, su, mu);
-  return Call(pool, x, g, &u, panels, rows, y->typed_data(), format, isa);
+  return Call(pool, x, &g, &u, panels, OneGroup(x, rows), y->typed_data(), format, isa);
+}
+
+// Gated where the up operands are given (wu not empty); as csrc/quant_matmul.cc's grouped call.
+ffi::Error DotMatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
+                            ffi::AnyBuffer mg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer mu,
+                            ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y, int32_t format, int32_t isa) {
+  if (!Known(format)) return UnknownFormat("grouped dot matmul", format);
+  const int64_t experts = sizes.element_count(), gated = wu.element_count() > 0;
+  const auto stacked = [&](ffi::AnyBuffer w, ffi::AnyBuffer s, ffi::AnyBuffer m) -> int64_t {
+    for (ffi::AnyBuffer a : {w, s, m})
+      if (a.element_count() && (a.dimensions().size() == 0 || a.dimensions()[0] != experts)) return -1;
+    return Check(Format(format), x.dimensions()[1], Shape(w, 1), Shape(s, 1), Shape(m, 1));
+  };
+  const bool valid = x.dimensions().size() == 2 && (isa == kPortable || isa == kDot || isa == kAmx) && experts > 0;
+  const int64_t panels = valid ? stacked(wg, sg, mg) : -1;
+  if (panels < 0 || (gated && stacked(wu, su, mu) != panels))
+    return ffi::Error::InvalidArgument("grouped dot matmul: expected x[M, K], stacked weights [E, ...] of its "
+                                       "format (runtime/expert_matmul.py), sizes i32[E]");
+  std::vector<Weight> ws, ups;
+  std::vector<int64_t> rows(experts);
+  int64_t left = x.dimensions()[0];
+  for (int64_t e = 0; e < experts; ++e) {
+    left -= rows[e] = std::clamp<int64_t>(sizes.typed_data()[e], 0, left);
+    ws.push_back(Of(wg, sg, mg, experts, e));
+    if (gated) ups.push_back(Of(wu, su, mu, experts, e));
+  }
+  return Call(pool, x, ws.data(), gated ? ups.data() : nullptr, panels, rows, y->typed_data(), format, isa);
 }
 
 }  // namespace
@@ -622,6 +686,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, DotMatmulGated,
                                   .Arg<ffi::AnyBuffer>()         // up: scale / d
                                   .Arg<ffi::AnyBuffer>()         // up: m
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
+                                  .Attr<int32_t>("format")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGrouped, DotMatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K], rows sorted by expert
+                                  .Arg<ffi::AnyBuffer>()         // gate (or the one weight): w [E, ...]
+                                  .Arg<ffi::AnyBuffer>()         // gate: scale / d [E, ...]
+                                  .Arg<ffi::AnyBuffer>()         // gate: m [E, ...] (or empty)
+                                  .Arg<ffi::AnyBuffer>()         // up: w [E, ...], empty: not gated
+                                  .Arg<ffi::AnyBuffer>()         // up: scale / d
+                                  .Arg<ffi::AnyBuffer>()         // up: m
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes[E]: rows per expert
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
                                   .Attr<int32_t>("format")
                                   .Attr<int32_t>("isa"));

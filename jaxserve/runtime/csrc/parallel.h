@@ -1,4 +1,5 @@
-// Spread n independent work items over XLA's intra-op thread pool (and the calling thread).
+// Spread n independent work items over XLA's intra-op thread pool (and the calling thread), and
+// the row chunks of a matmul's row groups (a grouped, mixture-of-experts call) as such items.
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <memory>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -36,5 +38,36 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn) {
   st->Drain();
   while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
+
+// A matmul's rows as groups, each multiplied by its own weight: group g is rows [start(g),
+// start(g) + rows[g]) (rows sorted by group, as a mixture-of-experts layer sorts its tokens by
+// expert), cut into chunks of at most `chunk` rows; a plain matmul is one group. Chunk c's group,
+// first row and rows: `At`. Groups of no rows have no chunks (an expert no token chose costs nothing).
+class RowChunks {
+ public:
+  RowChunks(const int64_t* rows, int64_t groups, int64_t chunk) : chunk_(chunk) {
+    int64_t r = 0, c = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      start_.push_back(r);
+      r += rows[g];
+      c += (rows[g] + chunk - 1) / chunk;
+      end_.push_back(c);
+    }
+    rows_ = r;
+  }
+  int64_t size() const { return end_.empty() ? 0 : end_.back(); }
+  int64_t rows() const { return rows_; }  // all groups' rows
+  void At(int64_t c, int64_t& group, int64_t& r0, int64_t& rows) const {
+    group = std::upper_bound(end_.begin(), end_.end(), c) - end_.begin();
+    const int64_t first = group ? end_[group - 1] : 0, group_end = group + 1 < int64_t(start_.size())
+                                                                         ? start_[group + 1] : rows_;
+    r0 = start_[group] + (c - first) * chunk_;
+    rows = std::min(chunk_, group_end - r0);
+  }
+
+ private:
+  int64_t chunk_, rows_ = 0;
+  std::vector<int64_t> start_, end_;  // each group's first row; cumulative chunks through it
+};
 
 }  // namespace jaxserve

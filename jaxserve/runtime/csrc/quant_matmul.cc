@@ -2,6 +2,9 @@
 //
 //   jaxserve_quant_matmul:       y[M, N] = x[M, K] @ W
 //   jaxserve_quant_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
+//   jaxserve_quant_matmul_grouped: the same over row groups, each times its own weight: a mixture-of-
+//       experts layer's experts, stacked [E, ...] (each operand with a leading axis of E), rows sorted
+//       by expert, sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0
 //
 // W is held in the 64-column panels of csrc/matmul.cc, quantized (attribute `format`: an id of
 // formats.h, generated from runtime/weight_formats.py's records):
@@ -16,6 +19,8 @@
 //            64 rows of the high 2 bits, k = 4j + t in bits 2t), d f16[N / 64, K / 256, 64],
 //            m i8[N / 64, K / 16, 64] (sc per 16-block)  W = (q - 32) * (d * sc)
 //            (runtime/kquants.py: each product there is exact in float32, so the decode is too)
+//   kMXFP4:  q u8[N / 64, K / 2, 64] e2m1 codes laid out as Q4's, d u8[N / 64, K / 32, 64] E8M0
+//            exponents  W = e2m1(q) * 2^(d - 127)  (gpt-oss's experts: runtime/mxfp4.py; exact in float32)
 // Why: decoding streams every weight once per step, so bytes per weight bound its speed. Each
 // k-row of a panel (64 weights) is decoded in registers into four 16-lane float vectors right
 // before the FMAs that use it, so memory traffic is that of the packed form, and the arithmetic
@@ -117,6 +122,26 @@ inline void Halves(const _Float16* p, v16 out[kNV]) {
   for (int v = 0; v < kNV; ++v) out[v] = Half(p + v * kW);
 }
 
+// MXFP4's e2m1 codes (sign bit 3, exponent bits 2..1, mantissa bit 0) -> their float32 values.
+inline v16 E2m1(u8x16 c) {
+  const i32x16 x = __builtin_convertvector(c, i32x16), e = (x >> 1) & 3, m = x & 1;
+  const i32x16 normal = ((e + 126) << 23) | (m << 22), sub = m * (126 << 23);  // 1.m * 2^(e-1); 0 or 0.5
+  const i32x16 is_normal = e != 0;
+  const i32x16 bits = (normal & is_normal) | (sub & ~is_normal) | ((x & 8) << 28);
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// E8M0 exponents -> 2^(e - 127) in float32 (e = 0: the subnormal 2^-127).
+inline v16 E8m0(u8x16 s) {
+  const i32x16 e = __builtin_convertvector(s, i32x16);
+  const i32x16 bits = (e << 23) | ((e == 0) & 0x00400000);
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // Weights per block that shares one (d, m) pair of vectors in ForEachRow.
 template <Format F>
 constexpr int kSub = F == kQ6_K ? 16 : kBlock;
@@ -133,6 +158,8 @@ inline void BlockScales(const Panel& p, int64_t b, v16 d[kNV], v16 m[kNV]) {
   } else if constexpr (F == kQ6_K) {
     for (int v = 0; v < kNV; ++v)
       d[v] = Half(p.d + b / (kSuper / 16) * kPanel + v * kW) * Float(Load<i8x16>(p.s + b * kPanel + v * kW));
+  } else if constexpr (F == kMXFP4) {
+    for (int v = 0; v < kNV; ++v) d[v] = E8m0(Load<u8x16>(p.s + b * kPanel + v * kW));
   } else {
     Halves(p.d + b * kPanel, d);
     if constexpr (F == kQ4_1) Halves(p.m + b * kPanel, m);
@@ -182,6 +209,11 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
             const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
             w[v] = Float(byte & 15) * d[v] + m[v];
             hi[v] = Float(byte >> 4) * d[v] + m[v];
+            Opaque(hi[v]);
+          } else if constexpr (F == kMXFP4) {
+            const u8x16 byte = Load<u8x16>(p.q + k / 2 * kPanel + v * kW);
+            w[v] = E2m1(byte & 15) * d[v];
+            hi[v] = E2m1(byte >> 4) * d[v];
             Opaque(hi[v]);
           } else if constexpr (F == kQ6_K) {
             i8x16 lo, up;
@@ -255,6 +287,11 @@ struct Weight {
   const _Float16* m;
   Panel At(int64_t panel, int64_t k_len, Format f) const {
     if (f == kINT8 || f == kFP8) return {q + panel * k_len * kPanel, nullptr, nullptr};
+    if (f == kMXFP4) {  // the exponents (bytes) in s
+      Panel p{q + panel * k_len / 2 * kPanel, nullptr, nullptr};
+      p.s = static_cast<const uint8_t*>(d) + panel * k_len / kBlock * kPanel;
+      return p;
+    }
     if (f == kQ4_K || f == kQ6_K) {  // m holds the sub-blocks' integer scales
       const int64_t qs = (f == kQ4_K ? k_len / 2 : k_len / kSuper * 192) * kPanel;
       const int64_t ds = k_len / kSuper * (f == kQ4_K ? 2 : 1) * kPanel;
@@ -271,13 +308,19 @@ struct Weight {
   }
 };
 
+// ys = xs @ W, or silu(xs @ W) * (xs @ W_up) where `ups`, over `chunks`' row groups: group g's rows
+// times ws[g] (and ups[g]); the rows after the groups' (to m_padded) come out zero.
 template <Format F>
-void Run(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t m_padded, int64_t k_len, int64_t panels,
-         const Weight& w, const Weight* w_up, float* ys) {
-  const int64_t n = panels * kPanel, chunks = (m + kRowChunk - 1) / kRowChunk;
+void Run(ffi::ThreadPool& pool, const float* xs, const jaxserve::RowChunks& chunks, int64_t m_padded, int64_t k_len,
+         int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
+  const int64_t n = panels * kPanel, m = chunks.rows();
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
-  jaxserve::ParallelFor(pool, panels * chunks, [&](int64_t i) {
-    const int64_t panel = i % panels, r0 = (i / panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, m - r0);
+  jaxserve::ParallelFor(pool, panels * chunks.size(), [&](int64_t i) {
+    int64_t group, r0, rows;
+    chunks.At(i / panels, group, r0, rows);
+    const int64_t panel = i % panels;
+    const Weight& w = ws[group];
+    const Weight* w_up = ups ? ups + group : nullptr;
     const Panel pg = w.At(panel, k_len, F), pu = w_up ? w_up->At(panel, k_len, F) : Panel{};
     const float *sg = w.Scale(panel, F), *su = w_up ? w_up->Scale(panel, F) : nullptr;
     // A chunk of more than one row tile decodes the panel once, into this thread's buffer, and runs
@@ -319,13 +362,27 @@ void Run(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t m_padded, in
   });
 }
 
-bool Dims(ffi::AnyBuffer a, ffi::DataType t, std::initializer_list<int64_t> want) {
-  const auto ad = a.dimensions();
-  return a.element_type() == t && std::equal(ad.begin(), ad.end(), want.begin(), want.end());
+// An operand's element type and dimensions; a stacked operand's (`lead` 1) without its expert axis.
+struct Shape {
+  ffi::DataType type;
+  std::vector<int64_t> dims;
+  Shape(ffi::AnyBuffer a, size_t lead = 0) : type(a.element_type()) {
+    const auto d = a.dimensions();
+    dims.assign(d.begin() + std::min(lead, d.size()), d.end());
+  }
+  int64_t count() const {
+    int64_t c = 1;
+    for (int64_t d : dims) c *= d;
+    return c;
+  }
+};
+
+bool Dims(const Shape& a, ffi::DataType t, std::initializer_list<int64_t> want) {
+  return a.type == t && std::equal(a.dims.begin(), a.dims.end(), want.begin(), want.end());
 }
 
 // Q4_K / Q6_K operands (q, d, m = the integer scales) as the format's comment above lays them out.
-bool KQuantShapes(Format f, int64_t panels, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
+bool KQuantShapes(Format f, int64_t panels, int64_t k_len, const Shape& q, const Shape& d, const Shape& m) {
   const int64_t sup = k_len / kSuper;
   if (f == kQ4_K)
     return Dims(q, ffi::U8, {panels, k_len / 2, kPanel}) && Dims(d, ffi::F16, {panels, sup, 2, kPanel}) &&
@@ -335,48 +392,62 @@ bool KQuantShapes(Format f, int64_t panels, int64_t k_len, ffi::AnyBuffer q, ffi
 }
 
 // The weight's panel count if (q, d, m) is a well-formed weight of format f for x[., K], else -1.
-int64_t Check(Format f, int64_t k_len, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
-  const auto qd = q.dimensions();
+int64_t Check(Format f, int64_t k_len, const Shape& q, const Shape& d, const Shape& m) {
+  const auto& qd = q.dims;
   if (qd.size() < 3 || qd.back() != kPanel || (qd.size() != 3 && f != kQ6_K)) return -1;
   const int64_t panels = qd[0], blocks = k_len / kBlock;
-  const auto dd = d.dimensions();
+  const auto& dd = d.dims;
   const bool block_scales = dd.size() == 3 && dd[0] == panels && dd[1] == blocks && dd[2] == kPanel &&
-                            d.element_type() == ffi::F16 && k_len % kBlock == 0;
+                            d.type == ffi::F16 && k_len % kBlock == 0;
   switch (f) {
     case kINT8:
     case kFP8:
-      return q.element_type() == (f == kINT8 ? ffi::S8 : ffi::U8) && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
-                     d.element_type() == ffi::F32 ? panels : -1;
+      return q.type == (f == kINT8 ? ffi::S8 : ffi::U8) && qd[1] == k_len && dd.size() == 1 && dd[0] == panels * kPanel &&
+                     d.type == ffi::F32 ? panels : -1;
     case kQ8_0:
-      return q.element_type() == ffi::S8 && qd[1] == k_len && block_scales ? panels : -1;
+      return q.type == ffi::S8 && qd[1] == k_len && block_scales ? panels : -1;
     case kQ4_1:
-      return q.element_type() == ffi::U8 && 2 * qd[1] == k_len && block_scales && m.element_type() == ffi::F16 &&
-                     m.dimensions().size() == 3 && m.element_count() == d.element_count() ? panels : -1;
+      return q.type == ffi::U8 && 2 * qd[1] == k_len && block_scales && m.type == ffi::F16 &&
+                     m.dims.size() == 3 && m.count() == d.count() ? panels : -1;
     case kQ4_K:
     case kQ6_K:
       return k_len % kSuper == 0 && KQuantShapes(f, panels, k_len, q, d, m) ? panels : -1;
+    case kMXFP4:
+      return k_len % kBlock == 0 && Dims(q, ffi::U8, {panels, k_len / 2, kPanel}) &&
+                     Dims(d, ffi::U8, {panels, k_len / kBlock, kPanel}) ? panels : -1;
   }
   return -1;
 }
 
-Weight Of(ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m, Format f) {
-  return {static_cast<const uint8_t*>(q.untyped_data()), d.untyped_data(),
-          f == kQ4_1 || f == kQ4_K || f == kQ6_K ? static_cast<const _Float16*>(m.untyped_data()) : nullptr};
+// Expert e's part of operand a: a's bytes from e * (its size / experts) (experts 1: a itself).
+const void* Part(ffi::AnyBuffer a, int64_t experts, int64_t e) {
+  return static_cast<const uint8_t*>(a.untyped_data()) + a.size_bytes() / experts * e;
 }
 
-ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t format, const Weight& w, const Weight* up,
-                    int64_t panels, ffi::Buffer<ffi::S32> rows, float* y) {
+Weight Of(ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m, Format f, int64_t experts = 1, int64_t e = 0) {
+  return {static_cast<const uint8_t*>(Part(q, experts, e)), Part(d, experts, e),
+          f == kQ4_1 || f == kQ4_K || f == kQ6_K ? static_cast<const _Float16*>(Part(m, experts, e)) : nullptr};
+}
+
+ffi::Error Dispatch(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, int32_t format, const jaxserve::RowChunks& chunks,
+                    const Weight* ws, const Weight* ups, int64_t panels, float* y) {
   const auto xd = x.dimensions();
-  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   switch (format) {
-    case kINT8: Run<kINT8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ8_0: Run<kQ8_0>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kFP8: Run<kFP8>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ4_K: Run<kQ4_K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
-    case kQ6_K: Run<kQ6_K>(pool, x.typed_data(), m, xd[0], xd[1], panels, w, up, y); break;
+    case kINT8: Run<kINT8>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kQ8_0: Run<kQ8_0>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kQ4_1: Run<kQ4_1>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kFP8: Run<kFP8>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kQ4_K: Run<kQ4_K>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kQ6_K: Run<kQ6_K>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
+    case kMXFP4: Run<kMXFP4>(pool, x.typed_data(), chunks, xd[0], xd[1], panels, ws, ups, y); break;
   }
   return ffi::Error::Success();
+}
+
+// One group of a call's first `rows` rows (clamped to x's).
+jaxserve::RowChunks OneGroup(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rows) {
+  const int64_t m = std::clamp<int64_t>(rows.typed_data()[0], 0, x.dimensions()[0]);
+  return jaxserve::RowChunks(&m, 1, kRowChunk);
 }
 
 bool Valid(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rows) {
@@ -397,7 +468,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   if (panels < 0)
     return ffi::Error::InvalidArgument("quant matmul: expected x[M, K], a weight of its format (quant.py), rows[1]");
   const Weight w = Of(q, d, m, Format(format));
-  return Dispatch(pool, x, format, w, nullptr, panels, rows, y->typed_data());
+  return Dispatch(pool, x, format, OneGroup(x, rows), &w, nullptr, panels, y->typed_data());
 }
 
 ffi::Error QuantMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qg, ffi::AnyBuffer dg,
@@ -408,7 +479,44 @@ ffi::Error QuantMatmulGated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (panels < 0 || Check(Format(format), x.dimensions()[1], qu, du, mu) != panels)
     return ffi::Error::InvalidArgument("gated quant matmul: expected x[M, K], two weights of its format alike, rows[1]");
   const Weight g = Of(qg, dg, mg, Format(format)), u = Of(qu, du, mu, Format(format));
-  return Dispatch(pool, x, format, g, &u, panels, rows, y->typed_data());
+  return Dispatch(pool, x, format, OneGroup(x, rows), &g, &u, panels, y->typed_data());
+}
+
+// Stacked experts (every operand [E, ...], q's leading axis E) of format f for x[., K]: the panels of
+// one expert's weight, else -1.
+int64_t CheckStacked(Format f, int64_t k_len, int64_t experts, ffi::AnyBuffer q, ffi::AnyBuffer d, ffi::AnyBuffer m) {
+  for (ffi::AnyBuffer a : {q, d, m})
+    if (a.element_count() && (a.dimensions().size() == 0 || a.dimensions()[0] != experts)) return -1;
+  return Check(f, k_len, Shape(q, 1), Shape(d, 1), Shape(m, 1));
+}
+
+// Row groups of sizes[E] (negative ones as 0; all of them within x's rows).
+jaxserve::RowChunks Groups(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> sizes, int64_t chunk) {
+  std::vector<int64_t> rows(sizes.element_count());
+  int64_t left = x.dimensions()[0];
+  for (size_t e = 0; e < rows.size(); ++e) left -= rows[e] = std::clamp<int64_t>(sizes.typed_data()[e], 0, left);
+  return jaxserve::RowChunks(rows.data(), int64_t(rows.size()), chunk);
+}
+
+// Gated where the up operands are given (qu not empty).
+ffi::Error QuantMatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qg, ffi::AnyBuffer dg,
+                              ffi::AnyBuffer mg, ffi::AnyBuffer qu, ffi::AnyBuffer du, ffi::AnyBuffer mu,
+                              ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y, int32_t format) {
+  if (!Known(format)) return UnknownFormat("grouped quant matmul", format);
+  const Format f = Format(format);
+  const int64_t experts = sizes.element_count(), gated = qu.element_count() > 0;
+  const int64_t panels = x.dimensions().size() == 2 && experts > 0
+                             ? CheckStacked(f, x.dimensions()[1], experts, qg, dg, mg) : -1;
+  if (panels < 0 || (gated && CheckStacked(f, x.dimensions()[1], experts, qu, du, mu) != panels))
+    return ffi::Error::InvalidArgument("grouped quant matmul: expected x[M, K], stacked weights [E, ...] of its "
+                                       "format (runtime/expert_matmul.py), sizes i32[E]");
+  std::vector<Weight> ws, ups;
+  for (int64_t e = 0; e < experts; ++e) {
+    ws.push_back(Of(qg, dg, mg, f, experts, e));
+    if (gated) ups.push_back(Of(qu, du, mu, f, experts, e));
+  }
+  return Dispatch(pool, x, format, Groups(x, sizes, kRowChunk), ws.data(), gated ? ups.data() : nullptr, panels,
+                  y->typed_data());
 }
 
 }  // namespace
@@ -435,6 +543,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGated, QuantMatmulGated,
                                   .Arg<ffi::AnyBuffer>()         // up: scale or d
                                   .Arg<ffi::AnyBuffer>()         // up: m
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
+                                  .Attr<int32_t>("format"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGrouped, QuantMatmulGrouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K], rows sorted by expert
+                                  .Arg<ffi::AnyBuffer>()         // gate (or the one weight): q [E, ...]
+                                  .Arg<ffi::AnyBuffer>()         // gate: scale or d [E, ...]
+                                  .Arg<ffi::AnyBuffer>()         // gate: m [E, ...] (or empty)
+                                  .Arg<ffi::AnyBuffer>()         // up: q [E, ...], empty: not gated
+                                  .Arg<ffi::AnyBuffer>()         // up: scale or d
+                                  .Arg<ffi::AnyBuffer>()         // up: m
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sizes[E]: rows per expert
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
                                   .Attr<int32_t>("format"));
 
