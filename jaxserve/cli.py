@@ -16,6 +16,7 @@ import sys
 from jaxserve.args import add_engine_args, apply_config_file, bytes_arg, engine_config
 from jaxserve.config import EngineConfig
 from jaxserve.errors import UserError
+from jaxserve.startup_trace import mark
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,6 +72,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 delta = out.outputs[0].delta_text
+                if delta and not text:
+                    mark("first token")
                 text += delta
                 if stream and delta:
                     sys.stdout.write(delta)
@@ -200,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mark("cli")  # the interpreter and the CLI's imports
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # `serve --data-parallel-size N` hands them on to its replicas

@@ -34,6 +34,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
 from jaxserve.spec.draft import DraftModel
 from jaxserve.spec.speculator import Speculator
+from jaxserve.startup_trace import mark
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
@@ -42,6 +43,7 @@ class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
+        mark("imports")
         self.config = config = config or EngineConfig(**kwargs)
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
         if config.compilation_cache:
@@ -50,10 +52,13 @@ class LLMEngine:
         # the weight format: the user's, else this machine's default (default_format.py), said once
         self.quantization = default_format.for_engine(config)
         quantization = None if self.quantization == "none" else self.quantization
+        mark("weight format")
         self.loaded = load_model(config.model, quantization=quantization)
+        mark("weights read")
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
+        mark("tokenizer")
         self.pooling_config = PoolingConfig.from_model(self.loaded.path)
         # rerank / score: the LM-head columns of the two score tokens, or why there are none
         self.score_head = score_head(self.loaded.params, mc, self.tokenizer, config.score_tokens)
@@ -101,6 +106,7 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
+        mark("engine")
 
     def precompile(self, progress=None) -> float:
         took = self.runner.precompile(progress)
@@ -110,6 +116,7 @@ class LLMEngine:
         if self.drafter is not None:
             took += self.drafter.precompile()
         memory.warn_on_map_count(self.runner.num_compiles)
+        mark("precompile")
         return took
 
     # ---- requests -------------------------------------------------------------------------------
