@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise UserError('No prompt given: pass it as an argument (jaxserve generate "Hello") or on stdin.')
     stream = sys.stdout.isatty() if args.stream is None else args.stream
-    engine = LLMEngine(engine_config(args, precompile=False))
+    engine = LLMEngine(engine_config(args, precompile=False), kv_for_sequences=1)  # one prompt at a time
     params = sampling_params(args, engine.loaded.generation_defaults)
     tok = engine.tokenizer
     for i, prompt in enumerate(prompts):

@@ -42,7 +42,10 @@ from jaxserve.worker import runner as rt
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, kv_for_sequences: int | None = None, **kwargs):
+        """kv_for_sequences: with no --kv-cache-memory or --num-blocks, a host KV cache holds only
+        this many max_model_len sequences where the budget would give more (`jaxserve generate` runs
+        one prompt at a time: allocating, zeroing and holding 1 GiB costs it ~0.5 s and its RSS)."""
         mark("imports")
         self.config = config = config or EngineConfig(**kwargs)
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
@@ -58,6 +61,10 @@ class LLMEngine:
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
+        if self.loaded.path.suffix == ".gguf":  # its header, parsed once for the three readers above
+            from jaxserve.model.gguf_loader import forget_header
+
+            forget_header()
         mark("tokenizer")
         self.pooling_config = PoolingConfig.from_model(self.loaded.path)
         # rerank / score: the LM-head columns of the two score tokens, or why there are none
@@ -65,6 +72,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         on_device = sized_on_device(config)  # then the cache is sized after the runner's largest step
         self.num_blocks = config.num_blocks or (2 if on_device else blocks_from_budget(config, mc, kv_dtype))
+        if kv_for_sequences and not (config.num_blocks or config.kv_cache_memory or on_device):
+            needed = kv_for_sequences * -(-self.max_model_len // config.block_size)
+            needed += int(config.watermark * needed) + 2  # admission's watermark, the null block
+            self.num_blocks = min(self.num_blocks, needed)
         self.runner = rt.ModelRunner(mc, self.loaded.params, rt.RunnerConfig(
             block_size=config.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -118,6 +129,17 @@ class LLMEngine:
         memory.warn_on_map_count(self.runner.num_compiles)
         mark("precompile")
         return took
+
+    def warm_up(self, progress=None):
+        """`serve`'s start-up compile: the largest bucket now and the rest in the background
+        (ModelRunner.start_warm_up; returns its thread), or every bucket now (precompile) where
+        background_compile is off or pooling / draft steps compile too."""
+        if not self.config.background_compile or self.pooling_config.declared or self.drafter is not None:
+            self.precompile(progress)
+            return None
+        thread = self.runner.start_warm_up(progress)
+        mark("precompile")
+        return thread
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None, *,

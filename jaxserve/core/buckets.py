@@ -67,3 +67,16 @@ class BucketKey(NamedTuple):
     # block-table columns per sequence row (0: the full max_blocks): a context bucket, set where
     # the attention backend's work spans the table (BatchBuilder's context_buckets: xla)
     c: int = 0
+
+
+def covering_bucket(key: BucketKey, ready, max_blocks: int) -> BucketKey | None:
+    """The smallest bucket of `ready` (compiled) that can run a step of bucket `key`: as many or
+    more token rows, sequence rows, adjustments and block columns (padding fills the rest), a
+    general step for a decode one; None if none can. While buckets compile in the background
+    (ModelRunner.start_warm_up) steps run on these, so no step waits on a compile."""
+    def width(c: int) -> int:
+        return c or max_blocks
+
+    fits = [k for k in list(ready) if k.t >= key.t and k.s >= key.s and k.w >= key.w
+            and k.pool == key.pool and (not k.decode or key.decode) and width(k.c) >= width(key.c)]
+    return min(fits, key=lambda k: (k.t, k.s, k.w, width(k.c), k.decode), default=None)

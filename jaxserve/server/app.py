@@ -354,7 +354,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.precompile:
         from jaxserve.progress import compile_progress
 
-        engine.precompile(compile_progress())
+        engine.warm_up(compile_progress())  # the other buckets may still compile while serving
     app = build_app(engine, cfg)
     mark("app")
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host

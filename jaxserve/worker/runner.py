@@ -36,13 +36,14 @@ from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
 from jaxserve.paths import cache_dir
-from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
+from jaxserve.runtime import compat, cpu_kernels, fallback, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
 from jaxserve.runtime.sampler import sample
 from jaxserve.startup_trace import mark
+from jaxserve.worker import step_cache
 from pallas_kernels import kv_quant
 
 log = logging.getLogger("jaxserve")
@@ -268,14 +269,32 @@ class ModelRunner:
         flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
         return jitted, (self.params, self.kv.layers, flat, self.last_tokens)
 
+    def cache_description(self, key: BucketKey) -> str:
+        """Everything bucket `key`'s trace depends on besides the sources and versions
+        (worker/step_cache.py keys its executables by this)."""
+        def leaves(tree):
+            return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))), tree)
+
+        lib = cpu_kernels.library_name()
+        return repr((self.source_config, self.model_cfg, self.cfg, self.backend, self.kv_cache_dtype, str(self.dtype),
+                     self.kv_repeat, self.s_max, self.builder.field_specs(key), lib, leaves(self.params),
+                     leaves(self.kv.layers), self.kv.layout, leaves(self.last_tokens), leaves(self.inv_freq),
+                     [str(d) for d in self.mesh.devices.flat], self.mesh.axis_names))
+
     def _compile(self, key: BucketKey):
         """The bucket's executable; a default Pallas backend the compiler rejects falls back to
         `xla` once (warned) and the bucket compiles again."""
         generation = self._generation
         t0 = time.perf_counter()
+        cache_key = step_cache.key_of(self.cache_description(key), key)
+        exe = step_cache.load(cache_key)
+        if exe is not None:
+            mark("compile", bucket=list(key), s=time.perf_counter() - t0, cached=True)
+            return exe
         jitted, args = self.step_function(key)
         try:
             exe = jitted.lower(*args).compile()
+            step_cache.store(cache_key, exe)
             mark("compile", bucket=list(key), s=time.perf_counter() - t0)
             return exe
         except Exception as e:  # noqa: BLE001 - any compiler error; re-raised unless we fall back
@@ -290,7 +309,8 @@ class ModelRunner:
             self.num_compiles += 1
         return fn
 
-    def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None) -> float:
+    def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None,
+                   smallest_first: bool = False) -> float:
         """Compile every bucket (or `keys`) now, so no request waits on a compile: in parallel,
         one XLA compile per core (compiling releases the GIL), largest first."""
         t0 = time.perf_counter()
@@ -300,7 +320,7 @@ class ModelRunner:
         # xla's context widths): the loop compiles what is missing
         while True:
             keys = self.all_buckets() if every else keys
-            todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
+            todo = [k for k in sorted(keys, reverse=not smallest_first) if k not in self._compiled]
             if not todo:
                 break
             generation = self._generation
@@ -319,6 +339,29 @@ class ModelRunner:
             log.warning("%d of %d step executables were compiled (not found in, or not readable from, the "
                         "XLA compilation cache at %s); %d were loaded from it", misses, hits + misses, cache, hits)
         return time.perf_counter() - t0
+
+    def start_warm_up(self, progress=None) -> threading.Thread | None:
+        """Compile the largest bucket now (it holds any step), the rest on one background thread,
+        smallest first; until each is compiled, steps run on the smallest compiled bucket that holds
+        them (BatchBuilder.ready), so no step waits on a compile. Returns the thread (None if
+        nothing is left to compile)."""
+        keys = self.all_buckets()
+        self.precompile(progress, keys=[max(keys)])
+        rest = [k for k in keys if k not in self._compiled]
+        if not rest:
+            return None
+        self.builder.ready = self._compiled  # read by the engine thread while this one adds to it
+
+        def warm_up():
+            t0 = time.perf_counter()
+            self.precompile(keys=rest, workers=1, smallest_first=True)  # decode steps' small buckets first
+            self.builder.ready = None  # every bucket compiled
+            log.info("Background warm-up: %d step buckets compiled in %.1f s", len(rest), time.perf_counter() - t0)
+            mark("warm-up done")
+
+        thread = threading.Thread(target=warm_up, name="jaxserve-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def execute(self, batch: StepBatch | np.ndarray, key: BucketKey) -> StepResult:
         """Dispatch one step (returns at once: device arrays, not synced). `batch` may already be
