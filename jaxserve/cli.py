@@ -51,6 +51,9 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.tokenizer import import_in_background
+
+    import_in_background()
     from jaxserve.engine import LLMEngine
 
     prompts = args.prompt or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
@@ -99,6 +102,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxserve.tokenizer import import_in_background
+
+    import_in_background()
     from jaxserve.server.app import serve
 
     if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "router", "auto") != "auto":
