@@ -127,6 +127,7 @@ class LLMEngine:
         if self.drafter is not None:
             took += self.drafter.precompile()
         memory.warn_on_map_count(self.runner.num_compiles)
+        memory.trim_heap()
         mark("precompile")
         return took
 

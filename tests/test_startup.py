@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.runtime import memory
 from jaxserve.worker import step_cache
 from tests.test_step_contract import CompileCounter, steady_state_mix
 
@@ -52,9 +53,9 @@ def test_a_cached_step_loads_without_tracing_and_computes_the_same(tiny_model, s
     assert compiles.count == 0  # nothing traced, lowered or compiled
     runner = second.engine.runner
     key = max(runner._compiled)
-    same = step_cache.key_of(runner.cache_description(key), key)
+    same = step_cache.key_of(step_cache.describe(runner, key), key)
     runner.cfg = dataclasses.replace(runner.cfg, num_blocks=runner.cfg.num_blocks + 1)  # another KV cache
-    assert step_cache.key_of(runner.cache_description(key), key) != same
+    assert step_cache.key_of(step_cache.describe(runner, key), key) != same
 
 
 @pytest.mark.slow
@@ -70,6 +71,8 @@ def test_during_the_background_warm_up_no_step_compiles(tiny_model, monkeypatch)
         return real(*a, **kw)
 
     monkeypatch.setattr(runner, "precompile", gated)
+    trims = []
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(1))
     thread = llm.engine.warm_up()
     assert runner.num_compiles == 1 and runner.builder.ready is not None
     vocab = llm.engine.model_config.vocab_size
@@ -81,4 +84,11 @@ def test_during_the_background_warm_up_no_step_compiles(tiny_model, monkeypatch)
     gate.set()
     thread.join(300)
     assert runner.builder.ready is None and runner.num_compiles == len(runner.all_buckets())
+    assert trims == [1]  # the compile's freed heap handed back once the warm-up is done
     assert tokens(llm) == got  # on the exact buckets now: the padded bucket computed the same greedy tokens
+
+
+def test_native_cpu_kernels_compile_no_midpoint_buckets(tiny_llm):
+    runner = tiny_llm.engine.runner
+    assert runner.backend.token_midpoints == (runner.backend.attention != "cpu" or not runner.backend.native_linear)
+    assert (48 in runner.builder.t_buckets) == runner.backend.token_midpoints

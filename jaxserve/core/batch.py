@@ -186,6 +186,7 @@ class BatchBuilder:
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
                  max_model_len: int, vocab_size: int, decode_buckets: bool = False,
                  context_buckets: bool = False):
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.t_buckets = token_buckets(max_num_batched_tokens)
         self.s_max = next_pow2(max_num_seqs)
         self.block_size = block_size
@@ -201,6 +202,10 @@ class BatchBuilder:
     @property
     def context_buckets(self) -> bool:
         return bool(self.context_widths)
+
+    def set_token_midpoints(self, on: bool) -> None:
+        """T buckets at the 1.5x midpoints too, or not (the backend's choice: Backend.token_midpoints)."""
+        self.t_buckets = token_buckets(self.max_num_batched_tokens, midpoints=on)
 
     @context_buckets.setter
     def context_buckets(self, on: bool) -> None:

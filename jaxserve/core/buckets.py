@@ -25,13 +25,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
-    """Step sizes that compile: powers of two from `smallest`, plus the midpoints 24, 48, 96, ...
+def token_buckets(max_tokens: int, smallest: int = 1, midpoints: bool = True) -> list[int]:
+    """Step sizes that compile: powers of two from `smallest`, plus (`midpoints`) 24, 48, 96, ...
     (padding a step costs at most a third, not half), capped by `max_tokens` (always included)."""
     out, t = [], smallest
     while t < max_tokens:
         out.append(t)
-        if t >= 16 and t * 3 // 2 < max_tokens:
+        if midpoints and t >= 16 and t * 3 // 2 < max_tokens:
             out.append(t * 3 // 2)
         t *= 2
     return out + [max(max_tokens, smallest)]

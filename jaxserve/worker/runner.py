@@ -36,7 +36,7 @@ from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
 from jaxserve.paths import cache_dir
-from jaxserve.runtime import compat, cpu_kernels, fallback, quant_params, sharded_ops
+from jaxserve.runtime import compat, fallback, memory, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
@@ -167,6 +167,7 @@ class ModelRunner:
         # the bucket dimensions the backend asks for (the engine's planner shares this builder)
         self.builder.decode_buckets = backend.has_decode_kernel
         self.builder.context_buckets = backend.context_buckets
+        self.builder.set_token_midpoints(backend.token_midpoints)
         self.models = {d: CausalLM(self.model_cfg, self._ops(d), self.dtype) for d in (False, True)}
         self.model = self.models[False]
         quantized = kv_quant.is_quantized(self.kv_cache_dtype)
@@ -269,24 +270,12 @@ class ModelRunner:
         flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
         return jitted, (self.params, self.kv.layers, flat, self.last_tokens)
 
-    def cache_description(self, key: BucketKey) -> str:
-        """Everything bucket `key`'s trace depends on besides the sources and versions
-        (worker/step_cache.py keys its executables by this)."""
-        def leaves(tree):
-            return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))), tree)
-
-        lib = cpu_kernels.library_name()
-        return repr((self.source_config, self.model_cfg, self.cfg, self.backend, self.kv_cache_dtype, str(self.dtype),
-                     self.kv_repeat, self.s_max, self.builder.field_specs(key), lib, leaves(self.params),
-                     leaves(self.kv.layers), self.kv.layout, leaves(self.last_tokens), leaves(self.inv_freq),
-                     [str(d) for d in self.mesh.devices.flat], self.mesh.axis_names))
-
     def _compile(self, key: BucketKey):
         """The bucket's executable; a default Pallas backend the compiler rejects falls back to
         `xla` once (warned) and the bucket compiles again."""
         generation = self._generation
         t0 = time.perf_counter()
-        cache_key = step_cache.key_of(self.cache_description(key), key)
+        cache_key = step_cache.key_of(step_cache.describe(self, key), key)
         exe = step_cache.load(cache_key)
         if exe is not None:
             mark("compile", bucket=list(key), s=time.perf_counter() - t0, cached=True)
@@ -356,6 +345,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.precompile(keys=rest, workers=1, smallest_first=True)  # decode steps' small buckets first
             self.builder.ready = None  # every bucket compiled
+            memory.trim_heap()
             log.info("Background warm-up: %d step buckets compiled in %.1f s", len(rest), time.perf_counter() - t0)
             mark("warm-up done")
 

@@ -64,6 +64,21 @@ def directory() -> pathlib.Path | None:
     return pathlib.Path(xla) / SUBDIR if xla and os.environ.get("JAXSERVE_STEP_CACHE", "1") != "0" else None
 
 
+def describe(runner, key) -> str:
+    """Everything bucket `key`'s trace on `runner` (a ModelRunner) depends on besides the sources
+    and versions: configs, backend, native library, shapes / dtypes / shardings, mesh, batch layout."""
+    from jaxserve.runtime import cpu_kernels
+
+    def leaves(tree):
+        return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))), tree)
+
+    r = runner
+    return repr((r.source_config, r.model_cfg, r.cfg, r.backend, r.kv_cache_dtype, str(r.dtype), r.kv_repeat, r.s_max,
+                 r.builder.field_specs(key), cpu_kernels.library_name(), leaves(r.params), leaves(r.kv.layers),
+                 r.kv.layout, leaves(r.last_tokens), leaves(r.inv_freq), [str(d) for d in r.mesh.devices.flat],
+                 r.mesh.axis_names))
+
+
 def key_of(description: str, bucket) -> str:
     return hashlib.sha256(f"{environment()}|{description}|{tuple(bucket)!r}".encode()).hexdigest()
 

@@ -169,3 +169,12 @@ def test_while_buckets_compile_a_step_runs_on_a_compiled_one_that_holds_it():
     assert covering_bucket(BucketKey(8, 8, 512), {BucketKey(64, 16, 0)}, 16) is None  # no adjustments there
     assert covering_bucket(BucketKey(8, 8, 0, c=4), {BucketKey(8, 8, 0, c=2), BucketKey(8, 8, 0)}, 16) == \
         BucketKey(8, 8, 0)  # c=0: the full width
+
+
+def test_without_midpoints_tokens_pad_to_powers_of_two():
+    b = builder()
+    assert b.bucket_for(20, 20) == BucketKey(24, 16, 0)
+    n = len(b.all_buckets())
+    b.set_token_midpoints(False)  # the native CPU backend: padding rows are skipped, buckets cost memory
+    assert b.t_buckets == [1, 2, 4, 8, 16, 32, 64] and b.bucket_for(20, 20) == BucketKey(32, 16, 0)
+    assert len(b.all_buckets()) < n
