@@ -38,6 +38,7 @@ from jaxserve.startup_trace import mark
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
+from jaxserve.worker.warm_up import BackgroundWarmUp
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
@@ -117,6 +118,7 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
+        self.background: BackgroundWarmUp | None = None  # serve's warm-up (warm_up)
         mark("engine")
 
     def precompile(self, progress=None) -> float:
@@ -133,14 +135,19 @@ class LLMEngine:
 
     def warm_up(self, progress=None):
         """`serve`'s start-up compile: the largest bucket now and the rest in the background
-        (ModelRunner.start_warm_up; returns its thread), or every bucket now (precompile) where
-        background_compile is off or pooling / draft steps compile too."""
+        (worker/warm_up.py; returns the BackgroundWarmUp), or every bucket now (precompile) where
+        background_compile is off or pooling / draft steps compile too (returns None)."""
         if not self.config.background_compile or self.pooling_config.declared or self.drafter is not None:
             self.precompile(progress)
             return None
-        thread = self.runner.start_warm_up(progress)
+        self.background = BackgroundWarmUp(self.runner)
+        self.background.start(progress)
         mark("precompile")
-        return thread
+        return self.background
+
+    def stop_warm_up(self) -> None:
+        if self.background is not None:
+            self.background.stop()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None, *,

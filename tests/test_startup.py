@@ -11,8 +11,7 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runtime import memory
-from jaxserve.worker import step_cache
+from jaxserve.worker import step_cache, warm_up
 from tests.test_step_contract import CompileCounter, steady_state_mix
 
 SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=32)
@@ -63,17 +62,17 @@ def test_during_the_background_warm_up_no_step_compiles(tiny_model, monkeypatch)
     llm = LLM(tiny_model("llama"), **SMALL, precompile=False)
     runner = llm.engine.runner
     gate = threading.Event()  # holds the background thread until the requests ran
-    real = runner.precompile
+    real = runner.executable
 
-    def gated(*a, **kw):
-        if kw.get("smallest_first"):
+    def gated(key):
+        if threading.current_thread().name == "jaxserve-warm-up":
             assert gate.wait(120)
-        return real(*a, **kw)
+        return real(key)
 
-    monkeypatch.setattr(runner, "precompile", gated)
+    monkeypatch.setattr(runner, "executable", gated)
     trims = []
-    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(1))
-    thread = llm.engine.warm_up()
+    monkeypatch.setattr(warm_up.memory, "trim_heap", lambda: trims.append(1))
+    warm = llm.engine.warm_up()
     assert runner.num_compiles == 1 and runner.builder.ready is not None
     vocab = llm.engine.model_config.vocab_size
     mix = steady_state_mix(vocab)
@@ -82,7 +81,7 @@ def test_during_the_background_warm_up_no_step_compiles(tiny_model, monkeypatch)
         llm.generate(PROMPTS * 3, (mix * 2)[:9], use_tqdm=False)  # penalties, bias, logprobs: all on the largest
     assert compiles.count == 0 and runner.num_compiles == 1
     gate.set()
-    thread.join(300)
+    warm.join(300)
     assert runner.builder.ready is None and runner.num_compiles == len(runner.all_buckets())
     assert trims == [1]  # the compile's freed heap handed back once the warm-up is done
     assert tokens(llm) == got  # on the exact buckets now: the padded bucket computed the same greedy tokens

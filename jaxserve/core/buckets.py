@@ -73,7 +73,7 @@ def covering_bucket(key: BucketKey, ready, max_blocks: int) -> BucketKey | None:
     """The smallest bucket of `ready` (compiled) that can run a step of bucket `key`: as many or
     more token rows, sequence rows, adjustments and block columns (padding fills the rest), a
     general step for a decode one; None if none can. While buckets compile in the background
-    (ModelRunner.start_warm_up) steps run on these, so no step waits on a compile."""
+    (worker/warm_up.py) steps run on these, so no step waits on a compile."""
     def width(c: int) -> int:
         return c or max_blocks
 

@@ -372,5 +372,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = _Server(config, app, url, engine.kv_capacity_tokens)
     freeze_startup_heap()
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.stop_warm_up()
     return server.exit_code

@@ -36,7 +36,7 @@ from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
 from jaxserve.paths import cache_dir
-from jaxserve.runtime import compat, fallback, memory, quant_params, sharded_ops
+from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
@@ -298,8 +298,7 @@ class ModelRunner:
             self.num_compiles += 1
         return fn
 
-    def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None,
-                   smallest_first: bool = False) -> float:
+    def precompile(self, progress=None, workers: int | None = None, keys: list[BucketKey] | None = None) -> float:
         """Compile every bucket (or `keys`) now, so no request waits on a compile: in parallel,
         one XLA compile per core (compiling releases the GIL), largest first."""
         t0 = time.perf_counter()
@@ -309,7 +308,7 @@ class ModelRunner:
         # xla's context widths): the loop compiles what is missing
         while True:
             keys = self.all_buckets() if every else keys
-            todo = [k for k in sorted(keys, reverse=not smallest_first) if k not in self._compiled]
+            todo = [k for k in sorted(keys, reverse=True) if k not in self._compiled]
             if not todo:
                 break
             generation = self._generation
@@ -328,30 +327,6 @@ class ModelRunner:
             log.warning("%d of %d step executables were compiled (not found in, or not readable from, the "
                         "XLA compilation cache at %s); %d were loaded from it", misses, hits + misses, cache, hits)
         return time.perf_counter() - t0
-
-    def start_warm_up(self, progress=None) -> threading.Thread | None:
-        """Compile the largest bucket now (it holds any step), the rest on one background thread,
-        smallest first; until each is compiled, steps run on the smallest compiled bucket that holds
-        them (BatchBuilder.ready), so no step waits on a compile. Returns the thread (None if
-        nothing is left to compile)."""
-        keys = self.all_buckets()
-        self.precompile(progress, keys=[max(keys)])
-        rest = [k for k in keys if k not in self._compiled]
-        if not rest:
-            return None
-        self.builder.ready = self._compiled  # read by the engine thread while this one adds to it
-
-        def warm_up():
-            t0 = time.perf_counter()
-            self.precompile(keys=rest, workers=1, smallest_first=True)  # decode steps' small buckets first
-            self.builder.ready = None  # every bucket compiled
-            memory.trim_heap()
-            log.info("Background warm-up: %d step buckets compiled in %.1f s", len(rest), time.perf_counter() - t0)
-            mark("warm-up done")
-
-        thread = threading.Thread(target=warm_up, name="jaxserve-warm-up", daemon=True)
-        thread.start()
-        return thread
 
     def execute(self, batch: StepBatch | np.ndarray, key: BucketKey) -> StepResult:
         """Dispatch one step (returns at once: device arrays, not synced). `batch` may already be
