@@ -54,7 +54,8 @@ def environment() -> str:
     import jaxlib
 
     env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith(("JAX", "XLA", "TF_", "JAXSERVE_")) and k not in _IGNORED_ENV)
+                 if k.startswith(("JAX", "XLA", "TF_", "JAXSERVE_")) and k not in _IGNORED_ENV
+                 and not k.startswith("TF_CPP_"))  # log levels
     return repr((jax.__version__, jaxlib.__version__, flax.__version__, env, sources_digest()))
 
 
