@@ -16,6 +16,7 @@ import sys
 from jaxserve.args import add_engine_args, apply_config_file, bytes_arg, engine_config
 from jaxserve.config import EngineConfig
 from jaxserve.errors import UserError
+from jaxserve.startup_trace import mark
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +51,9 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.tokenizer import import_in_background
+
+    import_in_background()
     from jaxserve.engine import LLMEngine
 
     prompts = args.prompt or ([sys.stdin.read()] if not sys.stdin.isatty() else [])
@@ -57,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise UserError('No prompt given: pass it as an argument (jaxserve generate "Hello") or on stdin.')
     stream = sys.stdout.isatty() if args.stream is None else args.stream
-    engine = LLMEngine(engine_config(args, precompile=False))
+    engine = LLMEngine(engine_config(args, precompile=False), kv_for_sequences=1)  # one prompt at a time
     params = sampling_params(args, engine.loaded.generation_defaults)
     tok = engine.tokenizer
     for i, prompt in enumerate(prompts):
@@ -71,6 +75,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 delta = out.outputs[0].delta_text
+                if delta and not text:
+                    mark("first token")
                 text += delta
                 if stream and delta:
                     sys.stdout.write(delta)
@@ -96,6 +102,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxserve.tokenizer import import_in_background
+
+    import_in_background()
     from jaxserve.server.app import serve
 
     if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "router", "auto") != "auto":
@@ -200,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mark("cli")  # the interpreter and the CLI's imports
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # `serve --data-parallel-size N` hands them on to its replicas

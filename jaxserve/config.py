@@ -105,6 +105,8 @@ class EngineConfig:
     async_scheduling: bool = _knob(True, "dispatch step n+1 before reading step n's tokens, so host work "
                                    "overlaps the device")
     precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")
+    background_compile: bool = _knob(True, "serve: be ready once the largest step bucket is compiled and compile "
+                                     "the others on a background thread (steps run on compiled buckets meanwhile)")
     compilation_cache: bool = _knob(True, "use JAX's persistent compilation cache")
     seed: int = _knob(0, "seeds the per-request seeds of requests that bring none")
     score_tokens: str | None = _knob(None, "rerank / score: the 'no' and 'yes' answer tokens whose last-position "

@@ -34,14 +34,20 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
 from jaxserve.spec.draft import DraftModel
 from jaxserve.spec.speculator import Speculator
+from jaxserve.startup_trace import mark
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
+from jaxserve.worker.warm_up import BackgroundWarmUp
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, kv_for_sequences: int | None = None, **kwargs):
+        """kv_for_sequences: with no --kv-cache-memory or --num-blocks, a host KV cache holds only
+        this many max_model_len sequences where the budget would give more (`jaxserve generate` runs
+        one prompt at a time: allocating, zeroing and holding 1 GiB costs it ~0.5 s and its RSS)."""
+        mark("imports")
         self.config = config = config or EngineConfig(**kwargs)
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
         if config.compilation_cache:
@@ -50,16 +56,27 @@ class LLMEngine:
         # the weight format: the user's, else this machine's default (default_format.py), said once
         self.quantization = default_format.for_engine(config)
         quantization = None if self.quantization == "none" else self.quantization
+        mark("weight format")
         self.loaded = load_model(config.model, quantization=quantization)
+        mark("weights read")
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
+        if self.loaded.path.suffix == ".gguf":  # its header, parsed once for the three readers above
+            from jaxserve.model.gguf_loader import forget_header
+
+            forget_header()
+        mark("tokenizer")
         self.pooling_config = PoolingConfig.from_model(self.loaded.path)
         # rerank / score: the LM-head columns of the two score tokens, or why there are none
         self.score_head = score_head(self.loaded.params, mc, self.tokenizer, config.score_tokens)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         on_device = sized_on_device(config)  # then the cache is sized after the runner's largest step
         self.num_blocks = config.num_blocks or (2 if on_device else blocks_from_budget(config, mc, kv_dtype))
+        if kv_for_sequences and not (config.num_blocks or config.kv_cache_memory or on_device):
+            needed = kv_for_sequences * -(-self.max_model_len // config.block_size)
+            needed += int(config.watermark * needed) + 2  # admission's watermark, the null block
+            self.num_blocks = min(self.num_blocks, needed)
         self.runner = rt.ModelRunner(mc, self.loaded.params, rt.RunnerConfig(
             block_size=config.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -101,6 +118,8 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
+        self.background: BackgroundWarmUp | None = None  # serve's warm-up (warm_up)
+        mark("engine")
 
     def precompile(self, progress=None) -> float:
         took = self.runner.precompile(progress)
@@ -110,7 +129,25 @@ class LLMEngine:
         if self.drafter is not None:
             took += self.drafter.precompile()
         memory.warn_on_map_count(self.runner.num_compiles)
+        memory.trim_heap()
+        mark("precompile")
         return took
+
+    def warm_up(self, progress=None):
+        """`serve`'s start-up compile: the largest bucket now and the rest in the background
+        (worker/warm_up.py; returns the BackgroundWarmUp), or every bucket now (precompile) where
+        background_compile is off or pooling / draft steps compile too (returns None)."""
+        if not self.config.background_compile or self.pooling_config.declared or self.drafter is not None:
+            self.precompile(progress)
+            return None
+        self.background = BackgroundWarmUp(self.runner)
+        self.background.start(progress)
+        mark("precompile")
+        return self.background
+
+    def stop_warm_up(self) -> None:
+        if self.background is not None:
+            self.background.stop()
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None, *,

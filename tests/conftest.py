@@ -12,6 +12,9 @@ import pytest
 # Keep the persistent XLA compilation cache inside the test session's own folder by default, so
 # tests neither depend on nor pollute the user's cache.
 os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache"))
+# Serialized step executables are keyed by the sources, not by what a test monkeypatches: off here
+# (tests/test_startup.py turns them on for itself).
+os.environ.setdefault("JAXSERVE_STEP_CACHE", "0")
 
 # Each module's measured seconds on one xdist worker (setup, calls, teardown), written by
 # `python tools/suite_seconds.py <junit.xml>` from a run with `--junitxml`.

@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxserve.core.buckets import (ADJUST_MIN_TOKENS, SINGLE_SEQ_MIN_TOKENS, BucketKey, context_widths, next_pow2,
-                                   token_buckets)
+from jaxserve.core.buckets import (ADJUST_MIN_TOKENS, SINGLE_SEQ_MIN_TOKENS, BucketKey, context_widths, covering_bucket,
+                                   next_pow2, token_buckets)
 
 PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on the host
 MAX_LOGPROBS = 20  # top-N logprobs every executable can return (OpenAI's and vLLM's limit)
@@ -186,6 +186,7 @@ class BatchBuilder:
     def __init__(self, *, max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
                  max_model_len: int, vocab_size: int, decode_buckets: bool = False,
                  context_buckets: bool = False):
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.t_buckets = token_buckets(max_num_batched_tokens)
         self.s_max = next_pow2(max_num_seqs)
         self.block_size = block_size
@@ -196,10 +197,15 @@ class BatchBuilder:
         self.adjust_widths = sorted({min(SMALL_ADJUSTMENTS, self.max_adjustments), self.max_adjustments})
         self.decode_buckets = decode_buckets
         self.context_buckets = context_buckets
+        self.ready = None  # the buckets steps may use while others compile (covering_bucket); None: all
 
     @property
     def context_buckets(self) -> bool:
         return bool(self.context_widths)
+
+    def set_token_midpoints(self, on: bool) -> None:
+        """T buckets at the 1.5x midpoints too, or not (the backend's choice: Backend.token_midpoints)."""
+        self.t_buckets = token_buckets(self.max_num_batched_tokens, midpoints=on)
 
     @context_buckets.setter
     def context_buckets(self, on: bool) -> None:
@@ -309,6 +315,8 @@ class BatchBuilder:
         key = self.bucket_for(n, num_rows, need, len(samplings), -(-context // bs))
         if self.decode_buckets and n == num_rows and key.t == key.s:
             key = key._replace(decode=True)
+        if self.ready is not None and key not in self.ready:  # still compiling: a compiled bucket that holds it
+            key = covering_bucket(key, self.ready, self.max_blocks) or key
         w = key.w
         b = self.empty(key)
         # tokens

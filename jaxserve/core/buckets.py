@@ -25,13 +25,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def token_buckets(max_tokens: int, smallest: int = 1) -> list[int]:
-    """Step sizes that compile: powers of two from `smallest`, plus the midpoints 24, 48, 96, ...
+def token_buckets(max_tokens: int, smallest: int = 1, midpoints: bool = True) -> list[int]:
+    """Step sizes that compile: powers of two from `smallest`, plus (`midpoints`) 24, 48, 96, ...
     (padding a step costs at most a third, not half), capped by `max_tokens` (always included)."""
     out, t = [], smallest
     while t < max_tokens:
         out.append(t)
-        if t >= 16 and t * 3 // 2 < max_tokens:
+        if midpoints and t >= 16 and t * 3 // 2 < max_tokens:
             out.append(t * 3 // 2)
         t *= 2
     return out + [max(max_tokens, smallest)]
@@ -67,3 +67,16 @@ class BucketKey(NamedTuple):
     # block-table columns per sequence row (0: the full max_blocks): a context bucket, set where
     # the attention backend's work spans the table (BatchBuilder's context_buckets: xla)
     c: int = 0
+
+
+def covering_bucket(key: BucketKey, ready, max_blocks: int) -> BucketKey | None:
+    """The smallest bucket of `ready` (compiled) that can run a step of bucket `key`: as many or
+    more token rows, sequence rows, adjustments and block columns (padding fills the rest), a
+    general step for a decode one; None if none can. While buckets compile in the background
+    (worker/warm_up.py) steps run on these, so no step waits on a compile."""
+    def width(c: int) -> int:
+        return c or max_blocks
+
+    fits = [k for k in list(ready) if k.t >= key.t and k.s >= key.s and k.w >= key.w
+            and k.pool == key.pool and (not k.decode or key.decode) and width(k.c) >= width(key.c)]
+    return min(fits, key=lambda k: (k.t, k.s, k.w, width(k.c), k.decode), default=None)

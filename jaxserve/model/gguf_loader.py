@@ -70,15 +70,35 @@ class TensorInfo:
         return GGML_TYPES.get(self.ggml_type, (f"ggml type {self.ggml_type}",))[0]
 
 
+# The last file's parsed header, keyed by the file's identity: start-up reads one file's header three
+# times (default_format's inspection, load_gguf, the tokenizer), so it is parsed once; the engine
+# drops it (forget_header) once built. The values are shared: callers must not change them.
+_HEADER: dict[tuple, tuple[dict[str, Any], dict[str, "TensorInfo"]]] = {}
+
+
+def forget_header() -> None:
+    _HEADER.clear()
+
+
 class GGUFFile:
     """A parsed GGUF header: `.metadata` (dict), `.tensors` (name -> TensorInfo), `.data` (memmap)."""
 
-    def __init__(self, path: os.PathLike | str, keep_arrays: bool = True):
+    def __init__(self, path: os.PathLike | str):
         self.path = str(path)
         try:
             self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+            st = os.stat(self.path)
         except (OSError, ValueError) as e:
             raise UserError(f"Cannot read GGUF file {self.path}: {e}") from None
+        key = (os.path.realpath(self.path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        header = _HEADER.get(key)
+        if header is None:
+            header = self._parse()
+            _HEADER.clear()
+            _HEADER[key] = header
+        self.metadata, self.tensors = header
+
+    def _parse(self) -> tuple[dict[str, Any], dict[str, "TensorInfo"]]:
         buf = self.data
         if bytes(buf[:4]) != GGUF_MAGIC:
             raise UserError(f"{self.path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
@@ -88,13 +108,13 @@ class GGUFFile:
         n_tensors, n_kv = (int(x) for x in buf[8:24].view("<u8"))
         self._raw = memoryview(buf)
         pos = 24
-        self.metadata: dict[str, Any] = {}
+        metadata: dict[str, Any] = {}
         try:
             for _ in range(n_kv):
                 key, pos = self._string(pos)
                 vtype = struct.unpack_from("<I", self._raw, pos)[0]
                 value, pos = self._value(pos + 4, vtype)
-                self.metadata[key] = value
+                metadata[key] = value
             infos = []
             for _ in range(n_tensors):
                 name, pos = self._string(pos)
@@ -105,13 +125,16 @@ class GGUFFile:
                 infos.append((name, gtype, tuple(reversed(dims)), off))
         except struct.error:
             raise UserError(f"{self.path}: truncated or corrupt GGUF header") from None
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        finally:
+            del self._raw
+        align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         start = (pos + align - 1) // align * align
-        self.tensors: dict[str, TensorInfo] = {}
+        tensors: dict[str, TensorInfo] = {}
         for name, gtype, shape, off in infos:
             n = int(np.prod(shape, dtype=np.int64))
             _, blk, bb = GGML_TYPES.get(gtype, (None, 1, 0))
-            self.tensors[name] = TensorInfo(name, gtype, shape, start + off, n // blk * bb)
+            tensors[name] = TensorInfo(name, gtype, shape, start + off, n // blk * bb)
+        return metadata, tensors
 
     def _string(self, pos: int) -> tuple[str, int]:
         n = struct.unpack_from("<Q", self._raw, pos)[0]
@@ -133,6 +156,13 @@ class GGUFFile:
                 arr = np.frombuffer(self._raw, dt, count, pos).copy()
                 vals = arr.astype(bool).tolist() if itype == _BOOL else arr.tolist()
                 return vals, pos + count * dt.itemsize
+            if itype == _STRING:  # vocabularies, merges: tens of thousands of strings
+                raw, unpack, out = self._raw, struct.Struct("<Q").unpack_from, []
+                for _ in range(count):
+                    n = unpack(raw, pos)[0]
+                    out.append(bytes(raw[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"))
+                    pos += 8 + n
+                return out, pos
             out = []
             for _ in range(count):
                 v, pos = self._value(pos, itype)

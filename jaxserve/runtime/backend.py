@@ -116,6 +116,14 @@ class Backend:
         sequence's own blocks: they keep one full width (and their buckets)."""
         return self.attention == "xla"
 
+    @property
+    def token_midpoints(self) -> bool:
+        """Token buckets at the 1.5x midpoints too (core/buckets.token_buckets). Not where the
+        linear layers, LM head and attention are native CPU kernels: they compute only a step's real
+        rows, so padding to the next power of two costs little there, while each bucket held costs
+        ~35 MiB of resident executable and its compile (bench/RESULTS.md, issue 26 scope 5)."""
+        return not (self.native_linear and self.attention == "cpu")
+
     def ops(self, attention_wrapper: Callable = lambda f: f, decode_only: bool = False) -> ModelOps:
         """The model's ops; each also takes weights in runtime/weight_formats.py's formats (runtime/quant.py;
         routed experts kept in one: runtime/expert_matmul.py).

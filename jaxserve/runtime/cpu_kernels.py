@@ -132,6 +132,12 @@ def available() -> str | None:
         return _state["error"]
 
 
+def library_name() -> str | None:
+    """The loaded kernel library's path (its name hashes its sources, flags and CPU), None if none."""
+    lib = _state.get("lib")
+    return getattr(lib, "_name", None)
+
+
 def check_formats(lib) -> None:
     """RuntimeError unless the library's weight-format table (formats.h, generated at its build) is
     runtime/weight_formats.py's: the ids quant.py passes mean the same formats to the kernels."""

@@ -32,6 +32,7 @@ from jaxserve.server.anthropic_messages import AnthropicMessages
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
 from jaxserve.server.http_protocol import HeaderTimeoutProtocol
+from jaxserve.startup_trace import mark
 from jaxserve.server.errors import (
     APIError,
     bad_request,
@@ -281,6 +282,7 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        mark("listening")
         self._watchdog = asyncio.ensure_future(self._watch_engine())
         if self.started:
             log.info(
@@ -352,8 +354,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.precompile:
         from jaxserve.progress import compile_progress
 
-        engine.precompile(compile_progress())
+        engine.warm_up(compile_progress())  # the other buckets may still compile while serving
     app = build_app(engine, cfg)
+    mark("app")
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}"
     config = uvicorn.Config(
@@ -369,5 +372,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = _Server(config, app, url, engine.kv_capacity_tokens)
     freeze_startup_heap()
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.stop_warm_up()
     return server.exit_code

@@ -42,6 +42,8 @@ from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
 from jaxserve.runtime.sampler import sample
+from jaxserve.startup_trace import mark
+from jaxserve.worker import step_cache
 from pallas_kernels import kv_quant
 
 log = logging.getLogger("jaxserve")
@@ -129,6 +131,7 @@ class ModelRunner:
         shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
         self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
         log.info(self.backend.describe())
+        mark("backend (native kernels)")
         self.source_config = model_cfg
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = sharding.sharded_config(model_cfg, tp)
@@ -138,6 +141,7 @@ class ModelRunner:
         if self.backend.native_linear:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
             self.param_shardings = jax.tree.map(lambda _: self._replicated, self.params)
+        mark("weights placed")
         self.inv_freq = self._put(np.asarray(model_cfg.rope_inv_freq(), np.float32))
         self.builder = BatchBuilder(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
@@ -154,6 +158,7 @@ class ModelRunner:
         self.steps_run = 0  # steps dispatched: the KV cache holds data once one has run
         self._generation = 0  # bumped when the attention backend falls back (fallback.py)
         self._fallback_lock = threading.Lock()
+        mark("kv cache")
 
     def _use_backend(self, backend: Backend) -> None:
         """The attention backend's models (one per attention variant, same params: decode-only
@@ -162,6 +167,7 @@ class ModelRunner:
         # the bucket dimensions the backend asks for (the engine's planner shares this builder)
         self.builder.decode_buckets = backend.has_decode_kernel
         self.builder.context_buckets = backend.context_buckets
+        self.builder.set_token_midpoints(backend.token_midpoints)
         self.models = {d: CausalLM(self.model_cfg, self._ops(d), self.dtype) for d in (False, True)}
         self.model = self.models[False]
         quantized = kv_quant.is_quantized(self.kv_cache_dtype)
@@ -272,9 +278,18 @@ class ModelRunner:
         """The bucket's executable; a default Pallas backend the compiler rejects falls back to
         `xla` once (warned) and the bucket compiles again."""
         generation = self._generation
+        t0 = time.perf_counter()
+        cache_key = step_cache.key_of(step_cache.describe(self, key), key)
+        exe = step_cache.load(cache_key)
+        if exe is not None:
+            mark("compile", bucket=list(key), s=time.perf_counter() - t0, cached=True)
+            return exe
         jitted, args = self.step_function(key)
         try:
-            return jitted.lower(*args).compile()
+            exe = jitted.lower(*args).compile()
+            step_cache.store(cache_key, exe)
+            mark("compile", bucket=list(key), s=time.perf_counter() - t0)
+            return exe
         except Exception as e:  # noqa: BLE001 - any compiler error; re-raised unless we fall back
             if not fallback.fall_back(self, generation, e):
                 raise

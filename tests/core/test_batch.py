@@ -150,3 +150,31 @@ def test_context_buckets_size_the_block_table_to_the_longest_context():
                                      for s in (1, min(n, 16)) for a in (-1, 0) for cb in (0, 1, 16, 17, 100, 128)}
     on.context_buckets = False  # what the runner does when the backend changes
     assert on.all_buckets() == off.all_buckets() and on.build([decode(400)])[1].c == 0
+
+
+def test_while_buckets_compile_a_step_runs_on_a_compiled_one_that_holds_it():
+    b = builder()
+    want = b.bucket_for(3, 3)
+    largest = max(b.all_buckets())
+    b.ready = {largest}
+    rows = [RowSpec([1, 2, 3], 2, 1, [0], Sampling()) for _ in range(3)]
+    batch, key, _ = b.build(rows)
+    assert key == largest and batch.input_ids.shape[0] == largest.t  # padded to the compiled bucket
+    b.ready = {largest, BucketKey(8, 8, 0), BucketKey(4, 1, 0)}
+    assert b.build(rows)[1] == BucketKey(8, 8, 0)  # the smallest that holds 3 rows (S=1 cannot)
+    b.ready = None
+    assert b.build(rows)[1] == want
+    from jaxserve.core.buckets import covering_bucket
+
+    assert covering_bucket(BucketKey(8, 8, 512), {BucketKey(64, 16, 0)}, 16) is None  # no adjustments there
+    assert covering_bucket(BucketKey(8, 8, 0, c=4), {BucketKey(8, 8, 0, c=2), BucketKey(8, 8, 0)}, 16) == \
+        BucketKey(8, 8, 0)  # c=0: the full width
+
+
+def test_without_midpoints_tokens_pad_to_powers_of_two():
+    b = builder()
+    assert b.bucket_for(20, 20) == BucketKey(24, 16, 0)
+    n = len(b.all_buckets())
+    b.set_token_midpoints(False)  # the native CPU backend: padding rows are skipped, buckets cost memory
+    assert b.t_buckets == [1, 2, 4, 8, 16, 32, 64] and b.bucket_for(20, 20) == BucketKey(32, 16, 0)
+    assert len(b.all_buckets()) < n

