@@ -16,8 +16,8 @@ from jaxserve.model.loader import load_model
 from jaxserve.runtime import weight_formats
 from jaxserve.runtime.quant_params import weight_bytes
 from jaxserve.worker.runner import ModelRunner, RunnerConfig
-from jaxserve.core.batch import RowSpec, Sampling
 from tests.model.test_gguf_families import _synthetic_moe
+from tests.parallel.test_quant_tp import greedy_logits
 from tests.parallel.test_tensor_parallel import BS
 
 PROMPTS = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
@@ -28,23 +28,6 @@ def runner(lm, quantization=None, backend=None) -> ModelRunner:
     return ModelRunner(lm.config, lm.params, RunnerConfig(
         block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
         quantization=quantization, attention_backend=backend))
-
-
-def greedy_run(r: ModelRunner, prompts, steps: int):
-    """Both prompts prefilled in one step, then `steps` greedy decode steps, every step one T=16
-    bucket (one executable: the forward's logits, argmax here). -> logits [steps+1, 2, V], tokens."""
-    seqs, starts, blocks = [list(p) for p in prompts], [0, 0], [[3, 9, 5], [12, 1, 7]]
-    all_logits = []
-    for _ in range(steps + 1):
-        rows = [RowSpec(s, st, len(s) - st, b, Sampling()) for s, st, b in zip(seqs, starts, blocks)]
-        batch, key, _ = r.builder.build(rows)
-        logits = np.asarray(r.forward_logits(batch, key))[:2]
-        all_logits.append(logits)
-        starts = [len(x) for x in seqs]
-        for x, tok in zip(seqs, logits.argmax(-1)):
-            x.append(int(tok))
-    logits = np.stack(all_logits)
-    return logits, logits.argmax(-1)
 
 
 def experts(r: ModelRunner) -> dict:
@@ -67,10 +50,10 @@ def test_gguf_experts_kept_packed_match_float(tmp_path):
     # the bytes held: llama.cpp's 4.5 / 8.5 / 6.5625 bits a weight (Q4_K's 6-bit sub-block scales held as bytes)
     bits = [8 * weight_bytes(s) / np.prod(s.shape) for s in stacks.values()]
     np.testing.assert_allclose(bits, [4.625, 8.5, 6.5625], atol=0.01)
-    logits, tokens = greedy_run(packed, PROMPTS, 3)
+    logits, tokens = greedy_logits(packed, PROMPTS, 3)
     ref = runner(load_model(str(path)))  # the same file, experts dequantized to float32 at load
     assert all(isinstance(w, jax.Array) for w in experts(ref).values())
-    ref_logits, ref_tokens = greedy_run(ref, PROMPTS, 3)
+    ref_logits, ref_tokens = greedy_logits(ref, PROMPTS, 3)
     np.testing.assert_array_equal(tokens, ref_tokens)
     scale = np.abs(ref_logits).max()
     np.testing.assert_allclose(logits / scale, ref_logits / scale, atol=1e-5, rtol=0)
@@ -81,7 +64,7 @@ def float_moe(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe") / "moe.gguf"
     _synthetic_moe(path, {})  # F32 everywhere
     lm = load_model(str(path))
-    return lm, greedy_run(runner(lm), PROMPTS, 3)
+    return lm, greedy_logits(runner(lm), PROMPTS, 3)
 
 
 @pytest.mark.parametrize("quantization,kind,bits,tol", [("w8a8", "W8A8Weight", 8.125, 0.03),
@@ -94,7 +77,7 @@ def test_quantized_float_experts(float_moe, quantization, kind, bits, tol):
     stacks = experts(native)
     assert all(type(s.w).__name__ == kind for s in stacks.values())
     assert bits_per_weight(stacks) <= bits + 0.01
-    logits, _ = greedy_run(native, PROMPTS, 3)
+    logits, _ = greedy_logits(native, PROMPTS, 3)
     scale = np.abs(ref_logits).max()
     assert np.abs(logits[0] - ref_logits[0]).max() / scale < tol  # the prefill: quantization error only
 

@@ -31,7 +31,7 @@ def make_runner(lm, tp: int, quantization: str) -> ModelRunner:
 def greedy_logits(runner: ModelRunner, prompts, steps: int):
     """Both prompts prefilled in one ragged step, then `steps` greedy decode steps (argmax of the
     logits, one compiled forward per bucket): logits [steps + 1, 2, V] and tokens [steps + 1, 2]."""
-    seqs, starts, blocks = [list(p) for p in prompts], [0, 0], [[3, 9], [12, 1]]
+    seqs, starts, blocks = [list(p) for p in prompts], [0, 0], [[3, 9, 5], [12, 1, 7]]
     all_logits = []
     for step in range(steps + 1):
         rows = [RowSpec(s, st, len(s) - st, b, Sampling(step=step)) for s, st, b in zip(seqs, starts, blocks)]

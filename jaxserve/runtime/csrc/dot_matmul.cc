@@ -48,6 +48,7 @@
 #include <unistd.h>
 
 #include "formats.h"
+#include "operand_shape.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -510,23 +511,10 @@ void Run(ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& group
   });
 }
 
+using jaxserve::Shape;  // operand_shape.h
+
 // The weight's panel count if (w, scale, mins) is a well-formed weight of format f for x[., K],
 // else -1.
-// An operand's element type and dimensions; a stacked operand's (`lead` 1) without its expert axis.
-struct Shape {
-  ffi::DataType type;
-  std::vector<int64_t> dims;
-  Shape(ffi::AnyBuffer a, size_t lead = 0) : type(a.element_type()) {
-    const auto d = a.dimensions();
-    dims.assign(d.begin() + std::min(lead, d.size()), d.end());
-  }
-  int64_t count() const {
-    int64_t c = 1;
-    for (int64_t d : dims) c *= d;
-    return c;
-  }
-};
-
 int64_t Check(Format f, int64_t k_len, const Shape& w, const Shape& scale, const Shape& mins) {
   const auto& wd = w.dims;
   const int64_t per = f == kBFLOAT16 ? 2 : f == kW4A8 ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)

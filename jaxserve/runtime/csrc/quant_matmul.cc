@@ -39,6 +39,7 @@
 #include <immintrin.h>
 
 #include "formats.h"
+#include "operand_shape.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -362,20 +363,7 @@ void Run(ffi::ThreadPool& pool, const float* xs, const jaxserve::RowChunks& chun
   });
 }
 
-// An operand's element type and dimensions; a stacked operand's (`lead` 1) without its expert axis.
-struct Shape {
-  ffi::DataType type;
-  std::vector<int64_t> dims;
-  Shape(ffi::AnyBuffer a, size_t lead = 0) : type(a.element_type()) {
-    const auto d = a.dimensions();
-    dims.assign(d.begin() + std::min(lead, d.size()), d.end());
-  }
-  int64_t count() const {
-    int64_t c = 1;
-    for (int64_t d : dims) c *= d;
-    return c;
-  }
-};
+using jaxserve::Shape;  // operand_shape.h
 
 bool Dims(const Shape& a, ffi::DataType t, std::initializer_list<int64_t> want) {
   return a.type == t && std::equal(a.dims.begin(), a.dims.end(), want.begin(), want.end());
