@@ -21,6 +21,7 @@ from jaxserve import default_format
 from jaxserve.admission import Admission, admit_compiled
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.step_budget import StepBudget
 from jaxserve.errors import UserError
 from jaxserve.kv_plan import blocks_from_budget, log_kv_cache, plan_device_memory, sized_on_device
 from jaxserve.model.loader import load_model
@@ -34,6 +35,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
 from jaxserve.spec.draft import DraftModel
 from jaxserve.spec.speculator import Speculator
+from jaxserve.step_trace import StepTrace
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
@@ -101,6 +103,12 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
+        self.trace = StepTrace.from_env()  # JAXSERVE_STEP_TRACE: one JSON line per step (step_trace.py)
+        self._last_host_s = 0.0
+        # prefill tokens next to decodes, sized for the ITL target from measured step gaps (step_budget.py)
+        target = config.itl_target_ms
+        self.step_budget = StepBudget(config.max_num_batched_tokens, None if target is None else target / 1e3)
+        self._last_read: float | None = None  # when the step before was read (None: the engine went idle)
 
     def precompile(self, progress=None) -> float:
         took = self.runner.precompile(progress)
@@ -170,6 +178,7 @@ class LLMEngine:
             self._inflight = None
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._seqs)
+        self.scheduler.prefill_cap = self.step_budget.cap()
         sched = self.scheduler.schedule()
         for req in sched.finished:  # ended by the scheduler (outgrew the whole KV cache)
             seq = self._seqs.get(req.request_id)
@@ -190,8 +199,13 @@ class LLMEngine:
             self.outputs.failed = {}
         result = [self.outputs.output(g) for g in outputs.values()]
         t = self.timing
-        t["host_s"] += time.perf_counter() - t0 - (t["device_wait_s"] - wait0)
+        self._last_host_s = time.perf_counter() - t0 - (t["device_wait_s"] - wait0)
+        t["host_s"] += self._last_host_s
         t["steps"] += 1
+        if self._inflight is None:
+            self._last_read = None  # the next step's gap would include the idle time
+            if self.trace is not None:
+                self.trace.idle()
         return result
 
     def _dispatch(self, sched: SchedulerOutput) -> Inflight | None:
@@ -223,15 +237,28 @@ class LLMEngine:
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sched.num_batched_tokens
         due = [self.speculator is not None and self.speculator.due(s, self.scheduler.num_running) for s in seqs]
-        return self.planner.inflight(sched, rows, seqs, rowmap, result, key, pooling, due)
+        step = self.planner.inflight(sched, rows, seqs, rowmap, result, key, pooling, due)
+        if self.trace is not None:
+            step.dispatched = self.trace.now()
+        return step
 
     def _process(self, step: Inflight, outputs: dict[str, Group]) -> None:
         """Read a dispatched step's arrays (the device wait is timed) and update its requests."""
         t0 = time.perf_counter()
         got = self.runner.fetch(step.result, step.key.s, step.want_logprobs, accepted=bool(step.verifying),
                                 hidden=bool(step.pooled))
-        self.timing["device_wait_s"] += time.perf_counter() - t0
+        now = time.perf_counter()
+        self.timing["device_wait_s"] += now - t0
+        sched = step.sched
+        if self._last_read is not None and sched.num_decode_tokens:
+            self.step_budget.observe(sched.num_prefill_tokens, now - self._last_read)
+        self._last_read = now
         self.outputs.process(step, got, outputs)
+        if self.trace is not None:
+            self.trace.record(step=sched.step, key=step.key, prefill=sched.num_prefill_tokens,
+                              decode=sched.num_decode_tokens, dispatched=step.dispatched, host_s=self._last_host_s,
+                              prefill_cap=sched.prefill_cap, running=self.scheduler.num_running,
+                              waiting=self.scheduler.num_waiting)
 
     def reset_prefix_cache(self) -> int:
         """Forget cached prefixes no running request uses (as vLLM's reset_prefix_cache), e.g.
