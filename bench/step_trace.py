@@ -9,7 +9,8 @@ time from the step before being read to this one being read: while the engine is
 inter-token latency every stream in that step sees. Per group: steps, mean / p50 / p99 gap, the
 decode rows that waited through those gaps (how much of the ITL distribution the group makes), and
 its host time. Then the slowest steps one by one (compiles, GC pauses and host time named), and the
-totals of GC time and first-seen buckets.
+totals of GC time (while busy, and before the first step after start-up or idle: start-up's own
+`gc.collect()` shows there) and of steps on a bucket seen for the first time.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ def summarize(rows: list[dict], top: int = 10) -> dict:
     slow = sorted(timed, key=lambda r: -r["gap_s"])[:top]
     return dict(
         steps=len(rows), timed_steps=len(timed), itl_p50_ms=1e3 * pct(weighted, 50),
-        itl_p99_ms=1e3 * pct(weighted, 99), gc_s=sum(r["gc_s"] for r in rows),
+        itl_p99_ms=1e3 * pct(weighted, 99), gc_s=sum(r["gc_s"] for r in rows if r["gap_s"] is not None),
+        gc_before_s=sum(r["gc_s"] for r in rows if r["gap_s"] is None),
         new_buckets=sum(bool(r["new_bucket"]) for r in rows), groups=groups, slowest=slow)
 
 
 def show(s: dict) -> None:
     print(f"{s['steps']} steps ({s['timed_steps']} with decode rows while busy); ITL from the trace: "
-          f"p50 {s['itl_p50_ms']:.1f} ms, p99 {s['itl_p99_ms']:.1f} ms; GC {s['gc_s'] * 1e3:.0f} ms in all; "
+          f"p50 {s['itl_p50_ms']:.1f} ms, p99 {s['itl_p99_ms']:.1f} ms; GC {s['gc_s'] * 1e3:.0f} ms while busy "
+          f"({s['gc_before_s'] * 1e3:.0f} ms before first steps after idle, start-up included); "
           f"{s['new_buckets']} steps on a bucket seen for the first time")
     print(f"{'prefill tokens':>14} {'steps':>6} {'mean ms':>8} {'p50 ms':>7} {'p99 ms':>7} {'decode rows':>11} "
           f"{'ITL share':>9} {'host ms':>7}")
