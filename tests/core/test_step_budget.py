@@ -54,20 +54,34 @@ def _sched(cap):
 
 
 @pytest.mark.parametrize("prefill_first", [False, True])
-def test_scheduler_caps_prefill_only_next_to_decodes(prefill_first):
+def test_scheduler_caps_prefill_only_next_to_more_decodes(prefill_first):
     sched = _sched(10)
     sched.config.prefill_first = prefill_first
     rng = random.Random(0)
-    sched.add_request(Request("a", list(range(30)), max_tokens=50))
+    for i in range(3):
+        sched.add_request(Request(f"a{i}", list(range(10 * i, 10 * i + 10)), max_tokens=50))
     first = step(sched, rng)
     assert first.num_batched_tokens == 30 and first.prefill_cap is None  # no decodes yet: full budget
     sched.add_request(Request("b", list(range(100, 150)), max_tokens=50))
     sched.add_request(Request("c", list(range(200, 250)), max_tokens=50))
-    for _ in range(8):
+    for _ in range(10):
         out = step(sched, rng)
-        if out.num_decode_tokens:
+        assert out.num_decode_tokens
+        if out.prefill_cap is not None:
             assert out.prefill_cap == 10 and out.num_prefill_tokens <= 10
-    assert sched.requests["b"].num_output_tokens > 0  # chunks of at most 10 still finish the prompt
+    # 3 decodes and 2 prompts waiting: capped; chunks of at most 10 still finish both prompts
+    assert sched.requests["b"].num_output_tokens > 0 and sched.requests["c"].num_output_tokens > 0
+
+
+def test_a_burst_of_arrivals_is_not_capped():
+    sched = _sched(10)
+    rng = random.Random(0)
+    sched.add_request(Request("a", list(range(10)), max_tokens=50))
+    step(sched, rng)
+    for i in range(4):  # more prompts waiting than decodes: TTFT first, whole budget
+        sched.add_request(Request(f"b{i}", list(range(100 * i, 100 * i + 40)), max_tokens=50))
+    out = step(sched, rng)
+    assert out.prefill_cap is None and out.num_prefill_tokens == 63
 
 
 def test_uncapped_scheduler_is_unchanged():
