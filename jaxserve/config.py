@@ -106,7 +106,7 @@ class EngineConfig:
                                    "overlaps the device")
     itl_target_ms: float | None = _knob(
         None, "inter-token latency target: a step with decode rows takes only the prefill tokens that keep it "
-        "within this many ms, from measured step times (default: 2x a decode-only step; 0: off, prefill chunks "
+        "within this many ms, from measured step times (default: 3x a decode-only step; 0: off, prefill chunks "
         "fill --max-num-batched-tokens)", metavar="MS")
     precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")
     compilation_cache: bool = _knob(True, "use JAX's persistent compilation cache")

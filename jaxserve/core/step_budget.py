@@ -15,11 +15,13 @@ the prefill tokens that keep a step within the target: (target - a) / c, at leas
 else `auto_factor` x a (a mixed step may cost that many decode-only steps), so it follows the
 model, the batch and the machine's load. Until the fit has steps with two different prefill sizes
 it assumes a = 0 (c = mean gap / mean tokens: a smaller, safe cap once any mixed step was seen).
+The scheduler applies the cap only while decodes outnumber the requests waiting for their first
+token (scheduler.py): in a burst of arrivals, chunking would double TTFT for the ITL it saves.
 """
 
 from __future__ import annotations
 
-AUTO_FACTOR = 2.0  # auto target: a mixed step may cost this many decode-only steps
+AUTO_FACTOR = 3.0  # auto target: a mixed step may cost this many decode-only steps
 DECAY = 0.97  # weight of the past per observed step (~33-step memory)
 MIN_CHUNK = 16  # prefill tokens a step with decodes may always take
 

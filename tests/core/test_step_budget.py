@@ -25,10 +25,10 @@ def test_fit_recovers_cost_and_caps_for_the_target():
 
 
 def test_auto_target_and_bounds():
-    b = StepBudget(max_tokens=512)  # auto: 2x a decode-only step
+    b = StepBudget(max_tokens=512)  # auto: 3x a decode-only step
     for n in (0, 200) * 20:
         b.observe(n, 0.050 + 0.001 * n)
-    assert b.cap() == 50  # (2 x 50 - 50) / 1
+    assert b.cap() == 100  # (3 x 50 - 50) / 1
     tight = StepBudget(max_tokens=512, target_s=0.010)
     off = StepBudget(max_tokens=512, target_s=0)
     for n in (0, 200) * 20:
