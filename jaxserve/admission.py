@@ -104,6 +104,26 @@ class Admission:
             )
 
 
+class GrammarWait:
+    """Requests with a grammar wait here while it compiles on the compiler's threads (cached by
+    spec: the server compiles before admission, so this is a cache hit there), then join the
+    scheduler (`admit`)."""
+
+    def __init__(self, compiler):
+        self.compiler = compiler
+        self.waiting: list[tuple[Group, object]] = []  # (group, Future) until compiled
+
+    def add(self, group: Group, spec) -> None:
+        future = self.compiler.submit(spec)
+        if future.done() and future.exception() is not None:
+            raise future.exception()
+        self.waiting.append((group, future))
+
+    def admit(self, groups: dict[str, Group], scheduler, outputs: dict[str, Group]) -> None:
+        if self.waiting:
+            self.waiting = admit_compiled(self.waiting, groups, scheduler, outputs)
+
+
 def admit_compiled(waiting: list, groups: dict[str, Group], scheduler, outputs: dict[str, Group]) -> list:
     """Requests whose grammar is compiled join the scheduler, each sequence with a matcher; one
     whose grammar failed finishes ("abort") with the error. Returns those still compiling."""

@@ -104,6 +104,10 @@ class EngineConfig:
         metavar="JSON")
     async_scheduling: bool = _knob(True, "dispatch step n+1 before reading step n's tokens, so host work "
                                    "overlaps the device")
+    itl_target_ms: float | None = _knob(
+        None, "inter-token latency target: a step with decode rows takes only the prefill tokens that keep it "
+        "within this many ms, from measured step times (default: 3x a decode-only step; 0: off, prefill chunks "
+        "fill --max-num-batched-tokens)", metavar="MS")
     precompile: bool = _knob(True, "compile every step bucket at start-up (else on first use)")
     background_compile: bool = _knob(True, "serve: be ready once the largest step bucket is compiled and compile "
                                      "the others on a background thread (steps run on compiled buckets meanwhile)")

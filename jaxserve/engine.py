@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 
 from jaxserve import default_format
-from jaxserve.admission import Admission, admit_compiled
+from jaxserve.admission import Admission, GrammarWait
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.errors import UserError
-from jaxserve.kv_plan import blocks_from_budget, log_kv_cache, plan_device_memory, sized_on_device
-from jaxserve.model.loader import load_model
+from jaxserve.kv_plan import initial_blocks, log_kv_cache, plan_device_memory
+from jaxserve.model.loader import load_model, release_header
 from jaxserve.outputs import RequestOutput
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.planner import Inflight, StepPlanner
@@ -32,21 +32,18 @@ from jaxserve.runtime import memory
 from jaxserve.runtime.kv_sizing import default_dtype, default_kv_cache_dtype
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Group, Seq
-from jaxserve.spec.draft import DraftModel
 from jaxserve.spec.speculator import Speculator
 from jaxserve.startup_trace import mark
+from jaxserve.step_clock import StepClock
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
-from jaxserve.worker.warm_up import BackgroundWarmUp
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
 
     def __init__(self, config: EngineConfig | None = None, *, kv_for_sequences: int | None = None, **kwargs):
-        """kv_for_sequences: with no --kv-cache-memory or --num-blocks, a host KV cache holds only
-        this many max_model_len sequences where the budget would give more (`jaxserve generate` runs
-        one prompt at a time: allocating, zeroing and holding 1 GiB costs it ~0.5 s and its RSS)."""
+        """kv_for_sequences: KV for at most this many max_model_len sequences (kv_plan.initial_blocks)."""
         mark("imports")
         self.config = config = config or EngineConfig(**kwargs)
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
@@ -62,21 +59,14 @@ class LLMEngine:
         self.model_config = mc = self.loaded.config
         kv_dtype = config.kv_cache_dtype or default_kv_cache_dtype(dtype, mc.checkpoint_dtype)
         self.tokenizer = Tokenizer.from_pretrained(self.loaded.path)
-        if self.loaded.path.suffix == ".gguf":  # its header, parsed once for the three readers above
-            from jaxserve.model.gguf_loader import forget_header
-
-            forget_header()
+        release_header(self.loaded.path)  # a GGUF's, parsed once for the three readers above
         mark("tokenizer")
         self.pooling_config = PoolingConfig.from_model(self.loaded.path)
         # rerank / score: the LM-head columns of the two score tokens, or why there are none
         self.score_head = score_head(self.loaded.params, mc, self.tokenizer, config.score_tokens)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        on_device = sized_on_device(config)  # then the cache is sized after the runner's largest step
-        self.num_blocks = config.num_blocks or (2 if on_device else blocks_from_budget(config, mc, kv_dtype))
-        if kv_for_sequences and not (config.num_blocks or config.kv_cache_memory or on_device):
-            needed = kv_for_sequences * -(-self.max_model_len // config.block_size)
-            needed += int(config.watermark * needed) + 2  # admission's watermark, the null block
-            self.num_blocks = min(self.num_blocks, needed)
+        # on a device the cache is sized after the runner's largest step (plan_device_memory below)
+        self.num_blocks, on_device = initial_blocks(config, mc, kv_dtype, self.max_model_len, kv_for_sequences)
         self.runner = rt.ModelRunner(mc, self.loaded.params, rt.RunnerConfig(
             block_size=config.block_size, num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -87,12 +77,9 @@ class LLMEngine:
         self.loaded.params = None  # host copy no longer needed
         if on_device:
             self.num_blocks = plan_device_memory(config, mc, self.runner, kv_dtype, self.max_model_len)
-        self.speculator = None
-        self.drafter = None  # the draft method's model: it mirrors the target's steps (always synchronous)
-        if config.speculative is not None:
-            if config.speculative.method == "draft":
-                self.drafter = DraftModel(config.speculative.model, self.runner.cfg, self.num_blocks, mc.vocab_size)
-            self.speculator = Speculator(config.speculative, self.drafter)
+        # the draft method's model (drafter) mirrors the target's steps (always synchronous)
+        self.speculator, self.drafter = Speculator.for_config(config.speculative, self.runner.cfg, self.num_blocks,
+                                                              mc.vocab_size)
         self.scheduler = Scheduler(config.scheduler_config(
             num_blocks=self.num_blocks, max_model_len=self.max_model_len,
             max_num_logit_rows=self.runner.builder.s_max))
@@ -101,9 +88,10 @@ class LLMEngine:
         self._seqs: dict[str, Seq] = {}  # core request id -> seq
         self._inflight: Inflight | None = None  # the dispatched step not yet read
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
-        # host time in step() besides the device wait; that wait; steps dispatched while the step before
-        # still ran on the device (their host time hidden) / onto an idle one (bench/host_overhead.py)
-        self.timing = dict(host_s=0.0, device_wait_s=0.0, steps=0, dispatch_busy=0, dispatch_idle=0)
+        # step gaps -> the prefill cap next to decodes (--itl-target-ms); host and device-wait time per
+        # step (bench/host_overhead.py); JAXSERVE_STEP_TRACE's lines
+        self.clock = StepClock(config.max_num_batched_tokens, config.itl_target_ms)
+        self.timing = self.clock.timing
         self.kv_capacity_tokens = log_kv_cache(config, mc, self.runner, self.num_blocks, kv_dtype, self.max_model_len)
         self.admission = Admission(
             tokenizer=self.tokenizer, vocab_size=mc.vocab_size, max_model_len=self.max_model_len,
@@ -117,8 +105,7 @@ class LLMEngine:
         # grammars compile on its threads, cached by spec (its tokenizer view is built on first use)
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
-        self._waiting_grammar: list[tuple[Group, object]] = []  # (group, Future) until compiled
-        self.background: BackgroundWarmUp | None = None  # serve's warm-up (warm_up)
+        self.grammars = GrammarWait(self.grammar_compiler)
         mark("engine")
 
     def precompile(self, progress=None) -> float:
@@ -133,22 +120,6 @@ class LLMEngine:
         mark("precompile")
         return took
 
-    def warm_up(self, progress=None):
-        """`serve`'s start-up compile: the largest bucket now and the rest in the background
-        (worker/warm_up.py; returns the BackgroundWarmUp), or every bucket now (precompile) where
-        background_compile is off or pooling / draft steps compile too (returns None)."""
-        if not self.config.background_compile or self.pooling_config.declared or self.drafter is not None:
-            self.precompile(progress)
-            return None
-        self.background = BackgroundWarmUp(self.runner)
-        self.background.start(progress)
-        mark("precompile")
-        return self.background
-
-    def stop_warm_up(self) -> None:
-        if self.background is not None:
-            self.background.stop()
-
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None, *,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
@@ -160,14 +131,8 @@ class LLMEngine:
         group = self.admission.group(request_id, prompt, params, prompt_token_ids, arrival_time, priority, cache_salt)
         for s in group.seqs:
             self.scheduler.check_request(s.req)  # raises for requests the cache can never hold
-        spec = params.structured_outputs
-        if spec is not None:
-            # Compiled on the compiler's threads (the server compiles before admission, so this is
-            # a cache hit there); the request joins the scheduler once its grammar is ready.
-            future = self.grammar_compiler.submit(spec)
-            if future.done() and future.exception() is not None:
-                raise future.exception()
-            self._waiting_grammar.append((group, future))
+        if params.structured_outputs is not None:  # joins the scheduler once its grammar is compiled
+            self.grammars.add(group, params.structured_outputs)
         else:
             for s in group.seqs:
                 self.scheduler.add_request(s.req)
@@ -197,16 +162,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch the next step, then process the one before it while the device
         runs (overlap: one step in flight; `async_scheduling=False` processes each step at once)."""
-        t0 = time.perf_counter()
-        wait0 = self.timing["device_wait_s"]
+        self.clock.begin()
         outputs: dict[str, Group] = {}
-        if self._waiting_grammar:
-            self._waiting_grammar = admit_compiled(self._waiting_grammar, self._groups, self.scheduler, outputs)
+        self.grammars.admit(self._groups, self.scheduler, outputs)
         if self._inflight is not None and self._inflight.needs_tokens:
             self._process(self._inflight, outputs)  # its tokens feed the next step's sampling
             self._inflight = None
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._seqs)
+        self.scheduler.prefill_cap = self.clock.prefill_cap()
         sched = self.scheduler.schedule()
         for req in sched.finished:  # ended by the scheduler (outgrew the whole KV cache)
             seq = self._seqs.get(req.request_id)
@@ -226,9 +190,7 @@ class LLMEngine:
             outputs.update(self.outputs.failed)
             self.outputs.failed = {}
         result = [self.outputs.output(g) for g in outputs.values()]
-        t = self.timing
-        t["host_s"] += time.perf_counter() - t0 - (t["device_wait_s"] - wait0)
-        t["steps"] += 1
+        self.clock.end(idle=self._inflight is None)
         return result
 
     def _dispatch(self, sched: SchedulerOutput) -> Inflight | None:
@@ -250,9 +212,7 @@ class LLMEngine:
             key = key._replace(pool=True)  # the executable also returns the rows' hidden states
         result = self.runner.execute(batch, key)
         # Was the device still on the step before when this one was queued behind it?
-        ahead = self._inflight
-        self.timing["dispatch_busy" if ahead is not None and not ahead.result.tokens.is_ready()
-                    else "dispatch_idle"] += 1
+        self.clock.queued(busy=self._inflight is not None and not self._inflight.result.tokens.is_ready())
         if self.drafter is not None:
             self.drafter.mirror(batch, key._replace(pool=False))
         sched.scheduled = scheduled  # row order
@@ -260,14 +220,16 @@ class LLMEngine:
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sched.num_batched_tokens
         due = [self.speculator is not None and self.speculator.due(s, self.scheduler.num_running) for s in seqs]
-        return self.planner.inflight(sched, rows, seqs, rowmap, result, key, pooling, due)
+        step = self.planner.inflight(sched, rows, seqs, rowmap, result, key, pooling, due)
+        self.clock.dispatched(step)
+        return step
 
     def _process(self, step: Inflight, outputs: dict[str, Group]) -> None:
         """Read a dispatched step's arrays (the device wait is timed) and update its requests."""
         t0 = time.perf_counter()
         got = self.runner.fetch(step.result, step.key.s, step.want_logprobs, accepted=bool(step.verifying),
                                 hidden=bool(step.pooled))
-        self.timing["device_wait_s"] += time.perf_counter() - t0
+        self.clock.read(step, self.scheduler, waited_s=time.perf_counter() - t0)
         self.outputs.process(step, got, outputs)
 
     def reset_prefix_cache(self) -> int:

@@ -38,6 +38,7 @@ class Inflight:
     verifying: dict[str, tuple[int, int]]  # request id -> (first logits row, drafts) of verifying rows
     scored: list[tuple[int, int, int, int]]  # prompt logprobs: (row, first logits row, position, count)
     pooled: list[tuple[int, list[int], list[int]]]  # pooling: (row, logits rows, their positions)
+    dispatched: float = 0.0  # when it was launched (the step trace's clock)
 
 
 class StepPlanner:

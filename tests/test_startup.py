@@ -72,7 +72,7 @@ def test_during_the_background_warm_up_no_step_compiles(tiny_model, monkeypatch)
     monkeypatch.setattr(runner, "executable", gated)
     trims = []
     monkeypatch.setattr(warm_up.memory, "trim_heap", lambda: trims.append(1))
-    warm = llm.engine.warm_up()
+    warm = warm_up.warm_up(llm.engine)
     assert runner.num_compiles == 1 and runner.builder.ready is not None
     vocab = llm.engine.model_config.vocab_size
     mix = steady_state_mix(vocab)

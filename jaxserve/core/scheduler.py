@@ -49,6 +49,9 @@ class Scheduler:
         self.step = 0
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0
+        # the most prefill tokens a step with decode rows may carry (None: max_num_batched_tokens);
+        # the engine sets it each step from measured step times (core/step_budget.py)
+        self.prefill_cap: int | None = None
         self._order: dict[str, int] = {}  # arrival order, for victims and fcfs ties
         self._next_order = 0
         self._watermark_blocks = int(config.watermark * (config.num_blocks - 1))
@@ -123,8 +126,22 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.step)
-        # [tokens, logits rows] left in this step
-        budget = [self.config.max_num_batched_tokens, self.config.max_num_logit_rows or self.config.max_num_seqs]
+        tokens = self.config.max_num_batched_tokens
+        # prefill tokens next to decodes: capped (prefill_cap, set by the engine's step budget) so a
+        # step that carries decode rows stays short. Not while as many requests wait for their first
+        # token as decode (a burst of arrivals): each extra chunk delays all of them by a step, which
+        # costs more TTFT than the decodes' ITL gains (measured: bench/RESULTS.md, tail latency)
+        cap = self.prefill_cap
+        if cap is not None:
+            decodes = sum(len(r.token_ids) - r.num_computed_tokens == 1 for r in self.running) if cap < tokens else 0
+            if not decodes or len(self.running) - decodes + len(self.waiting) >= decodes:
+                cap = None
+        if cap is not None:
+            out.prefill_cap = cap = max(1, cap)
+        else:
+            cap = tokens
+        # [tokens, logits rows, prefill tokens] left in this step
+        budget = [tokens, self.config.max_num_logit_rows or self.config.max_num_seqs, cap]
         if self.config.prefill_first:
             self._schedule_waiting(out, budget)
             self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
@@ -152,10 +169,12 @@ class Scheduler:
             num_tokens = len(req.token_ids)
             if req.reached_length or num_tokens >= self.config.max_model_len:
                 continue  # its last token is in flight: it ends when that lands
-            num_new = self._fit_rows(req, req.num_computed_tokens, min(num_tokens - req.num_computed_tokens, budget[0]),
-                                     budget)
+            num_new = min(num_tokens - req.num_computed_tokens, budget[0])
+            if num_new > 1:  # a prefill chunk
+                num_new = min(num_new, budget[2])
+            num_new = self._fit_rows(req, req.num_computed_tokens, num_new, budget)
             if num_new <= 0:
-                continue  # waiting for the engine to append its sampled token, or no logits row left
+                continue  # waiting for the engine to append its sampled token, or no logits row / prefill left
             draft = self._fit_draft(req, num_new, budget)
             if draft and not allocate(req, num_new + draft):
                 draft = 0  # no room for the drafts' slots: decode without them, never preempt for them
@@ -175,6 +194,8 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens, num_tokens))
                 budget[0] -= num_new
+                if num_tokens - req.num_computed_tokens > 1:
+                    budget[2] -= num_new
                 budget[1] -= self._logit_rows(req, req.num_computed_tokens, num_new)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
@@ -186,14 +207,14 @@ class Scheduler:
             reserve += self._expected_growth(self.running)
         admitted: list[Request] = []
         for req in self.waiting.ordered(self.running, self.step):
-            if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget[0] <= 0 or budget[2] <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             # fresh: an admission before may have evicted blocks
             hits = [] if req.score_prompt else self.kv.match(req)
             if self.waiting.should_defer(req, len(hits)):
                 continue
             cached = len(hits) * bs
-            num_new = self._fit_rows(req, cached, min(req.num_tokens - cached, budget[0]), budget)
+            num_new = self._fit_rows(req, cached, min(req.num_tokens - cached, budget[0], budget[2]), budget)
             if num_new <= 0:
                 break
             grow = self._expected_growth([req], held=cdiv(cached + num_new, bs)) if conservative else 0
@@ -212,6 +233,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, cached))
             budget[0] -= num_new
             budget[1] -= self._logit_rows(req, cached, num_new)
+            budget[2] -= num_new
         self.waiting.remove_many(admitted)
         self.waiting.age(bool(admitted))
 
@@ -279,6 +301,8 @@ class Scheduler:
             if s.request is req:
                 budget[0] += s.num_new_tokens
                 budget[1] += self._logit_rows(req, s.start, s.num_new_tokens)
+                if s.num_tokens - s.start > 1:
+                    budget[2] += s.num_new_tokens
                 del out.scheduled[i]
                 break
         self.kv.free(req)

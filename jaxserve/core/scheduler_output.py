@@ -47,6 +47,7 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     step: int = 0
+    prefill_cap: int | None = None  # prefill tokens this step could take next to decodes (None: no cap)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -91,6 +91,15 @@ def load_model(model: str | None, dtype=np.float32, quantization: str | None = N
     )
 
 
+def release_header(path: Path) -> None:
+    """A GGUF's parsed header is kept for its readers at start-up (the default format, the loader,
+    the tokenizer): let it go once they are done."""
+    if path.suffix == ".gguf":
+        from jaxserve.model.gguf_loader import forget_header
+
+        forget_header()
+
+
 def _replace(cfg: ModelConfig, **kw) -> ModelConfig:
     return dataclasses.replace(cfg, **kw)
 

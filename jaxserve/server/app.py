@@ -348,13 +348,15 @@ def freeze_startup_heap() -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from jaxserve.engine import LLMEngine
+    from jaxserve.worker.warm_up import warm_up
 
     cfg = ServerConfig.from_args(args)
     engine = LLMEngine(engine_config(args))
+    warm = None
     if args.precompile:
         from jaxserve.progress import compile_progress
 
-        engine.warm_up(compile_progress())  # the other buckets may still compile while serving
+        warm = warm_up(engine, compile_progress())  # the other buckets may still compile while serving
     app = build_app(engine, cfg)
     mark("app")
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
@@ -375,5 +377,6 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        engine.stop_warm_up()
+        if warm is not None:
+            warm.stop()
     return server.exit_code

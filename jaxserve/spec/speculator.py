@@ -8,10 +8,20 @@ import numpy as np
 
 from jaxserve.core.batch import PENDING
 from jaxserve.spec import ngram
+from jaxserve.spec.draft import DraftModel
 from jaxserve.config import SpeculativeConfig
 
 
 class Speculator:
+    @classmethod
+    def for_config(cls, config: SpeculativeConfig | None, runner_cfg, num_blocks: int, vocab_size: int):
+        """(speculator, drafter): (None, None) without speculative decoding; the draft method's
+        model (spec.draft.DraftModel) mirrors the target's steps on its own KV cache."""
+        if config is None:
+            return None, None
+        drafter = DraftModel(config.model, runner_cfg, num_blocks, vocab_size) if config.method == "draft" else None
+        return cls(config, drafter), drafter
+
     def __init__(self, config: SpeculativeConfig, drafter=None):
         self.config = config
         self.drafter = drafter  # spec.draft.DraftModel for the draft method, else None

@@ -1,7 +1,7 @@
 """`jaxserve serve`'s background warm-up: ready after one compile, the other buckets compiled while
 serving, and no step ever waiting on a compile.
 
-    warm = BackgroundWarmUp(runner); warm.start(progress)   # the largest bucket now, then a thread
+    warm = warm_up(engine, progress)   # the largest bucket now, then a thread (None: all compiled now)
     ...                                                     # steps meanwhile: BatchBuilder.ready
     warm.stop()                                             # before exit: after the current bucket
 
@@ -22,6 +22,19 @@ from jaxserve.runtime import memory
 from jaxserve.startup_trace import mark
 
 log = logging.getLogger("jaxserve")
+
+
+def warm_up(engine, progress=None) -> BackgroundWarmUp | None:
+    """`serve`'s start-up compile: the largest bucket now and the rest in the background (returns
+    the BackgroundWarmUp), or every bucket now (engine.precompile) where background_compile is off
+    or pooling / draft steps compile too (returns None)."""
+    if not engine.config.background_compile or engine.pooling_config.declared or engine.drafter is not None:
+        engine.precompile(progress)
+        return None
+    warm = BackgroundWarmUp(engine.runner)
+    warm.start(progress)
+    mark("precompile")
+    return warm
 
 
 class BackgroundWarmUp:
