@@ -13,9 +13,11 @@ chat template are GGUF metadata, and a `tokenizers.Tokenizer` is rebuilt from th
 from __future__ import annotations
 
 from jaxserve.errors import UserError
+import importlib
 import json
 import os
 import pathlib
+import threading
 from functools import lru_cache
 from typing import Any
 from collections.abc import Iterable, Sequence
@@ -59,8 +61,6 @@ def import_in_background() -> None:
     to the real import."""
     if _preload:
         return
-    import importlib
-    import threading
 
     def run():
         try:

@@ -11,6 +11,7 @@ its share of the kv heads).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -281,7 +282,6 @@ def trim_heap() -> None:
     """Hand the heap that compiling freed back to the OS (glibc's malloc_trim). Compiling every
     step bucket leaves ~0.3 GiB of freed compile-time memory resident in glibc's arenas
     (bench/memory.py's "heap trimmed" phase); a no-op where the C library has no malloc_trim."""
-    import ctypes
 
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -27,7 +27,12 @@ import pathlib
 import pickle
 import tempfile
 
+import flax
 import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+from jaxserve.runtime import cpu_kernels
 
 log = logging.getLogger("jaxserve")
 
@@ -50,8 +55,6 @@ def sources_digest() -> str:
 
 
 def environment() -> str:
-    import flax
-    import jaxlib
 
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith(("JAX", "XLA", "TF_", "JAXSERVE_")) and k not in _IGNORED_ENV
@@ -68,7 +71,6 @@ def directory() -> pathlib.Path | None:
 def describe(runner, key) -> str:
     """Everything bucket `key`'s trace on `runner` (a ModelRunner) depends on besides the sources
     and versions: configs, backend, native library, shapes / dtypes / shardings, mesh, batch layout."""
-    from jaxserve.runtime import cpu_kernels
 
     def leaves(tree):
         return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))), tree)
@@ -91,7 +93,6 @@ def load(key: str):
     if path is None or not path.is_file():
         return None
     try:
-        from jax.experimental import serialize_executable
 
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
         return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
@@ -105,7 +106,6 @@ def store(key: str, compiled) -> None:
     if d is None:
         return
     try:
-        from jax.experimental import serialize_executable
 
         blob = pickle.dumps(serialize_executable.serialize(compiled))
         d.mkdir(parents=True, exist_ok=True)
