@@ -39,7 +39,7 @@ def _without_vocabulary(src: Path, dst: Path) -> Path:
     byte for byte otherwise. transformers' GGUF reader takes about a minute here to index those
     ~150k strings, which the model's config (llama.vocab_size) and tensors do not need."""
     g = GGUFFile(src)
-    raw = g._raw
+    raw = g._raw = memoryview(g.data)  # the byte view the header readers (_string, _value) walk
     n_tensors, n_kv = struct.unpack_from("<QQ", raw, 8)
     pos, kept = 24, []
     for _ in range(n_kv):
