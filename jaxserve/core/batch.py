@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxserve.core.buckets import (ADJUST_MIN_TOKENS, SINGLE_SEQ_MIN_TOKENS, BucketKey, context_widths, covering_bucket,
-                                   next_pow2, token_buckets)
+from .buckets import (ADJUST_MIN_TOKENS, SINGLE_SEQ_MIN_TOKENS, BucketKey, context_widths, covering_bucket,
+                      next_pow2, token_buckets)
 
 PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on the host
 MAX_LOGPROBS = 20  # top-N logprobs every executable can return (OpenAI's and vLLM's limit)
