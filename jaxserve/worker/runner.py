@@ -279,7 +279,7 @@ class ModelRunner:
         `xla` once (warned) and the bucket compiles again."""
         generation = self._generation
         t0 = time.perf_counter()
-        cache_key = step_cache.key_of(step_cache.describe(self, key), key)
+        cache_key = step_cache.key_for(self, key)  # None when the step cache is off
         exe = step_cache.load(cache_key)
         if exe is not None:
             mark("compile", bucket=list(key), s=time.perf_counter() - t0, cached=True)

@@ -86,10 +86,15 @@ def key_of(description: str, bucket) -> str:
     return hashlib.sha256(f"{environment()}|{description}|{tuple(bucket)!r}".encode()).hexdigest()
 
 
-def load(key: str):
+def key_for(runner, bucket) -> str | None:
+    """The cache key of `bucket` on `runner`, or None when the cache is off (nothing described)."""
+    return key_of(describe(runner, bucket), bucket) if directory() is not None else None
+
+
+def load(key: str | None):
     """The executable stored under `key`, or None."""
     d = directory()
-    path = d / f"{key}.bin" if d else None
+    path = d / f"{key}.bin" if d and key else None
     if path is None or not path.is_file():
         return None
     try:
@@ -101,9 +106,9 @@ def load(key: str):
         return None
 
 
-def store(key: str, compiled) -> None:
+def store(key: str | None, compiled) -> None:
     d = directory()
-    if d is None:
+    if d is None or key is None:
         return
     try:
 
