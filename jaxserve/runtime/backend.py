@@ -24,7 +24,7 @@ from jaxserve.config import DTYPES
 from jaxserve.errors import UserError
 from jaxserve.runtime import compat, cpu_kernels, expert_matmul, mxfp4, quant
 from jaxserve.runtime.attention import layer_attention
-from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts
+from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts, pallas_ragged_dot
 from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
 from jaxserve.runtime.panels import PANEL
 from jaxserve.runtime.weight_formats import ExpertStack
@@ -135,9 +135,10 @@ class Backend:
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
-        # XLA:CPU expands ragged_dot into a product over every expert: tiles there (runtime/moe.py)
-        moe = (functools.partial(grouped_experts, matmul=blocked_ragged_dot) if self.platform == "cpu"
-               else grouped_experts)
+        # XLA:CPU expands ragged_dot into a product over every expert: tiles there; TPU: the Pallas
+        # grouped matmul (runtime/moe.py, pallas_kernels/tpu_gmm.py); GPU: XLA's ragged_dot
+        matmul = {"cpu": blocked_ragged_dot, "tpu": pallas_ragged_dot}.get(self.platform)
+        moe = functools.partial(grouped_experts, matmul=matmul) if matmul else grouped_experts
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend, moe)

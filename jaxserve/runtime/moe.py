@@ -9,8 +9,10 @@ assignments of experts another device holds - get the sentinel group E: sorted l
 group, their output is zero. The combine un-sorts and sums each token's k rows with their weights
 (a gather and a reduction, no scatter).
 
-Two implementations of the grouped product, same signature as `jax.lax.ragged_dot`: XLA's own
-(native on GPU and TPU), and `blocked_ragged_dot` for CPU, where `ragged_dot` is expanded into a
+Three implementations of the grouped product, same signature as `jax.lax.ragged_dot`: XLA's own
+(GPU), `pallas_ragged_dot` for TPU (pallas_kernels/tpu_gmm.py, a megablox-class Pallas kernel: row
+tiles visited once per group they hold, so a group's rows are multiplied by its expert only), and
+`blocked_ragged_dot` for CPU, where `ragged_dot` is expanded into a
 dense product over every expert (E x the FLOPs, and a masked [E, M, K] copy of the rows): there the
 rows are laid out in tiles of B rows, each tile one expert's (groups padded to whole tiles, at most
 M / B + min(E, M) tiles), and a loop multiplies each tile by its expert's matrix, read in place.
@@ -117,6 +119,20 @@ def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None, product=
     return jnp.where((g < e)[:, None], y[jnp.minimum(pos, tiles * b - 1)], 0).astype(lhs.dtype)
 
 
+def pallas_ragged_dot(lhs, rhs, group_sizes, *, interpret: bool = False):
+    """The TPU backend's grouped product: the Pallas kernel (pallas_kernels/tpu_gmm.py) over float
+    experts, rows past sum(group_sizes) left unwritten (`grouped_experts` zeroes its sentinel rows
+    itself, so no grid step touches them: under expert parallelism most rows are another device's);
+    a packed expert format (an `expert(i, dtype)` method: runtime/mxfp4.py) goes to the blocked
+    product, which decodes one expert's matrix per tile. ``interpret``: Pallas' TPU interpreter
+    (tests, on CPU)."""
+    if hasattr(rhs, "expert"):
+        return blocked_ragged_dot(lhs, rhs, group_sizes)
+    from pallas_kernels import tpu_gmm
+
+    return tpu_gmm.gmm(lhs, rhs, group_sizes, zero_rest=False, interpret=interpret)
+
+
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
                     matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None):
     """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e
@@ -126,8 +142,9 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     x: [T, H]; ids: i32[T, k] (global expert ids); weights: f32[T, k];
     w_gate / w_up: [E, H, I]; w_down: [E, I, H] - the E experts this device holds, global ids
     expert_offset .. expert_offset + E - 1 (expert parallelism; 0 otherwise);
-    num_rows: i32[1] real tokens (rows past them are never routed); matmul: `jax.lax.ragged_dot` or
-    `blocked_ragged_dot`, or a weight format's grouped product (runtime/expert_matmul.py); a packed
+    num_rows: i32[1] real tokens (rows past them are never routed); matmul: `jax.lax.ragged_dot`,
+    `pallas_ragged_dot` or `blocked_ragged_dot` (rows past sum(sizes) may come out as anything: they
+    are zeroed here), or a weight format's grouped product (runtime/expert_matmul.py); a packed
     expert format (runtime/mxfp4.py) given `ragged_dot` goes through the blocked product, which decodes
     one expert's matrix per tile; `gated(rows, w_gate, w_up, sizes)`: silu(rows Wg) * (rows Wu) in one
     product, used for the default act without biases. -> [T, H] in x's dtype."""
