@@ -108,3 +108,14 @@ def test_tpu_backend_runs_the_kernel():
     assert tpu._float_ops(lambda f: f).moe.keywords["matmul"] is pallas_ragged_dot
     gpu = resolve_backend(None, "bfloat16", "bfloat16", target="gpu", compute_capability="9.0")
     assert gpu._float_ops(lambda f: f).moe is grouped_experts
+
+
+def test_gmm_lowers_for_tpu_at_qwen3_30b_a3b_down():
+    """The Pallas -> Mosaic TPU lowering (jax.export, no libtpu) of the down projection at T512:
+    the blocks pass Pallas' (8, 128) checks; the compile tier runs Mosaic's own passes."""
+    from jaxserve.runtime import compat
+
+    shapes = (jax.ShapeDtypeStruct((4096, 768), jnp.bfloat16), jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
+              jax.ShapeDtypeStruct((128,), jnp.int32))
+    text = compat.export(jax.jit(tpu_gmm.gmm), platforms=["tpu"])(*shapes).mlir_module()
+    assert "tpu_custom_call" in text and "gmm_tpu" in text
