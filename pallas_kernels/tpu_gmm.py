@@ -71,17 +71,17 @@ def _halve(d: int) -> int | None:
 
 
 def tile_sizes(m: int, k: int, n: int, num_groups: int, lhs_dtype, rhs_dtype=None,
-               budget: int = BLOCK_VMEM_BYTES) -> Tiles:
+               budget: int = BLOCK_VMEM_BYTES, group_rows: int | None = None) -> Tiles:
     """Block sizes for an [m, k] x [num_groups, k, n] grouped product.
 
-    ``tm``: about the mean group size (rows / groups), rounded up to the sublane packing, at most
-    ``MAX_TM``: a tile straddling g groups is multiplied g times, so small groups (decode: a few
-    rows per expert) want small tiles. ``tk`` and ``tn`` start whole (each expert's weights read
+    ``tm``: about the mean group size (``group_rows``, default rows / groups), rounded up to the
+    sublane packing, at most ``MAX_TM``: a tile straddling g groups is multiplied g times, so small
+    groups (decode: a few rows per expert) want small tiles. ``tk`` and ``tn`` start whole (each expert's weights read
     once per visit; a dimension that is not whole 128-lane tiles stays whole) and the larger is
     halved while the blocks exceed ``budget``."""
     rhs_dtype = rhs_dtype or lhs_dtype
     pack = max(sublanes(lhs_dtype), sublanes(rhs_dtype))
-    mean = -(-m // max(num_groups, 1))
+    mean = group_rows or -(-m // max(num_groups, 1))
     tm = min(MAX_TM, tpu_budget.round_up(max(mean, 1), pack))
     tk, tn = k, n
     while vmem_estimate(Tiles(tm, tk, tn), lhs_dtype, rhs_dtype, lhs_dtype) > budget:
@@ -154,20 +154,22 @@ def _kernel(offsets_ref, gid_ref, tid_ref, nv_ref, lhs_ref, rhs_ref, out_ref, ac
             out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "zero_rest", "preferred_element_type", "interpret"))
-def gmm(lhs, rhs, group_sizes, *, tiles: Tiles | None = None, zero_rest: bool = True,
+@functools.partial(jax.jit, static_argnames=("tiles", "zero_rest", "group_rows", "preferred_element_type",
+                                             "interpret"))
+def gmm(lhs, rhs, group_sizes, *, tiles: Tiles | None = None, zero_rest: bool = True, group_rows: int | None = None,
         preferred_element_type=None, interpret: bool = False):
     """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` as a Pallas TPU kernel (module docstring).
 
     lhs [M, K] rows sorted by group; rhs [E, K, N]; group_sizes i32[E] summing to at most M.
-    ``tiles``: (tm, tk, tn), default ``tile_sizes``; tk must divide K and tn N (else they are the
-    whole dimension). Rows are padded to a whole number of tiles when M is not one (a copy)."""
+    ``tiles``: (tm, tk, tn), default ``tile_sizes`` (``group_rows``: the rows a group is expected
+    to hold, when most of the M rows are in no group); tk must divide K and tn N (else they are
+    the whole dimension). Rows are padded to a whole number of tiles when M is not one (a copy)."""
     m, k = lhs.shape
     e, k2, n = rhs.shape
     if k2 != k or group_sizes.shape != (e,):
         raise ValueError(f"gmm: lhs {lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape} do not match")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    t = tiles or tile_sizes(m, k, n, e, lhs.dtype, rhs.dtype)
+    t = tiles or tile_sizes(m, k, n, e, lhs.dtype, rhs.dtype, group_rows=group_rows)
     tm = t.tm
     tk = t.tk if k % t.tk == 0 else k
     tn = t.tn if n % t.tn == 0 else n

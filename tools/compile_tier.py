@@ -160,7 +160,7 @@ def kernel_cases(platform: str, target: deviceless.Target) -> list[Case]:
 GMM_SHAPES = {"qwen3-30b-a3b": ("qwen3-30b-a3b", 1), "qwen3-30b-a3b-ep8": ("qwen3-30b-a3b", 8)}
 
 
-def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool):
+def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool, group_rows: int | None = None):
     """``tpu_gmm.gmm`` on one compile-only device: bf16 [m, k] rows x [e, k, n] experts."""
     import jax
     import jax.numpy as jnp
@@ -172,7 +172,7 @@ def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool):
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=rep),
             jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16, sharding=rep),
             jax.ShapeDtypeStruct((e,), jnp.int32, sharding=rep))
-    return jax.jit(functools.partial(tpu_gmm.gmm, zero_rest=zero_rest)).lower(*args)
+    return jax.jit(functools.partial(tpu_gmm.gmm, zero_rest=zero_rest, group_rows=group_rows)).lower(*args)
 
 
 def gmm_cases(target: deviceless.Target) -> list[Case]:
@@ -185,8 +185,10 @@ def gmm_cases(target: deviceless.Target) -> list[Case]:
             for proj, (k, n) in (("gate_up", (h, i)), ("down", (i, h))):
                 cid = f"tpu/{target.name}/gmm/{label}/{step}-T{tokens}/{proj}"
                 # whole experts: ragged_dot's contract (rows past the sum zeroed); ep8 as the engine
-                # calls it (runtime/moe.pallas_ragged_dot: those rows left unwritten)
-                build = functools.partial(gmm_op, devices, tokens * top, k, n, e // split, split == 1)
+                # calls it (runtime/moe.pallas_ragged_dot: those rows left unwritten, row tiles sized
+                # for the tokens * top / E rows an expert gets)
+                build = functools.partial(gmm_op, devices, tokens * top, k, n, e // split, split == 1,
+                                          None if split == 1 else -(-tokens * top // e))
                 cases.append(Case(cid, "tpu", target.name, build, True))
     return cases
 

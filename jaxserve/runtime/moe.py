@@ -20,6 +20,8 @@ M / B + min(E, M) tiles), and a loop multiplies each tile by its expert's matrix
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -119,22 +121,23 @@ def blocked_ragged_dot(lhs, rhs, group_sizes, block: int | None = None, product=
     return jnp.where((g < e)[:, None], y[jnp.minimum(pos, tiles * b - 1)], 0).astype(lhs.dtype)
 
 
-def pallas_ragged_dot(lhs, rhs, group_sizes, *, interpret: bool = False):
+def pallas_ragged_dot(lhs, rhs, group_sizes, *, group_rows: int | None = None, interpret: bool = False):
     """The TPU backend's grouped product: the Pallas kernel (pallas_kernels/tpu_gmm.py) over float
     experts, rows past sum(group_sizes) left unwritten (`grouped_experts` zeroes its sentinel rows
     itself, so no grid step touches them: under expert parallelism most rows are another device's);
     a packed expert format (an `expert(i, dtype)` method: runtime/mxfp4.py) goes to the blocked
-    product, which decodes one expert's matrix per tile. ``interpret``: Pallas' TPU interpreter
-    (tests, on CPU)."""
+    product, which decodes one expert's matrix per tile. ``group_rows``: the rows an expert is
+    expected to hold, which sizes the row tiles (`grouped_experts` passes it under expert
+    parallelism); ``interpret``: Pallas' TPU interpreter (tests, on CPU)."""
     if hasattr(rhs, "expert"):
         return blocked_ragged_dot(lhs, rhs, group_sizes)
     from pallas_kernels import tpu_gmm
 
-    return tpu_gmm.gmm(lhs, rhs, group_sizes, zero_rest=False, interpret=interpret)
+    return tpu_gmm.gmm(lhs, rhs, group_sizes, zero_rest=False, group_rows=group_rows, interpret=interpret)
 
 
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
-                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None):
+                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None, num_experts=None):
     """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e
     (act silu(g) * u unless given; `biases` (b_gate, b_up) [E, I] add to x Wg_e and x Wu_e; a down
     bias is the caller's: sum_j weights * b_down[ids] needs no grouped product).
@@ -147,7 +150,9 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     are zeroed here), or a weight format's grouped product (runtime/expert_matmul.py); a packed
     expert format (runtime/mxfp4.py) given `ragged_dot` goes through the blocked product, which decodes
     one expert's matrix per tile; `gated(rows, w_gate, w_up, sizes)`: silu(rows Wg) * (rows Wu) in one
-    product, used for the default act without biases. -> [T, H] in x's dtype."""
+    product, used for the default act without biases; `num_experts`: every device's experts together
+    (expert parallelism: sizes `pallas_ragged_dot`'s row tiles for the T*k/num_experts rows an expert
+    gets, not the T*k/E rows, mostly other devices', it is given). -> [T, H] in x's dtype."""
     t, k = ids.shape
     e = w_gate.shape[0]
     local = ids - expert_offset
@@ -159,6 +164,8 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     sizes = jnp.zeros((e + 1,), jnp.int32).at[group].add(1)[:e]
     packed = hasattr(w_gate, "expert")
     dot = blocked_ragged_dot if packed and matmul is jax.lax.ragged_dot else matmul
+    if num_experts and getattr(matmul, "func", matmul) is pallas_ragged_dot:  # a partial (tests: interpret)
+        dot = functools.partial(dot, group_rows=-(-t * k // num_experts))
     dtype = x.dtype if packed else w_gate.dtype
     xs = x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
     if gated is not None and act is silu_gate and biases is None:

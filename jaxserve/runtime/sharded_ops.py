@@ -68,10 +68,13 @@ def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
         if num_rows is None:
             num_rows = jnp.full((1,), x.shape[0], jnp.int32)
         w_in, w_out, b_in = expert_specs(expert_parallel, packed=hasattr(w_gate, "expert"))
+        # expert parallel: every device's experts together (sizes the TPU grouped matmul's row tiles)
+        total = {"num_experts": w_gate.shape[0]} if expert_parallel else {}
 
         def per_device(x, ids, weights, w_gate, w_up, w_down, num_rows, biases):
             offset = jax.lax.axis_index(MODEL) * w_gate.shape[0] if expert_parallel else 0
-            y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset, biases=biases, **kw)
+            y = moe_fn(x, ids, weights, w_gate, w_up, w_down, num_rows, expert_offset=offset, biases=biases,
+                       **total, **kw)
             return jax.lax.psum(y, MODEL)
 
         b_spec = None if biases is None else (b_in, b_in)  # gpt-oss's gate / up biases split with their columns

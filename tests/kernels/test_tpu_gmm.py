@@ -82,9 +82,9 @@ def test_grouped_experts_through_the_kernel():
     wg, wu, wd = (jnp.asarray(rng.normal(0, 0.1, s), jnp.float32) for s in ((e, h, i), (e, h, i), (e, i, h)))
     rows = jnp.asarray([10], jnp.int32)
     run = jax.jit(functools.partial(grouped_experts, matmul=functools.partial(pallas_ragged_dot, interpret=True)),
-                  static_argnames="expert_offset")
+                  static_argnames=("expert_offset", "num_experts"))
     ref = jax.jit(grouped_experts, static_argnames="expert_offset")
-    got = np.asarray(run(jnp.asarray(x), ids, w, wg[4:], wu[4:], wd[4:], rows, expert_offset=4))
+    got = np.asarray(run(jnp.asarray(x), ids, w, wg[4:], wu[4:], wd[4:], rows, expert_offset=4, num_experts=e))
     want = np.asarray(ref(jnp.asarray(x), ids, w, wg[4:], wu[4:], wd[4:], rows, expert_offset=4))
     assert np.all(got[10:] == 0)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -101,6 +101,8 @@ def test_tile_sizes_for_qwen3_30b_a3b(tokens):
         assert k % t.tk == 0 and n % t.tn == 0 and t.tk % 128 == 0 and t.tn % 128 == 0
         assert tpu_gmm.vmem_estimate(t, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16) <= tpu_gmm.BLOCK_VMEM_BYTES
     assert tpu_budget.vmem_limit(tpu_gmm.BLOCK_VMEM_BYTES) <= tpu_budget.MIN_VMEM_BYTES
+    # expert parallel over 8: 16 experts a device, but an expert's rows are still tokens * 8 / 128
+    assert tpu_gmm.tile_sizes(m, 2048, 768, 16, jnp.bfloat16, group_rows=m // 128).tm == max(16, m // 128)
 
 
 def test_tpu_backend_runs_the_kernel():
