@@ -95,7 +95,8 @@ class EngineConfig:
                                      "GGUF's Q4_0/Q4_1 as stored, times int8 activations) on the CPU's "
                                      "dot-product instructions; mxfp4a8: a checkpoint's MXFP4 experts (gpt-oss) "
                                      "as stored times int8 activations on them too (other weights as without "
-                                     "--quantization; the default, exact path keeps float32 activations); none: unquantized, in --dtype (float32 on CPU: "
+                                     "--quantization; the default, exact path keeps float32 activations); none: "
+                                     "unquantized, in --dtype (float32 on CPU: "
                                      "exact). Default: on CPU, gguf for a GGUF of those blocks where the CPU has "
                                      "int8 dot products (VNNI/AMX), bfloat16 for a bfloat16 checkpoint where it has "
                                      "bfloat16 ones, else none (jaxserve/default_format.py)",

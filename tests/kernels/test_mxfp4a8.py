@@ -97,8 +97,11 @@ def test_isa_paths_and_xla_agree():
     exact, a8 = weights(4)
     x = np.random.default_rng(5).standard_normal((33, K)).astype(np.float32)
     w = type(a8)(*map(jnp.asarray, a8))
-    outs = [np.asarray(jax.jit(lambda x, w, isa=cpu_kernels.choose_isa(c): quant.linear(x, w, native=True, isa=isa))(x, w))
-            for c in CAPS]
+    def native(cap):
+        isa = cpu_kernels.choose_isa(cap)
+        return np.asarray(jax.jit(lambda x, w: quant.linear(x, w, native=True, isa=isa))(x, w))
+
+    outs = [native(cap) for cap in CAPS]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
     xla = np.asarray(jax.jit(lambda x, w: quant.linear(x, w, native=False))(x, w))
@@ -108,3 +111,20 @@ def test_isa_paths_and_xla_agree():
     # int8 per block of 32: each activation within 0.5 / 127 of its block's max; over K = 256
     # random-sign terms the error is ~1e-3 of the output scale
     assert np.abs(outs[0] - f32).max() <= 1e-2 * scale
+
+
+def test_quantization_needs_mxfp4_experts():
+    """--quantization mxfp4a8 lays out a checkpoint's MXFP4 experts; a model without them, or tensor
+    parallelism, is told so (not silently run unquantized)."""
+    from jaxserve.errors import UserError
+    from jaxserve.runtime.quant_params import quantize_params
+    from jaxserve.runtime.weight_formats import ExpertStack
+
+    with pytest.raises(UserError, match="MXFP4 experts"):
+        quantize_params({"mlp": {"kernel": np.zeros((64, 64), np.float32)}}, "mxfp4a8")
+    experts = mxfp4.quantize(np.ones((2, 64, 64), np.float32))
+    with pytest.raises(UserError, match="tensor_parallel_size 1"):
+        quantize_params({"experts": {"gate_proj": experts}}, "mxfp4a8", experts=False)
+    out = quantize_params({"experts": {"gate_proj": experts}, "kernel": np.ones((64, 64))}, "mxfp4a8")
+    assert isinstance(out["experts"]["gate_proj"], ExpertStack) and out["kernel"].dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(out["experts"]["gate_proj"].expert(1)), np.ones((64, 64)))
