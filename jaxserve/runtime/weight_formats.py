@@ -4,7 +4,8 @@ made at load time from float weights or kept as a GGUF file stores them; and the
 with the CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights (activations
 rounded to bfloat16, float32 sums), W8A8 (int8 weights and per-row int8 activations in blocks of
 32, int32 sums per block) and W4A8 (Q4_1's 4-bit blocks times the same int8 activations: llama.cpp's
-Q4_1 x Q8_1; under it a GGUF's Q8_0 blocks run as Q8A8, Q8_0 x Q8_0).
+Q4_1 x Q8_1; under it a GGUF's Q8_0 blocks run as Q8A8, Q8_0 x Q8_0), and MXFP4A8 (gpt-oss's MXFP4
+experts as stored times the same int8 activations: runtime/mxfp4.py).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of runtime/panels.py, with
 blocks of 32 running along K (GGUF's blocks run along a row of the [out, in] matrix: the same K).
