@@ -128,3 +128,26 @@ def test_quantization_needs_mxfp4_experts():
     out = quantize_params({"experts": {"gate_proj": experts}, "kernel": np.ones((64, 64))}, "mxfp4a8")
     assert isinstance(out["experts"]["gate_proj"], ExpertStack) and out["kernel"].dtype == np.float64
     np.testing.assert_array_equal(np.asarray(out["experts"]["gate_proj"].expert(1)), np.ones((64, 64)))
+    # jaxserve lower: shapes only, the same as the real layout's
+    shapes = mxfp4.Mxfp4Weight(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in experts))
+    abstract = quantize_params({"experts": {"gate_proj": shapes}}, "mxfp4a8")["experts"]["gate_proj"]
+    assert [(a.shape, a.dtype) for a in abstract.w] == [(a.shape, a.dtype) for a in out["experts"]["gate_proj"].w]
+
+
+def test_grouped_call_on_whole_tiles():
+    """The grouped expert call with experts of 0, 40 and 17 rows (AMX: whole and partial 16-row
+    tiles, where the CPU has them) gives each expert's rows the dense call's bits on that expert."""
+    from jaxserve.runtime.expert_matmul import grouped_gated
+    from jaxserve.runtime.weight_formats import ExpertStack, expert_at, stack_experts
+
+    isa = cpu_kernels.choose_isa()
+    sizes = [0, 40, 17]
+    g, u = (ExpertStack(type(s.w)(*map(jnp.asarray, s.w))) for s in
+            (stack_experts([weights(10 * j + i)[1] for i in range(3)]) for j in range(2)))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((64, K)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, g, u, s: grouped_gated(x, g, u, s, native=True, isa=isa))(
+        x, g, u, jnp.asarray(sizes, jnp.int32)))
+    dense = jax.jit(lambda x, a, b: quant.linear_gated(x, a, b, native=True, isa=isa))
+    np.testing.assert_array_equal(got[:40], np.asarray(dense(x[:40], expert_at(g.w, 1), expert_at(u.w, 1))))
+    np.testing.assert_array_equal(got[40:57], np.asarray(dense(x[40:57], expert_at(g.w, 2), expert_at(u.w, 2))))
+    assert not got[57:].any()
