@@ -9,11 +9,13 @@ At T tokens with top-k routing over E experts (hidden H, expert width I), the gr
 same rows, one weight set), so efficiency = dense time / grouped time (1.0: the grouping, sort and
 combine cost nothing). `--impls ragged` adds XLA's ragged_dot (on CPU a dense product over every
 expert: slow). The grouped time includes routing's sort, gather and weighted combine.
-`--formats bfloat16,w8a8,w4a8,q8_0,q4_k,mxfp4` adds experts kept in those weight formats (an
+`--formats bfloat16,w8a8,w4a8,q8_0,q4_k,mxfp4,mxfp4a8` adds experts kept in those weight formats (an
 ExpertStack: runtime/expert_matmul.py's native grouped calls), each against the dense native kernel
 of the same format over the same rows (quant.linear_gated, then quant.linear); `mxfp4-tiled` is
 gpt-oss's MXFP4 as loaded through the tiled loop that decodes one expert per tile (the path before
-the native kernel). A K-quant falls back for a K not in its super-blocks as --quantization does
+the native kernel); `mxfp4a8` is the same MXFP4 bytes times int8 activations on the dot-product
+instructions (csrc/dot_matmul.cc kMXFP4A8, `--quantization mxfp4a8`). A K-quant falls back for a K
+not in its super-blocks as --quantization does
 (q4_k: the down projection's K = I = 384 as q4_1).
 Default shapes: a Qwen3-30B-A3B layer cut down to fit this CPU (H 1024, I 384, 32 experts, top 4).
 """

@@ -20,7 +20,8 @@ ATTENTION_BACKENDS = ("cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 KV_QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")  # pallas_kernels/kv_quant.py: per-(token, head) scales
 # runtime/weight_formats.py
-QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k")
+QUANTIZATIONS = ("int8", "fp8", "q8_0", "q4_0", "q4_1", "gguf", "bfloat16", "w8a8", "w4a8", "q4_k", "q6_k",
+                 "mxfp4a8")
 QUANTIZATION_CHOICES = (*QUANTIZATIONS, "none")  # none: weights in --dtype, unquantized (float32 on CPU: exact)
 SCHEDULES = POLICIES
 
@@ -92,7 +93,10 @@ class EngineConfig:
                                      "activations rounded to bfloat16, float32 sums), w8a8 (int8 weights "
                                      "per channel, int8 activations per block of 32) and w4a8 (q4_1's blocks, a "
                                      "GGUF's Q4_0/Q4_1 as stored, times int8 activations) on the CPU's "
-                                     "dot-product instructions; none: unquantized, in --dtype (float32 on CPU: "
+                                     "dot-product instructions; mxfp4a8: a checkpoint's MXFP4 experts (gpt-oss) "
+                                     "as stored times int8 activations on them too (other weights as without "
+                                     "--quantization; the default, exact path keeps float32 activations); none: "
+                                     "unquantized, in --dtype (float32 on CPU: "
                                      "exact). Default: on CPU, gguf for a GGUF of those blocks where the CPU has "
                                      "int8 dot products (VNNI/AMX), bfloat16 for a bfloat16 checkpoint where it has "
                                      "bfloat16 ones, else none (jaxserve/default_format.py)",

@@ -17,6 +17,10 @@ exact path. Measured on the shipped model (bench/RESULTS.md "Default weight form
 the file's values exactly, same perplexity as float32, faster at 1 and 32 streams; w4a8 was faster
 still but not kept (it parted from float32's greedy answers on near-ties and cost ~1% perplexity).
 
+A gpt-oss checkpoint's MXFP4 experts run as stored in every case (decoded in the native kernel,
+float32 activations: exact); `--quantization mxfp4a8` (int8 activations on them, faster, not exact)
+is never chosen by default, as w4a8 is not.
+
 No jax here: the engine passes the platform and whether the native kernels are built.
 """
 

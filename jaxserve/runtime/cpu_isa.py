@@ -37,8 +37,9 @@ def cpu_features() -> frozenset[str]:
 # The dot-product kernels (csrc/dot_matmul.cc) per weight format: the CPU flag their fast path
 # needs, and the bit of JaxserveDotIsa() saying the library was built with it; and the AMX tiles'.
 DOT_PATHS = {"bfloat16": ("avx512_bf16", 1), "w8a8": ("avx512_vnni", 2), "w4a8": ("avx512_vnni", 2),
-             "q8a8": ("avx512_vnni", 2)}
-AMX_PATHS = {"bfloat16": "amx_bf16", "w8a8": "amx_int8", "w4a8": "amx_int8", "q8a8": "amx_int8"}
+             "q8a8": ("avx512_vnni", 2), "mxfp4a8": ("avx512_vnni", 2)}
+AMX_PATHS = {"bfloat16": "amx_bf16", "w8a8": "amx_int8", "w4a8": "amx_int8", "q8a8": "amx_int8",
+             "mxfp4a8": "amx_int8"}
 AMX_BIT = 4
 ISA_ENV = "JAXSERVE_CPU_ISA"  # "portable" / "avx512": cap the instructions below what the CPU has
 ISA_CHOICES = ("auto", "avx512", "portable")

@@ -13,8 +13,14 @@ float32 and bfloat16, so the decode itself is exact.
 On the native CPU backend the experts are laid out again at load (`to_panels`, the same bytes: 4.25
 bits a weight) as `Mxfp4Panels`, a weight format of runtime/weight_formats.py, and run in
 csrc/quant_matmul.cc (kMXFP4: each code and exponent decoded in registers before its FMA, float32
-activations; exact) through the grouped expert call of runtime/expert_matmul.py. Not here (issue 28):
-MXFP4 times int8 activations on the dot-product instructions.
+activations; exact) through the grouped expert call of runtime/expert_matmul.py.
+
+`--quantization mxfp4a8` lays the same codes and exponents out as `Mxfp4A8Weight` (W4A8's nibble
+layout: 4.25 bits a weight still) for csrc/dot_matmul.cc's kMXFP4A8: 2 e2m1 is an integer in
+-12..12, multiplied against the activations quantized to int8 per block of 32 (vpdpbusd, AMX-INT8
+tiles, or portable code), the block's int32 sum scaled by 2^(e - 128) and the activations' block
+scale in float32. The weights are read exactly; the activations' int8 rounding is the error (as
+w8a8's and w4a8's): not exact, unlike `Mxfp4Panels`' float32 activations.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.runtime.panels import PANEL
+from jaxserve.runtime.panels import PANEL, nibbles, to_words
 
 BLOCK = 32  # values per scale
 # e2m1 codes 0..15: sign bit 3, exponent bits 2..1, mantissa bit 0
@@ -143,20 +149,42 @@ def stack_panels(w: Mxfp4Weight):
     return Mxfp4Panels(np.stack([p.q for p in per]), np.stack([p.e for p in per]))
 
 
-def panel_values(codes, e):
-    """Codes [..., K, 64] in 0..15 and exponents [..., K / 32, 64] -> float32 values (jnp, exact)."""
+def panel_values(codes, e, axis: int = -2):
+    """Codes [..., K, 64] in 0..15 and exponents [..., K / 32, 64] -> float32 values (jnp, exact);
+    `axis`: K's (-1: rows [T, K] and [T, K / 32])."""
     lut = jnp.asarray(E2M1, jnp.float32)
-    return jnp.ldexp(lut[codes.astype(jnp.int32)], jnp.repeat(e.astype(jnp.int32) - 127, BLOCK, axis=-2))
+    return jnp.ldexp(lut[codes.astype(jnp.int32)], jnp.repeat(e.astype(jnp.int32) - 127, BLOCK, axis=axis))
 
 
 def row_values(b, e):
     """Rows of codes u8[T, K / 2] (two a byte) and exponents u8[T, K / 32] -> float32 [T, K] (jnp)."""
-    codes = jnp.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1)
-    lut = jnp.asarray(E2M1, jnp.float32)
-    return jnp.ldexp(lut[codes.astype(jnp.int32)], jnp.repeat(e.astype(jnp.int32) - 127, BLOCK, axis=-1))
+    return panel_values(jnp.stack([b & 15, b >> 4], axis=-1).reshape(b.shape[0], -1), e, axis=-1)
 
 
 def quantize_panels(w) -> Mxfp4Panels:
     """Float [K, N] -> MXFP4 in panels (`quantize`'s rounding): the registry's codec (tests, benches)."""
     hf = quantize(np.asarray(w, np.float32)[None])
     return to_panels(hf.blocks[0], hf.scales[0])
+
+
+class Mxfp4A8Weight(NamedTuple):
+    """Mxfp4Panels' codes in W4A8Weight's layout (weight_formats.py: k quads, two a byte) for
+    csrc/dot_matmul.cc kMXFP4A8 (MXFP4 times int8 activations): q[p, g, 4 j + t] = c[8 g + t, 64 p + j]
+    | c[8 g + 4 + t, 64 p + j] << 4, W = e2m1(c) * 2^(e - 127). Exact weights; activations rounded to
+    int8 per block of 32 (not exact: Mxfp4Panels is the exact path)."""
+
+    q: jax.Array  # u8[N / 64, K / 8, 256]
+    e: jax.Array  # u8[N / 64, K / 32, 64]
+
+
+def to_a8(w: Mxfp4Panels) -> Mxfp4A8Weight:
+    """An Mxfp4Panels' codes and exponents, bit for bit, in Mxfp4A8Weight's layout (numpy)."""
+    words = to_words(nibbles(np.asarray(w.q)), 4)  # [P, K / 4, 256] codes 0..15
+    return Mxfp4A8Weight(np.ascontiguousarray(words[:, 0::2] | words[:, 1::2] << 4), np.asarray(w.e))
+
+
+def stack_a8(w: Mxfp4Weight) -> Mxfp4A8Weight:
+    """Stacked experts (HF's layout) -> Mxfp4A8Weight's parts stacked [E, ...] (numpy; bytes moved only)."""
+    blocks, scales = np.asarray(w.blocks), np.asarray(w.scales)
+    per = [to_a8(to_panels(blocks[i], scales[i])) for i in range(blocks.shape[0])]
+    return Mxfp4A8Weight(np.stack([p.q for p in per]), np.stack([p.e for p in per]))

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxserve.config import QUANTIZATIONS
 from jaxserve.errors import UserError
+from jaxserve.runtime import mxfp4
 from jaxserve.runtime.panels import PANEL
 from jaxserve.runtime.weight_formats import (
     DOT_QUANTIZATIONS,
@@ -37,7 +38,7 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
     if name not in choices:
         raise UserError(f"Unsupported quantization {name!r}: choose one of {', '.join(choices)} (gguf: a GGUF "
                         "file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K blocks as stored; the others are made at load time; bfloat16, "
-                        "w8a8 and w4a8 run on the CPU's dot-product instructions).",
+                        "w8a8, w4a8 and mxfp4a8 run on the CPU's dot-product instructions).",
                         param="quantization")
 
 
@@ -56,6 +57,8 @@ def quantize_params(params: dict, quantization: str, experts: bool = True) -> di
     not `experts` (under tensor parallelism, where the experts stay float). The float leaves are
     dropped: nothing here holds on to them."""
     check_quantization(quantization, LOAD_QUANTIZATIONS)
+    if quantization == "mxfp4a8":
+        return _mxfp4a8(params, experts)
     fallback = K_FALLBACK.get(quantization, quantization)
 
     def convert(path, leaf):
@@ -85,6 +88,35 @@ def quantize_params(params: dict, quantization: str, experts: bool = True) -> di
         return type(w)(*map(jnp.asarray, w)) if on_device else w
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+
+
+def _mxfp4a8(params: dict, experts: bool) -> dict:
+    """--quantization mxfp4a8: every MXFP4 expert stack (mxfp4.Mxfp4Weight, a gpt-oss checkpoint's) as
+    an ExpertStack of mxfp4.Mxfp4A8Weight, the same codes and exponents (int8 activations on the
+    dot-product instructions); every other leaf as it is. A UserError where there are none, or under
+    tensor parallelism (`experts` False)."""
+    found = []
+
+    def convert(leaf):
+        if not isinstance(leaf, mxfp4.Mxfp4Weight) or leaf.shape[2] % PANEL:
+            return leaf
+        found.append(leaf)
+        if isinstance(leaf.blocks, jax.ShapeDtypeStruct):  # lowering: only the shapes
+            e, n, g, _ = leaf.blocks.shape
+            return ExpertStack(mxfp4.Mxfp4A8Weight(jax.ShapeDtypeStruct((e, n // PANEL, 4 * g, 4 * PANEL), jnp.uint8),
+                                                   jax.ShapeDtypeStruct((e, n // PANEL, g, PANEL), jnp.uint8)))
+        stack = mxfp4.stack_a8(leaf)
+        return ExpertStack(type(stack)(*map(jnp.asarray, stack)) if isinstance(leaf.blocks, jax.Array) else stack)
+
+    if not experts:
+        raise UserError("--quantization mxfp4a8 runs MXFP4 experts whole on one device: use tensor_parallel_size 1 "
+                        "(or no --quantization: MXFP4 experts with float32 activations).", param="quantization")
+    out = jax.tree.map(convert, params, is_leaf=lambda x: isinstance(x, mxfp4.Mxfp4Weight))
+    if not found:
+        raise UserError("--quantization mxfp4a8 applies to a checkpoint's MXFP4 experts (gpt-oss) whose width is a "
+                        "multiple of 64; this model has none (w4a8 makes 4-bit blocks from float weights).",
+                        param="quantization")
+    return out
 
 
 EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # a MoE layer's stacked routed experts [E, K, N]

@@ -4,7 +4,8 @@ made at load time from float weights or kept as a GGUF file stores them; and the
 with the CPU's dot-product instructions (csrc/dot_matmul.cc): bfloat16 weights (activations
 rounded to bfloat16, float32 sums), W8A8 (int8 weights and per-row int8 activations in blocks of
 32, int32 sums per block) and W4A8 (Q4_1's 4-bit blocks times the same int8 activations: llama.cpp's
-Q4_1 x Q8_1; under it a GGUF's Q8_0 blocks run as Q8A8, Q8_0 x Q8_0).
+Q4_1 x Q8_1; under it a GGUF's Q8_0 blocks run as Q8A8, Q8_0 x Q8_0), and MXFP4A8 (gpt-oss's MXFP4
+experts as stored times the same int8 activations: runtime/mxfp4.py).
 
 Every format is a pytree NamedTuple laid out in the 64-column panels of runtime/panels.py, with
 blocks of 32 running along K (GGUF's blocks run along a row of the [out, in] matrix: the same K).
@@ -31,7 +32,7 @@ import numpy as np
 
 from jaxserve.runtime import kquants, mxfp4
 from jaxserve.runtime.kquants import Q4KWeight, Q6KWeight
-from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
+from jaxserve.runtime.mxfp4 import Mxfp4A8Weight, Mxfp4Panels, Mxfp4Weight
 from jaxserve.runtime.panels import BLOCK, PANEL, from_panels, from_words, nibbles, to_panels, to_words
 
 # GGUF block types a GGUF load keeps as stored (model/gguf_loader.py `keep_quantized`), each one of
@@ -107,7 +108,7 @@ class Q8A8Weight(NamedTuple):
 
 
 QuantWeight = (Int8Weight | Q8Weight | Q4Weight | Fp8Weight | Bf16Weight | W8A8Weight | W4A8Weight | Q8A8Weight
-               | Q4KWeight | Q6KWeight | Mxfp4Panels)
+               | Q4KWeight | Q6KWeight | Mxfp4Panels | Mxfp4A8Weight)
 
 
 # ---- codecs: float [K, N] -> a format (numpy, at load time) ------------------------------------
@@ -329,6 +330,11 @@ FORMATS = (
                  lambda w: _blocked(from_words(w.q, 4, jnp), w),
                  lambda w, p, c, ids: _word_rows(w, p, c, ids) * _row_blocks(w.d, p, c) + _row_blocks(w.m, p, c),
                  lambda w: (w.q, w.d, w.m), DOT_MATMUL, 3),
+    # MXFP4's codes times int8 activations (runtime/mxfp4.py): what mxfp4a8 makes of MXFP4 experts
+    WeightFormat("mxfp4a8", Mxfp4A8Weight, lambda w: mxfp4.to_a8(mxfp4.quantize_panels(w)),
+                 lambda w: from_panels(mxfp4.panel_values(w4a8_q(w.q), w.e), jnp),
+                 lambda w, p, c, ids: mxfp4.panel_values(_word_rows(w, p, c, ids, True), w.e[p, :, c], axis=-1),
+                 lambda w: (w.q, w.e, _none(jnp.float16)), DOT_MATMUL, 4),
 )
 _BY_TYPE = {f.type: f for f in FORMATS}
 _BY_NAME = {f.name: f for f in FORMATS}

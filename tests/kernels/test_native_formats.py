@@ -70,7 +70,7 @@ def test_the_library_reports_the_registry_table():
 
 @needs_kernel
 @pytest.mark.parametrize("kernel,name,bad", [(QUANT_MATMUL, "int8", 7), (QUANT_MATMUL, "q8_0", -1),
-                                             (DOT_MATMUL, "w8a8", 4)])
+                                             (DOT_MATMUL, "w8a8", 5)])
 def test_a_kernel_rejects_an_unknown_id(kernel, name, bad):
     fmt = weight_formats._BY_NAME[name]
     w = jax.device_put(fmt.quantize(np.ones((64, 64), np.float32)))

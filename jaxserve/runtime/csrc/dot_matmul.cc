@@ -26,6 +26,10 @@
 //           sx (d sum(xq q) + m sum(xq)) to the float32 sum, in k order (llama.cpp's Q4_1 x Q8_1).
 //   kQ8A8: GGUF Q8_0's blocks in w8a8's layout (q + 128 in quads), d and m = -128 d as w4a8's
 //           (W = (q + 128) d + m = q d): the w4a8 block sum on whole bytes (llama.cpp's Q8_0 x Q8_0).
+//   kMXFP4A8: MXFP4's e2m1 codes (runtime/mxfp4.py) in w4a8's nibble layout, and the blocks' E8M0
+//           exponents e u8[N / 64, K / 32, 64]: W = e2m1(c) 2^(e - 127). x is quantized as w8a8's;
+//           each code becomes the byte 2 e2m1(c) + 12 (a 16-entry table, csrc/mxfp4a8.h) and each
+//           block adds sum(xq 2 e2m1(c)) (exact int32, from -12 sum xq) times 2^(e - 128) sx.
 // Attribute `isa` (cpu_kernels.choose_isa: the backend's choice from the CPU's flags): 1 the
 // instructions named above, 0 portable vector code (any CPU: AVX2 or whatever the build targets)
 // that computes the same sums in the same order, 2 AMX tiles (tdpbf16ps / tdpbsud on 16-row tiles
@@ -48,6 +52,7 @@
 #include <unistd.h>
 
 #include "formats.h"
+#include "mxfp4a8.h"
 #include "operand_shape.h"
 #include "parallel.h"
 #include "vec.h"
@@ -69,10 +74,11 @@ using jaxserve::kPanel;
 constexpr int kNV = kPanel / kW, kMR = 6, kRowChunk = 48;
 constexpr int kQuads = kBlock / 4;  // w8a8's activation blocks (kBlock k values) in 4-k words
 constexpr bool Blocked(int f) { return f == kW4A8 || f == kQ8A8; }  // d and m per block of 32 k
+constexpr bool Nibbled(int f) { return f == kW4A8 || f == kMXFP4A8; }  // two quads a byte (w4a8's layout)
 // Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers; w4a8's nibbles take 8
 // more); the int8 formats' float32 block sums live in memory (L1), updated once per block.
 template <int F>
-constexpr int kMaxMR = F == kW4A8 ? 4 : 6;
+constexpr int kMaxMR = Nibbled(F) ? 4 : 6;
 enum Isa { kPortable = 0, kDot = 1, kAmx = 2 };
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -126,7 +132,7 @@ inline void Nibbles(i32x16 b, i32x16& lo, i32x16& hi) {
 // Where panel `panel` of weight words `w` starts: K / per rows of 64 words (w4a8: a row holds 8 k).
 template <Format F>
 inline const uint32_t* PanelWords(const uint32_t* w, int64_t panel, int64_t k_words) {
-  return w + panel * (F == kW4A8 ? k_words / 2 : k_words) * kPanel;
+  return w + panel * (Nibbled(F) ? k_words / 2 : k_words) * kPanel;
 }
 
 // One step of a tile: the 64 columns' accumulators of MR rows. Each k step (a pair for bf16, a
@@ -141,9 +147,11 @@ struct Tile {
     for (int64_t s = s0; s < s1; ++s) {
       i32x16 b[kNV];
       for (int v = 0; v < kNV; ++v) b[v] = Load<i32x16>(w + s * kPanel + v * kW);
-      if constexpr (F == kW4A8) {
+      if constexpr (Nibbled(F)) {
         i32x16 hi[kNV];
         for (int v = 0; v < kNV; ++v) Nibbles(b[v], b[v], hi[v]);
+        if constexpr (F == kMXFP4A8)
+          for (int v = 0; v < kNV; ++v) b[v] = jaxserve::mxfp4a8::Lookup(b[v]), hi[v] = jaxserve::mxfp4a8::Lookup(hi[v]);
         for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + 2 * s], b);
         for (int r = 0; r < MR; ++r) Step(r, x[r * ldx + 2 * s + 1], hi);
       } else {
@@ -224,12 +232,23 @@ void Prepare(ffi::ThreadPool& pool, Format f, const float* x, int64_t m, int64_t
   });
 }
 
-// A weight as the kernel reads it (w8a8: with its scales; w4a8: its blocks' d and m).
+// A weight as the kernel reads it (w8a8: with its scales; w4a8: its blocks' d and m; mxfp4a8: its
+// blocks' exponents).
 struct Weight {
   const uint32_t* w;
   const float* scale;
   const _Float16* d = nullptr;
   const _Float16* m = nullptr;
+  const uint8_t* e = nullptr;
+};
+
+// mxfp4a8: a block's scales 2^(e - 128) for a panel's 64 columns.
+struct MxScales {
+  v16 s[kNV];
+  MxScales() = default;
+  MxScales(const Weight& wt, int64_t panel, int64_t blocks, int64_t b) {
+    for (int v = 0; v < kNV; ++v) s[v] = jaxserve::mxfp4a8::Scales(wt.e + (panel * blocks + b) * kPanel + v * kW);
+  }
 };
 
 // w4a8, q8a8: a block's d and m for a panel's 64 columns (f16 -> float32, once per block, not per row).
@@ -252,12 +271,15 @@ inline v16 W4Block(v16 f, i32x16 sum, float sx, int32_t xsum, v16 d, v16 m) {
 }
 
 // w4a8: the words of a panel's nibble rows (K / 8 of them) as w8a8's quad rows (K / 4) of bytes
-// 0..15, what an AMX tile loads (it reads bytes, not nibbles); into `out`, K * 16 words.
+// 0..15, what an AMX tile loads (it reads bytes, not nibbles); into `out`, K * 16 words. mxfp4a8:
+// each byte through its table (2 e2m1 + 12).
+template <Format F>
 void SplitNibbles(const uint32_t* w, int64_t rows, uint32_t* out) {
   for (int64_t g = 0; g < rows; ++g)
     for (int v = 0; v < kNV; ++v) {
       i32x16 lo, hi;
       Nibbles(Load<i32x16>(w + g * kPanel + v * kW), lo, hi);
+      if constexpr (F == kMXFP4A8) lo = jaxserve::mxfp4a8::Lookup(lo), hi = jaxserve::mxfp4a8::Lookup(hi);
       std::memcpy(out + 2 * g * kPanel + v * kW, &lo, sizeof(lo));
       std::memcpy(out + (2 * g + 1) * kPanel + v * kW, &hi, sizeof(hi));
     }
@@ -274,6 +296,22 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
   alignas(64) float f[MR][kPanel] = {};
   if constexpr (F == kBFLOAT16) {
     t.Run(x, w, 0, a.ldx, a.ldx);
+  } else if constexpr (F == kMXFP4A8) {
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < kNV; ++v)
+          t.c[r][v] = i32x16{} - jaxserve::mxfp4a8::kOffset * a.xsum[(r0 + r) * a.blocks + b];
+      t.Run(x, w, b * (kQuads / 2), (b + 1) * (kQuads / 2), a.ldx);
+      const MxScales sc(wt, panel, a.blocks, b);
+      for (int r = 0; r < MR; ++r) {
+        const float sx = a.sx[(r0 + r) * a.blocks + b];
+        for (int v = 0; v < kNV; ++v) {
+          const v16 fv = jaxserve::mxfp4a8::Block(Load<v16>(f[r] + v * kW), t.c[r][v], sc.s[v], sx);
+          std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
+        }
+      }
+      asm("" ::: "memory");
+    }
   } else if constexpr (Blocked(F)) {
     constexpr int steps = F == kW4A8 ? kQuads / 2 : kQuads;  // k steps per block (w4a8: of two quads)
     for (int64_t b = 0; b < a.blocks; ++b) {
@@ -311,7 +349,7 @@ void Kernel(const Acts& a, int64_t r0, const Weight& wt, int64_t panel, float* y
       v16 out;
       if constexpr (F == kBFLOAT16)
         out = t.c[r][v];
-      else if constexpr (Blocked(F))
+      else if constexpr (Blocked(F) || F == kMXFP4A8)
         out = Load<v16>(f[r] + v * kW);
       else
         out = Load<v16>(f[r] + v * kW) * Load<v16>(wt.scale + panel * kPanel + v * kW);
@@ -383,7 +421,8 @@ inline void TileStep(const char* x, int64_t ldx, const char* w, int64_t ldw) {
 // y[0:mr, 0:64] for one panel, mr <= 16, on AMX tiles (ConfigureTiles<F>(mr) loaded), reading the
 // panel's words at wp (w4a8: SplitNibbles' bytes). bf16: float32 sums over k in steps of 32. W8A8:
 // per block of 32 k the exact int32 sum of xq (q + 128) (tdpbsud: signed activations, unsigned
-// weights), less 128 sum xq, then as Kernel<kW8A8>; w4a8: the sum of xq q, then as Kernel<kW4A8>.
+// weights), less 128 sum xq, then as Kernel<kW8A8>; w4a8: the sum of xq q, then as Kernel<kW4A8>;
+// mxfp4a8: the sum of xq (2 e2m1 + 12) less 12 sum xq, then as Kernel<kMXFP4A8>.
 template <Format F>
 void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32_t* wp, int64_t panel, float* y,
                int64_t ldy) {
@@ -403,8 +442,18 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32
     StoreTiles(c[0], sizeof(c[0]));
     ZeroTiles();
     const W4Scales dm = Blocked(F) ? W4Scales(wt, panel, a.blocks, b) : W4Scales{};
+    const MxScales sc = F == kMXFP4A8 ? MxScales(wt, panel, a.blocks, b) : MxScales{};
     for (int r = 0; r < mr; ++r) {
       const float sx = a.sx[(r0 + r) * a.blocks + b];
+      if constexpr (F == kMXFP4A8) {
+        const i32x16 corr = i32x16{} - jaxserve::mxfp4a8::kOffset * a.xsum[(r0 + r) * a.blocks + b];
+        for (int v = 0; v < kNV; ++v) {
+          const v16 fv = jaxserve::mxfp4a8::Block(Load<v16>(f[r] + v * kW), Load<i32x16>(c[r] + v * kW) + corr,
+                                                  sc.s[v], sx);
+          std::memcpy(f[r] + v * kW, &fv, sizeof(fv));
+        }
+        continue;
+      }
       if constexpr (Blocked(F)) {
         for (int v = 0; v < kNV; ++v) {
           const v16 fv = W4Block(Load<v16>(f[r] + v * kW), Load<i32x16>(c[r] + v * kW), sx,
@@ -425,7 +474,7 @@ void AmxKernel(const Acts& a, int64_t r0, int mr, const Weight& wt, const uint32
   for (int r = 0; r < mr; ++r)
     for (int v = 0; v < kNV; ++v) {
       v16 out = Load<v16>(f[r] + v * kW);
-      if constexpr (!Blocked(F)) out *= Load<v16>(wt.scale + panel * kPanel + v * kW);
+      if constexpr (!Blocked(F) && F != kMXFP4A8) out *= Load<v16>(wt.scale + panel * kPanel + v * kW);
       std::memcpy(y + r * ldy + v * kW, &out, sizeof(out));
     }
 }
@@ -440,7 +489,7 @@ void Rows(int64_t mr, const Acts& a, int64_t r0, const Weight& wt, int64_t panel
   }
 }
 static_assert(kMaxMR<kBFLOAT16> <= kAmxRows && kMaxMR<kW8A8> <= kAmxRows && kMaxMR<kW4A8> <= kAmxRows &&
-                  kMaxMR<kQ8A8> <= kAmxRows,
+                  kMaxMR<kQ8A8> <= kAmxRows && kMaxMR<kMXFP4A8> <= kAmxRows,
               "the gated buffers hold 16 rows");
 
 // ys = x @ W, or silu(x @ W) * (x @ W_up) where `ups`, over row groups (group g: the next
@@ -464,11 +513,11 @@ void Run(ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& group
     // w4a8 on AMX: the panel's nibbles split into bytes once per work item (gate, then up)
     thread_local std::vector<uint32_t> split[2];
     const uint32_t* panel_words[2] = {PanelWords<F>(w.w, panel, a.ldx), up ? PanelWords<F>(up->w, panel, a.ldx) : nullptr};
-    if constexpr (I == kAmx && F == kW4A8)
+    if constexpr (I == kAmx && Nibbled(F))
       if (rows >= kAmxMinRowsW8A8)
         for (int i = 0; i < (up ? 2 : 1); ++i) {
           split[i].resize(a.ldx * kPanel);
-          SplitNibbles(panel_words[i], a.ldx / 2, split[i].data());
+          SplitNibbles<F>(panel_words[i], a.ldx / 2, split[i].data());
           panel_words[i] = split[i].data();
         }
     const auto rows_of = [&](int64_t mr, int64_t r, const Weight& wt, float* y, int64_t ldy) {
@@ -517,12 +566,17 @@ using jaxserve::Shape;  // operand_shape.h
 // else -1.
 int64_t Check(Format f, int64_t k_len, const Shape& w, const Shape& scale, const Shape& mins) {
   const auto& wd = w.dims;
-  const int64_t per = f == kBFLOAT16 ? 2 : f == kW4A8 ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)
+  const int64_t per = f == kBFLOAT16 ? 2 : Nibbled(f) ? 8 : 4;  // k values per 32-bit lane (w4a8: per byte pair of quads)
   if (wd.size() != 3 || k_len % per != 0 || wd[1] != k_len / per || wd[2] != kPanel * (f == kBFLOAT16 ? 2 : 4)) return -1;
   if (f == kBFLOAT16) return w.type == ffi::BF16 ? wd[0] : -1;
   if (w.type != ffi::U8 || k_len % kBlock != 0) return -1;
   if (f == kW8A8)
     return scale.type == ffi::F32 && scale.count() == wd[0] * kPanel ? wd[0] : -1;
+  if (f == kMXFP4A8) {  // exponents u8[N / 64, K / 32, 64]
+    const auto& ed = scale.dims;
+    return scale.type == ffi::U8 && ed.size() == 3 && ed[0] == wd[0] && ed[1] == k_len / kBlock && ed[2] == kPanel
+               ? wd[0] : -1;
+  }
   const auto blocks = [&](const Shape& b) {
     const auto& bd = b.dims;
     return b.type == ffi::F16 && bd.size() == 3 && bd[0] == wd[0] && bd[1] == k_len / kBlock &&
@@ -539,7 +593,8 @@ const void* Part(ffi::AnyBuffer a, int64_t experts, int64_t e) {
 Weight Of(ffi::AnyBuffer w, ffi::AnyBuffer scale, ffi::AnyBuffer mins, int64_t experts = 1, int64_t e = 0) {
   const void* s = Part(scale, experts, e);
   return {static_cast<const uint32_t*>(Part(w, experts, e)), static_cast<const float*>(s),
-          static_cast<const _Float16*>(s), static_cast<const _Float16*>(Part(mins, experts, e))};
+          static_cast<const _Float16*>(s), static_cast<const _Float16*>(Part(mins, experts, e)),
+          static_cast<const uint8_t*>(s)};
 }
 
 // x's rows as groups (group_rows: rows per group, in order; one group: a plain matmul) times ws (and ups).
@@ -559,6 +614,7 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* ws
   if (f == kW8A8 && isa == kAmx) Run<kW8A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   if (f == kW4A8 && isa == kAmx) Run<kW4A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   if (f == kQ8A8 && isa == kAmx) Run<kQ8A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kMXFP4A8 && isa == kAmx) Run<kMXFP4A8, kAmx>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
 #endif
   if (f == kBFLOAT16 && isa == kDot) Run<kBFLOAT16, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   if (f == kBFLOAT16 && isa == kPortable) Run<kBFLOAT16, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
@@ -568,6 +624,8 @@ ffi::Error Call(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* ws
   if (f == kW4A8 && isa == kPortable) Run<kW4A8, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   if (f == kQ8A8 && isa == kDot) Run<kQ8A8, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   if (f == kQ8A8 && isa == kPortable) Run<kQ8A8, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kMXFP4A8 && isa == kDot) Run<kMXFP4A8, kDot>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
+  if (f == kMXFP4A8 && isa == kPortable) Run<kMXFP4A8, kPortable>(pool, acts, group_rows, xd[0], panels, ws, ups, y);
   return ffi::Error::Success();
 }
 
@@ -638,8 +696,8 @@ ffi::Error DotMatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
 }  // namespace
 
-// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8 and w4a8
-// (AVX512_VNNI); bit 2: `isa = 2` (AMX tiles, every format).
+// Which `isa = 1` paths this build has: bit 0 bf16 (AVX512_BF16), bit 1 w8a8, w4a8, q8a8 and
+// mxfp4a8 (AVX512_VNNI); bit 2: `isa = 2` (AMX tiles, every format).
 extern "C" int JaxserveDotIsa() { return (kHaveBf16 ? 1 : 0) | (kHaveVnni ? 2 : 0) | (kHaveAmx ? 4 : 0); }
 
 // Asks Linux for this process's use of the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once,
