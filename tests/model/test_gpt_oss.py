@@ -243,8 +243,8 @@ def test_mxfp4a8_model_close_to_the_exact_mxfp4_path(gpt_oss, tmp_path):
     exactly, only the experts' inputs are rounded to int8 per block of 32 (each within 0.5 / 127 of
     its block's largest: ~0.3% of an expert product's scale on these narrow random experts (hidden
     64); through two MoE layers and the attention they feed, measured 7.5e-3 of the logit scale
-    here (1.1e-2 over a 6-token prefill and 2 decodes), so 3e-2 (and not 0: the int8 path ran). One prefill step of 8 tokens (one compile each);
-    then the engine serves the format end to end (greedy, no crash)."""
+    here (1.1e-2 over a 6-token prefill and 2 decodes), so 3e-2 (and not 0: the int8 path ran).
+    One prefill step of 8 tokens (one compile each); then the engine serves the format end to end (greedy, no crash)."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.runtime.weight_formats import ExpertStack
 
