@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     lib = cpu_kernels._state.get("lib")
     lib_bytes = os.path.getsize(lib._name) if lib is not None else 0
     code = {"generated code": 0, "constants": 0, "peak temp (not resident)": 0}
-    for exe in runner._compiled.values():
+    for exe in runner.executables():
         a = exe.memory_analysis()
         a = a[0] if isinstance(a, (list, tuple)) else a
         code["generated code"] += getattr(a, "generated_code_size_in_bytes", 0) or 0

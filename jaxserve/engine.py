@@ -38,6 +38,7 @@ from jaxserve.step_clock import StepClock
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
+from jaxserve.worker import xla_cache
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
@@ -48,7 +49,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig(**kwargs)
         memory.size_gpu_pool(config.gpu_memory_utilization)  # before jax starts its GPU backend
         if config.compilation_cache:
-            rt.enable_compilation_cache()
+            xla_cache.enable()
         dtype = config.dtype or default_dtype()
         # the weight format: the user's, else this machine's default (default_format.py), said once
         self.quantization = default_format.for_engine(config)

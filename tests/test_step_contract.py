@@ -60,6 +60,10 @@ def test_nothing_compiles_after_warm_up(tiny_model):
     llm = LLM(tiny_model("llama"), **{**ENGINE_KW, "precompile": True})
     runner = llm.engine.runner
     assert runner.num_compiles == len(runner.all_buckets())
+    # one sampler executable per (rows, adjustment width), shared by the buckets of those rows
+    samplers = {key.sampler() for key in runner.all_buckets()}
+    assert len(runner.executables()) == len(runner.all_buckets()) + len(samplers)
+    assert len(samplers) < len(runner.all_buckets())
     vocab = llm.engine.model_config.vocab_size
     prompts = mixed_prompts(vocab, n=30, seed=7)
     mix = steady_state_mix(vocab)

@@ -1,7 +1,7 @@
 """The step contract, host side: a scheduler plan in, one `StepBatch` out (numpy, no jax).
 
     Scheduler.schedule() -> [RowSpec per scheduled row] -> BatchBuilder.build() -> StepBatch
-    StepBatch.pack() -> one int32 buffer -> one device transfer -> the bucket's executable
+    StepBatch.pack() -> one int32 buffer -> its head to the bucket's forward, its tail to the sampler
 
 A batch's shapes are fixed by its `BucketKey` (T tokens, S sequences, W adjustment entries per
 row: 0, a small width for logit bias / bans / short penalties, or one that holds any request's
@@ -10,8 +10,10 @@ structured-output token bitmask (i32[S, ceil(V/32)]; -1 = unconstrained). T and 
 step of one sequence (a lone prefill or a single stream), else the T bucket's sequence width.
 Where the attention backend's work spans the block table (the `xla` path), the table's width C is
 a bucket dimension too (buckets.py); elsewhere C = 0, the full `max_blocks` width.
-Every 32-bit field travels in one buffer, so a step is one host-to-device copy and a multi-host
-leader broadcasts exactly that buffer.
+Every 32-bit field is packed into one host buffer, which a multi-host leader broadcasts as it is.
+The buffer's head (the fields up to `num_logits`) feeds the bucket's forward executable; its tail,
+the sampling fields, depends on S and W alone and feeds the sampler executable that every bucket
+of those rows shares (worker/runner.py): two host-to-device copies a step.
 
 Logits rows: S counts sequences (attention's seq_lens, block tables) and, separately, logits rows
 (sampling parameters, `logits_indices`): a row samples its last token and may ask for logits at
@@ -53,8 +55,9 @@ class StepBatch(NamedTuple):
     block_tables: np.ndarray  # i32[S, C] (C = key.c, or max_blocks where c is 0)
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S] token row of each logits row
-    verify_ids: np.ndarray  # i32[S] token the logits row verifies (the next input token), or -1
     num_logits: np.ndarray  # i32[1] logits rows in use (the LM head computes only these)
+    # the sampler's fields (SAMPLER_FIELDS: shaped by S and W alone)
+    verify_ids: np.ndarray  # i32[S] token the logits row verifies (the next input token), or -1
     temperature: np.ndarray  # f32[S] (0 = greedy)
     top_k: np.ndarray  # i32[S] (0 = off)
     top_p: np.ndarray  # f32[S]
@@ -90,7 +93,7 @@ _FIELDS = (
     ("input_ids", "T", "int32"), ("prev_index", "T", "int32"), ("positions", "T", "int32"),
     ("slot_mapping", "T", "int32"), ("seq_lens", "S", "int32"), ("query_start_loc", "S+1", "int32"),
     ("block_tables", "SB", "int32"), ("num_seqs", "1", "int32"), ("logits_indices", "S", "int32"),
-    ("verify_ids", "S", "int32"), ("num_logits", "1", "int32"),
+    ("num_logits", "1", "int32"), ("verify_ids", "S", "int32"),
     ("temperature", "S", "float32"), ("top_k", "S", "int32"), ("top_p", "S", "float32"),
     ("min_p", "S", "float32"), ("seed_lo", "S", "uint32"), ("seed_hi", "S", "uint32"),
     ("steps", "S", "int32"), ("num_logprobs", "S", "int32"), ("logprob_ids", "SL", "int32"),
@@ -100,6 +103,7 @@ _FIELDS = (
     ("adj_bias", "SW", "float32"), ("bitmask", "SM", "int32"),
 )
 assert tuple(f[0] for f in _FIELDS) == StepBatch._fields
+SAMPLER_FIELDS = StepBatch._fields.index("verify_ids")  # the fields from here on are the sampler's
 
 
 @dataclass(slots=True)
@@ -276,6 +280,10 @@ class BatchBuilder:
     def packed_size(self, key: BucketKey) -> int:
         return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key))
 
+    def forward_size(self, key: BucketKey) -> int:
+        """int32 words of the packed buffer's head, the forward's fields (the tail is the sampler's)."""
+        return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key)[:SAMPLER_FIELDS])
+
     # ---- one step ---------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey, RowMap]:
         """Decode rows should come first (the xla attention takes them in a loop of their own).
@@ -388,7 +396,7 @@ class BatchBuilder:
         return StepBatch(
             input_ids=z(t), prev_index=z(t, v=-1), positions=z(t), slot_mapping=z(t),
             seq_lens=z(s), query_start_loc=z(s + 1), block_tables=z((s, self.table_width(key))),
-            num_seqs=z(1), logits_indices=z(s), verify_ids=z(s, v=-1), num_logits=z(1), temperature=z(s, np.float32),
+            num_seqs=z(1), logits_indices=z(s), num_logits=z(1), verify_ids=z(s, v=-1), temperature=z(s, np.float32),
             top_k=z(s), top_p=z(s, np.float32, 1.0), min_p=z(s, np.float32),
             seed_lo=z(s, np.uint32), seed_hi=z(s, np.uint32), steps=z(s), num_logprobs=z(s, v=-1),
             logprob_ids=z((s, MAX_LOGPROBS), v=-1),

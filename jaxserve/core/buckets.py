@@ -68,6 +68,11 @@ class BucketKey(NamedTuple):
     # the attention backend's work spans the table (BatchBuilder's context_buckets: xla)
     c: int = 0
 
+    def sampler(self) -> BucketKey:
+        """The key of the sampler executable this bucket uses: its rows S and adjustment width W
+        only (T = 0), so buckets of the same rows share one (worker/runner.py)."""
+        return BucketKey(0, self.s, self.w)
+
 
 def covering_bucket(key: BucketKey, ready, max_blocks: int) -> BucketKey | None:
     """The smallest bucket of `ready` (compiled) that can run a step of bucket `key`: as many or

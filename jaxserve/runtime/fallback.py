@@ -41,8 +41,7 @@ def fall_back(runner, generation: int, error: Exception) -> bool:
         new = dataclasses.replace(old, attention=old.fallback, kv_layout=layout, fallback=None,
                                   reason=f"{old.attention} failed to compile: {_first_line(error)}")
         runner._use_backend(new)
-        runner._compiled.clear()
-        runner._jitted.clear()
+        runner.drop_executables()
         runner._generation += 1
         return True
 

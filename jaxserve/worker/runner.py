@@ -1,10 +1,11 @@
-"""The device side of a step: weights and per-layer KV arrays on devices, one ahead-of-time
-compiled executable per bucket holding forward, logits rows and sampling.
+"""The device side of a step: weights and per-layer KV arrays on devices, and per bucket an
+ahead-of-time compiled step: the bucket's forward (logits rows) and the sampler executable shared
+by every bucket of the same rows (worker/bucket_step.py).
 
-    StepBatch.pack() -> i32 buffer --one transfer--> executable[BucketKey](params, kv, buffer,
-        last_tokens) -> (StepResult, kv)   # kv donated: updated in place
+    StepBatch.pack() -> i32 buffer -> step[BucketKey](params, kv, head, tail, last_tokens)
+        -> (StepResult, kv)   # kv donated: updated in place
 
-Executables live in a dict keyed by `BucketKey`, so a steady-state step can never silently
+Steps live in a dict keyed by `BucketKey`, so a steady-state step can never silently
 recompile: `num_compiles` only grows when a new bucket is met (and `precompile` meets them all).
 The previous step's sampled tokens stay on the device (`last_tokens`, i32[s_max]); a row whose
 last token is still pending on the host reads it from there (`StepBatch.prev_index`), which lets
@@ -22,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,12 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.batch import BatchBuilder, StepBatch
+from jaxserve.core.batch import SAMPLER_FIELDS, BatchBuilder, StepBatch
 from jaxserve.core.buckets import BucketKey
 from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
-from jaxserve.paths import cache_dir
 from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
@@ -43,29 +43,11 @@ from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
 from jaxserve.runtime.sampler import sample
 from jaxserve.startup_trace import mark
-from jaxserve.worker import step_cache
+from jaxserve.worker import step_cache, xla_cache
+from jaxserve.worker.bucket_step import BucketStep, StepResult, unpack_batch
 from pallas_kernels import kv_quant
 
 log = logging.getLogger("jaxserve")
-
-
-CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": 0, "/jax/compilation_cache/cache_misses": 0}
-
-
-def _count_cache_event(event: str, **kw) -> None:
-    if event in CACHE_EVENTS:
-        CACHE_EVENTS[event] += 1
-
-
-def enable_compilation_cache(path: str | None = None) -> str:
-    path = path or os.environ.get("JAXSERVE_COMPILATION_CACHE") or str(cache_dir() / "xla")
-    if not getattr(enable_compilation_cache, "listening", False):
-        jax.monitoring.register_event_listener(_count_cache_event)  # see precompile's log line
-        enable_compilation_cache.listening = True
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
 
 
 @dataclass(frozen=True)
@@ -89,30 +71,6 @@ class KVCaches(NamedTuple):
 
     layers: list
     layout: str
-
-
-class StepResult(NamedTuple):
-    """Per logits row (sampler.SampleResult); tokens padded to s_max for the next step."""
-
-    tokens: jax.Array  # i32[s_max] sampled tokens (rows past S are 0); the next step's last_tokens
-    accepted: jax.Array  # bool[S] the row's verify token is accepted
-    logprobs: jax.Array  # f32[S]
-    verify_logprobs: jax.Array  # f32[S]
-    top_ids: jax.Array  # i32[S, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
-    hidden: jax.Array | None = None  # f32[S, H] final-norm hidden state per logits row (pool buckets)
-
-
-def unpack_batch(flat, specs) -> StepBatch:
-    """The inverse of StepBatch.pack(), inside the trace (slices and bitcasts: no copies);
-    specs: BatchBuilder.field_specs(key)."""
-    out, off = [], 0
-    for _, shape, dt in specs:
-        n = int(np.prod(shape))
-        x = flat[off:off + n].reshape(shape)
-        out.append(x if dt == "int32" else jax.lax.bitcast_convert_type(x, jnp.dtype(dt)))
-        off += n
-    return StepBatch(*out)
 
 
 class ModelRunner:
@@ -153,7 +111,9 @@ class ModelRunner:
         self.last_tokens = self._put(np.zeros(self.s_max, np.int32))
         self._argmax = self.backend.argmax()
         self._jitted: dict[BucketKey, object] = {}  # forward_logits
-        self._compiled: dict[BucketKey, object] = {}
+        self._compiled: dict[BucketKey, BucketStep] = {}
+        self._samplers: dict[BucketKey, Future] = {}  # by BucketKey.sampler(): shared by buckets
+        self._samplers_lock = threading.Lock()
         self.num_compiles = 0
         self.steps_run = 0  # steps dispatched: the KV cache holds data once one has run
         self._generation = 0  # bumped when the attention backend falls back (fallback.py)
@@ -203,9 +163,14 @@ class ModelRunner:
         self.kv = None  # free the old arrays first
         self.kv = self._allocate_kv(num_blocks)
         self.cfg = dataclasses.replace(self.cfg, num_blocks=num_blocks)
+        self.drop_executables()
+        self.num_compiles = 0
+
+    def drop_executables(self) -> None:
+        """Forget every compiled step and sampler (a new KV size or attention backend)."""
         self._compiled.clear()
         self._jitted.clear()
-        self.num_compiles = 0
+        self._samplers.clear()
 
     def peak_step_bytes(self) -> int:
         """Peak temporary bytes of the largest bucket's executable (XLA's memory analysis)."""
@@ -253,47 +218,101 @@ class ModelRunner:
         return self.models[decode].apply({"params": params}, ids, b.positions, layers, md, b.logits_indices,
                                          self.inv_freq, b.num_logits, return_hidden=hidden)
 
-    def _step_impl(self, params, layers, flat, last_tokens, key: BucketKey):
-        b = unpack_batch(flat, self.builder.field_specs(key))
+    def _forward_impl(self, params, layers, flat, last_tokens, key: BucketKey):
+        b = unpack_batch(flat, self.builder.field_specs(key)[:SAMPLER_FIELDS])
         out, layers = self._forward(params, layers, b, last_tokens, key.decode, key.pool)
         logits, hidden = out if key.pool else (out, None)
         if self.tensor_parallel_size > 1:  # sample on every device alike: no collectives in the sampler
             logits = jax.lax.with_sharding_constraint(logits, self._replicated)
+        return (logits, hidden), layers
+
+    def _sample_impl(self, logits, flat, key: BucketKey) -> StepResult:
+        b = unpack_batch(flat, self.builder.field_specs(key)[SAMPLER_FIELDS:])
         r = sample(logits, b, self._argmax, adjust=key.w > 0, keep_topk=self.tensor_parallel_size == 1)
         tokens = jnp.zeros((self.s_max,), jnp.int32).at[: key.s].set(r.tokens)
-        return StepResult(tokens, *r[1:], hidden), layers
+        return StepResult(tokens, *r[1:])
+
+    def _jit_forward(self, key: BucketKey):
+        rep, kv = self._replicated, self.kv_sharding
+        return jax.jit(lambda p, layers, flat, last: self._forward_impl(p, layers, flat, last, key),
+                       donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
+                       out_shardings=(rep, kv))
+
+    def _jit_sampler(self, key: BucketKey):
+        rep = self._replicated
+        return jax.jit(lambda logits, flat: self._sample_impl(logits, flat, key), in_shardings=(rep, rep),
+                       out_shardings=rep)
+
+    @staticmethod
+    def _flat(size: int):
+        return jax.ShapeDtypeStruct((size,), jnp.int32)
 
     def step_function(self, key: BucketKey) -> tuple[object, tuple]:
-        """One bucket's jitted step and its arguments (the packed batch as a shape): compiled by
-        `_compile`, exported for another platform by `worker/lower.py`."""
-        rep, kv = self._replicated, self.kv_sharding
-        jitted = jax.jit(
-            lambda p, layers, flat, last: self._step_impl(p, layers, flat, last, key), donate_argnums=(1,),
-            in_shardings=(self.param_shardings, kv, rep, rep), out_shardings=(rep, kv),
-        )
-        flat = jax.ShapeDtypeStruct((self.builder.packed_size(key),), jnp.int32)
-        return jitted, (self.params, self.kv.layers, flat, self.last_tokens)
+        """One bucket's step as one jitted function of the whole packed buffer (its forward, then
+        its sampler) and its arguments: what `worker/lower.py` exports and compiles for another
+        platform. The runner itself compiles the two parts apart (`_compile`)."""
+        n, sk = self.builder.forward_size(key), key.sampler()
+        forward, sampler = self._jit_forward(key), self._jit_sampler(sk)
 
-    def _compile(self, key: BucketKey):
-        """The bucket's executable; a default Pallas backend the compiler rejects falls back to
-        `xla` once (warned) and the bucket compiles again."""
-        generation = self._generation
-        t0 = time.perf_counter()
+        def step(p, layers, flat, last):
+            (logits, hidden), layers = forward(p, layers, flat[:n], last)
+            return sampler(logits, flat[n:])._replace(hidden=hidden), layers
+
+        rep, kv = self._replicated, self.kv_sharding
+        jitted = jax.jit(step, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
+                         out_shardings=(rep, kv))
+        return jitted, (self.params, self.kv.layers, self._flat(self.builder.packed_size(key)), self.last_tokens)
+
+    def _compile_part(self, key: BucketKey, jitted, args):
+        """One executable, from the step cache (serialized, keyed by what its trace depends on) or
+        compiled; the sampler's key has T = 0, so the two never share a file."""
         cache_key = step_cache.key_for(self, key)  # None when the step cache is off
         exe = step_cache.load(cache_key)
-        if exe is not None:
-            mark("compile", bucket=list(key), s=time.perf_counter() - t0, cached=True)
-            return exe
-        jitted, args = self.step_function(key)
-        try:
+        if exe is None:
             exe = jitted.lower(*args).compile()
             step_cache.store(cache_key, exe)
+        return exe
+
+    def _sampler(self, key: BucketKey):
+        """The sampler executable for `key`'s rows, compiled once (concurrent buckets wait for it)."""
+        sk = key.sampler()
+        with self._samplers_lock:
+            pending = self._samplers.get(sk)
+            mine = pending is None
+            if mine:
+                pending = self._samplers[sk] = Future()
+        if mine:
+            try:
+                logits = jax.ShapeDtypeStruct((sk.s, self.model_cfg.vocab_size), jnp.float32)
+                tail = self._flat(self.builder.packed_size(sk) - self.builder.forward_size(sk))
+                pending.set_result(self._compile_part(sk, self._jit_sampler(sk), (logits, tail)))
+            except BaseException as e:
+                with self._samplers_lock:
+                    self._samplers.pop(sk, None)
+                pending.set_exception(e)
+        return pending.result()
+
+    def _compile(self, key: BucketKey) -> BucketStep:
+        """The bucket's step; a default Pallas backend the compiler rejects falls back to `xla`
+        once (warned) and the bucket compiles again."""
+        generation = self._generation
+        t0 = time.perf_counter()
+        try:
+            n = self.builder.forward_size(key)
+            args = (self.params, self.kv.layers, self._flat(n), self.last_tokens)
+            forward = self._compile_part(key, self._jit_forward(key), args)
+            step = BucketStep(forward, self._sampler(key), n)
             mark("compile", bucket=list(key), s=time.perf_counter() - t0)
-            return exe
+            return step
         except Exception as e:  # noqa: BLE001 - any compiler error; re-raised unless we fall back
             if not fallback.fall_back(self, generation, e):
                 raise
         return self._compile(key)
+
+    def executables(self) -> list:
+        """Every compiled executable once (each bucket's forward, each shared sampler)."""
+        samplers = [f.result() for f in list(self._samplers.values()) if f.done() and not f.exception()]
+        return [step.forward for step in self._compiled.values()] + samplers
 
     def executable(self, key: BucketKey):
         fn = self._compiled.get(key)
@@ -307,7 +326,7 @@ class ModelRunner:
         one XLA compile per core (compiling releases the GIL), largest first."""
         t0 = time.perf_counter()
         every = keys is None
-        hits0, misses0 = CACHE_EVENTS.values()
+        hits0, misses0 = xla_cache.EVENTS.values()
         # a backend fallback drops what was compiled before it (and may change the bucket set:
         # xla's context widths): the loop compiles what is missing
         while True:
@@ -325,7 +344,7 @@ class ModelRunner:
                         self.num_compiles += 1
                         if progress:
                             progress(sum(k in self._compiled for k in keys), len(keys), futures[f])
-        hits, misses = (n - n0 for n, n0 in zip(CACHE_EVENTS.values(), (hits0, misses0)))
+        hits, misses = (n - n0 for n, n0 in zip(xla_cache.EVENTS.values(), (hits0, misses0)))
         cache = jax.config.jax_compilation_cache_dir
         if cache and misses and hits + misses:  # a cold or damaged cache costs minutes: say so
             log.warning("%d of %d step executables were compiled (not found in, or not readable from, the "
@@ -337,8 +356,8 @@ class ModelRunner:
         packed (multi-host followers receive the buffer)."""
         fn = self.executable(key)
         flat = batch.pack() if isinstance(batch, StepBatch) else batch
-        flat = meshlib.to_global(flat, self._replicated)  # no-op in one process
-        result, layers = fn(self.params, self.kv.layers, flat, self.last_tokens)
+        head, tail = (meshlib.to_global(x, self._replicated) for x in (flat[:fn.split], flat[fn.split:]))
+        result, layers = fn(self.params, self.kv.layers, head, tail, self.last_tokens)
         self.kv = KVCaches(layers, self.kv.layout)
         self.steps_run += 1
         self.last_tokens = result.tokens

@@ -1,6 +1,6 @@
 """Serialized step executables on disk, so a warm start skips tracing and lowering.
 
-XLA's persistent compilation cache (runner.enable_compilation_cache) saves the compile, but its key
+XLA's persistent compilation cache (worker/xla_cache.py) saves the compile, but its key
 is a hash of the lowered module: every start still traces the 30-layer model and lowers it for
 every bucket (~1 s per bucket on the 2-core CPU machine, most of a warm start). This cache keys an
 executable by what its trace depends on instead, and loads it with
