@@ -28,7 +28,7 @@ from pallas_kernels import kv_quant, reference
 
 Backend = Literal["auto", "tpu", "gpu", "reference"]
 
-__all__ = ["for_step", "ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
+__all__ = ["for_step", "gpu_capable", "ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
 
 TPU_DTYPES = ("float32", "bfloat16", "float16")
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -42,6 +42,14 @@ def _capability(cc) -> tuple[int, int] | None:
         return cc
     major, _, minor = str(cc).partition(".")
     return int(major), int(minor or 0)
+
+
+def gpu_capable(compute_capability) -> bool:
+    """Whether a GPU of this compute capability (``"9.0"``, ``(9, 0)``) runs the Mosaic GPU kernels."""
+    try:
+        return _capability(compute_capability) in GPU_CAPABILITIES
+    except ValueError:  # not an NVIDIA ``major.minor``
+        return False
 
 
 def supported(
