@@ -154,6 +154,14 @@ def gpu_ragged_dot(lhs, rhs, group_sizes, *, interpret: bool = False):
     return gpu_gmm.gmm(lhs, rhs, group_sizes, zero_rest=False, interpret=interpret)
 
 
+def gpu_kernel_takes(hidden: int, inter: int, dtype) -> bool:
+    """Whether `gpu_ragged_dot` runs the kernel, not XLA's ragged_dot, on [E, hidden, inter] and
+    [E, inter, hidden] experts of ``dtype`` (`jaxserve lower`'s memory estimate asks)."""
+    from pallas_kernels import gpu_gmm
+
+    return not any(gpu_gmm.unsupported(k, n, dtype, dtype) for k, n in ((hidden, inter), (inter, hidden)))
+
+
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
                     matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None, num_experts=None):
     """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e
