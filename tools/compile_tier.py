@@ -155,9 +155,11 @@ def kernel_cases(platform: str, target: deviceless.Target) -> list[Case]:
 
 
 # The grouped matmul (pallas_kernels/tpu_gmm.py, gpu_gmm.py) at an MoE preset's expert shapes: whole experts
-# (one chip; E / 8 of them a chip under expert parallelism over 8), gate / up [E, H, I] and down
-# [E, I, H] in bf16, at STEPS' token counts x top-k rows. {label: (preset, experts a chip divides by)}
-GMM_SHAPES = {"qwen3-30b-a3b": ("qwen3-30b-a3b", 1), "qwen3-30b-a3b-ep8": ("qwen3-30b-a3b", 8)}
+# (one chip; E / 8 of them a chip under expert parallelism over 8; every expert's I / 8 under tensor
+# parallelism over 8), gate / up [E, H, I] and down [E, I, H] in bf16, at STEPS' token counts x top-k
+# rows. {label: (preset, experts a chip divides by, I a chip divides by)}
+GMM_SHAPES = {"qwen3-30b-a3b": ("qwen3-30b-a3b", 1, 1), "qwen3-30b-a3b-ep8": ("qwen3-30b-a3b", 8, 1),
+              "qwen3-30b-a3b-tp8": ("qwen3-30b-a3b", 1, 8)}
 
 
 def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool, group_rows: int | None = None,
@@ -181,16 +183,17 @@ def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool, group
 def gmm_cases(target: deviceless.Target) -> list[Case]:
     devices = target.devices(1)
     cases = []
-    for label, (preset, split) in GMM_SHAPES.items():
+    for label, (preset, split, i_split) in GMM_SHAPES.items():
         c = json.loads((ROOT / "configs" / "models" / f"{preset}.json").read_text())
-        h, i, e, top = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], c["num_experts_per_tok"]
+        h, e, top = c["hidden_size"], c["num_experts"], c["num_experts_per_tok"]
+        i = c["moe_intermediate_size"] // i_split
         for step, (tokens, _) in STEPS.items():
             for proj, (k, n) in (("gate_up", (h, i)), ("down", (i, h))):
                 cid = f"{target.platform}/{target.name}/gmm/{label}/{step}-T{tokens}/{proj}"
-                # whole experts: ragged_dot's contract (rows past the sum zeroed); ep8 as the engine
-                # calls it (runtime/moe.pallas_ragged_dot / gpu_ragged_dot: those rows left unwritten;
-                # on TPU row tiles sized for the tokens * top / E rows an expert gets)
-                build = functools.partial(gmm_op, devices, tokens * top, k, n, e // split, split == 1,
+                # whole experts: ragged_dot's contract (rows past the sum zeroed); ep8 and tp8 as the
+                # engine calls them (runtime/moe.pallas_ragged_dot / gpu_ragged_dot: those rows left
+                # unwritten; ep8 on TPU: row tiles sized for the tokens * top / E rows an expert gets)
+                build = functools.partial(gmm_op, devices, tokens * top, k, n, e // split, split == i_split == 1,
                                           None if split == 1 else -(-tokens * top // e), target.platform)
                 cases.append(Case(cid, target.platform, target.name, build, True))
     return cases
