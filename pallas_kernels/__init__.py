@@ -15,7 +15,8 @@ read by every kernel: on TPU the fused int8/fp8 data with f32 scales [nb, 2 * Hk
 With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host;
 ``compile_check`` compiles them for a real TPU with libtpu on any host, ``tpu_cases`` lists every
 shape served with its VMEM/SMEM budget (``tpu_budget``). ``tpu_gmm.gmm`` is the MoE experts'
-grouped matmul for TPU (``jax.lax.ragged_dot``'s contract, megablox class). Nothing here imports
+grouped matmul for TPU (``jax.lax.ragged_dot``'s contract, megablox class), ``gpu_gmm.gmm`` the same
+for Hopper GPUs (Mosaic GPU). Nothing here imports
 ``jaxserve``.
 """
 from __future__ import annotations
