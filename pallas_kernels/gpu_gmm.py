@@ -51,7 +51,7 @@ from pallas_kernels.tpu_gmm import group_metadata
 TM = 64  # rows per tile: one warpgroup's WGMMA M
 DTYPES = ("bfloat16", "float16")
 MAX_STAGES = 4
-SMEM_BUDGET = 112 * 1024  # ring + epilogue tile: two CTAs fit an SM's 227 KiB
+SMEM_BUDGET = 112 * 1024  # ring + epilogue tile: two CTAs fit an SM's 228 KiB (H100, H200)
 
 
 class Tiles(NamedTuple):

@@ -90,11 +90,12 @@ def test_cuda_backend_runs_the_kernel_on_hopper_only():
         assert not other.gpu_moe_kernel and other._float_ops(lambda f: f).moe is grouped_experts
 
 
-@pytest.mark.parametrize("k,n,e", [(2048, 768, 128), (768, 2048, 16)])
-def test_gmm_lowers_for_cuda_at_qwen3_30b_a3b(k, n, e):
+@pytest.mark.parametrize("k,n,e,tiles", [(2048, 768, 128, (64, 128)), (768, 2048, 16, (64, 128)),
+                                         (2048, 96, 128, (64, 32)), (96, 2048, 128, (32, 128))])
+def test_gmm_lowers_for_cuda_at_qwen3_30b_a3b(k, n, e, tiles):
     """The Pallas -> Mosaic GPU lowering (jax.export from this CPU host, no ptxas) of Qwen3-30B-A3B's
-    gate/up at T512 over all 128 experts and its down projection over an EP 8 slice; the compile
-    tier (``cuda/*/gmm/*``) runs ptxas."""
+    gate/up at T512 over all 128 experts, its down projection over an EP 8 slice, and both at TP 8
+    (I / 8 = 96: narrower blocks, a 64-byte swizzle); the compile tier (``cuda/*/gmm/*``) runs ptxas."""
     from jaxserve.runtime import compat
 
     shapes = (jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16),
@@ -103,4 +104,4 @@ def test_gmm_lowers_for_cuda_at_qwen3_30b_a3b(k, n, e):
     text = compat.export(jax.jit(fn), platforms=["cuda"])(*shapes).mlir_module()
     assert "mosaic_gpu_v2" in text
     t = gpu_gmm.tile_sizes(k, n, jnp.bfloat16)
-    assert (t.tk, t.tn) == (64, 128) and gpu_gmm.smem_bytes(t, 2) <= gpu_gmm.SMEM_BUDGET
+    assert (t.tk, t.tn) == tiles and gpu_gmm.smem_bytes(t, 2) <= gpu_gmm.SMEM_BUDGET
