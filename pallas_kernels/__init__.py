@@ -15,7 +15,8 @@ read by every kernel: on TPU the fused int8/fp8 data with f32 scales [nb, 2 * Hk
 With ``interpret=True`` the tpu/gpu kernels run in Pallas' interpreters on any host;
 ``compile_check`` compiles them for a real TPU with libtpu on any host, ``tpu_cases`` lists every
 shape served with its VMEM/SMEM budget (``tpu_budget``). ``tpu_gmm.gmm`` is the MoE experts'
-grouped matmul for TPU (``jax.lax.ragged_dot``'s contract, megablox class). Nothing here imports
+grouped matmul for TPU (``jax.lax.ragged_dot``'s contract, megablox class), ``gpu_gmm.gmm`` the same
+for Hopper GPUs (Mosaic GPU). Nothing here imports
 ``jaxserve``.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pallas_kernels import kv_quant, reference
 
 Backend = Literal["auto", "tpu", "gpu", "reference"]
 
-__all__ = ["for_step", "ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
+__all__ = ["for_step", "gpu_capable", "ragged_paged_attention", "resolve_backend", "supported", "write_kv"]
 
 TPU_DTYPES = ("float32", "bfloat16", "float16")
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -42,6 +43,14 @@ def _capability(cc) -> tuple[int, int] | None:
         return cc
     major, _, minor = str(cc).partition(".")
     return int(major), int(minor or 0)
+
+
+def gpu_capable(compute_capability) -> bool:
+    """Whether a GPU of this compute capability (``"9.0"``, ``(9, 0)``) runs the Mosaic GPU kernels."""
+    try:
+        return _capability(compute_capability) in GPU_CAPABILITIES
+    except ValueError:  # not an NVIDIA ``major.minor``
+        return False
 
 
 def supported(

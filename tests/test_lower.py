@@ -339,14 +339,21 @@ def test_num_layers_cut_plans_the_whole_model(preset, tp):
 def test_moe_estimate_counts_xla_gpus_dense_expert_product():
     """XLA:GPU turns the experts' ragged_dot into one masked dot over every expert (its operand is
     the T x k routed rows repeated per expert: 2 GiB at Qwen3-30B-A3B's T=512, compiled by ptxas):
-    the cuda estimate counts that operand; TPU's and the packed-MXFP4 (blocked product) do not."""
+    the cuda estimate counts that operand where ragged_dot runs (the xla backend, or a GPU other
+    than Hopper); not where the Mosaic GPU grouped matmul does (pallas on sm_90a, the default), nor
+    on TPU, nor for packed MXFP4 experts (blocked product)."""
     models = Path(__file__).parents[1] / "configs" / "models"
     config = EngineConfig(max_model_len=4096)
     key = BucketKey(512, 64, 0)
-    cuda = prepare(str(models / "qwen3-30b-a3b.json"), "cuda", config, device_memory=141 * 2**30, num_layers=1)
-    tpu = prepare(str(models / "qwen3-30b-a3b.json"), "tpu", config, device_memory=141 * 2**30, num_layers=1)
+    kw = {"device_memory": 141 * 2**30, "num_layers": 1}
+    cuda = prepare(str(models / "qwen3-30b-a3b.json"), "cuda", config, **kw)
+    xla = prepare(str(models / "qwen3-30b-a3b.json"), "cuda", EngineConfig(max_model_len=4096,
+                                                                           attention_backend="xla"), **kw)
+    tpu = prepare(str(models / "qwen3-30b-a3b.json"), "tpu", config, **kw)
     mc = cuda.model
-    assert cuda.estimate(key) - tpu.estimate(key) == 512 * mc.num_experts_per_tok * mc.num_experts * mc.hidden_size * 2
-    oss = prepare(str(models / "gpt-oss-20b.json"), "cuda", config, device_memory=141 * 2**30, num_layers=1)
-    oss_tpu = prepare(str(models / "gpt-oss-20b.json"), "tpu", config, device_memory=141 * 2**30, num_layers=1)
+    assert cuda.runner.backend.gpu_moe_kernel and not xla.runner.backend.gpu_moe_kernel
+    assert cuda.estimate(key) == tpu.estimate(key)
+    assert xla.estimate(key) - tpu.estimate(key) == 512 * mc.num_experts_per_tok * mc.num_experts * mc.hidden_size * 2
+    oss = prepare(str(models / "gpt-oss-20b.json"), "cuda", config, **kw)
+    oss_tpu = prepare(str(models / "gpt-oss-20b.json"), "tpu", config, **kw)
     assert oss.estimate(key) == oss_tpu.estimate(key)

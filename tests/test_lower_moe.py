@@ -66,3 +66,6 @@ def test_qwen3_235b_lowers_at_8_devices(tmp_path, platform, ep):
     assert step.num_devices == 8 and step.kernel_calls >= 1, step.describe()
     text = lowering.export(BucketKey(16, 8, 0)).mlir_module()
     assert "ragged_dot" in text  # the grouped matmul, not a dense loop over experts
+    # the platform's Pallas grouped matmul under shard_map (EP: whole experts; TP: slices of I), not
+    # XLA's ragged_dot_general (a dense product over every expert on XLA:GPU)
+    assert {"cuda": "gmm_gpu", "tpu": "gmm_tpu"}[platform] in text and "ragged_dot_general" not in text

@@ -7,9 +7,9 @@ Cases: each model layer's attention op as the engine builds it (KV write + ragge
 mixed and decode steps) at the shape of every family in configs/models (one per distinct GQA group
 and head_dim, at that family's kv heads), bfloat16 and quantized (int8, fp8) KV; head_dim 256 as a
 variant no shipped family has yet; attention sinks at gpt-oss's shape (64 q heads, 8 kv heads,
-head_dim 64) with its 128-token sliding window (``*-sink-*``, bfloat16 and int8 KV); on TPU the
-MoE grouped matmul (pallas_kernels/tpu_gmm.py) at Qwen3-30B-A3B's expert shapes (``tpu/*/gmm/*``,
-GMM_SHAPES), which the MoE step case runs too; and the whole engine step
+head_dim 64) with its 128-token sliding window (``*-sink-*``, bfloat16 and int8 KV); the MoE
+grouped matmul (pallas_kernels/tpu_gmm.py on TPU, gpu_gmm.py on cuda) at Qwen3-30B-A3B's expert shapes
+(``*/gmm/*``, GMM_SHAPES), which the MoE step case runs too; and the whole engine step
 (2 layers): Llama-3.1-8B for the largest mixed and decode buckets at tensor parallel 1 and 8 (TPU: 4
 and 8), and one
 bucket each of Qwen3-30B-A3B (MoE), Gemma 3 27B and gpt-oss (FAMILY_STEPS).
@@ -154,42 +154,48 @@ def kernel_cases(platform: str, target: deviceless.Target) -> list[Case]:
     return cases
 
 
-# The TPU grouped matmul (pallas_kernels/tpu_gmm.py) at an MoE preset's expert shapes: whole experts
-# (one chip; E / 8 of them a chip under expert parallelism over 8), gate / up [E, H, I] and down
-# [E, I, H] in bf16, at STEPS' token counts x top-k rows. {label: (preset, experts a chip divides by)}
-GMM_SHAPES = {"qwen3-30b-a3b": ("qwen3-30b-a3b", 1), "qwen3-30b-a3b-ep8": ("qwen3-30b-a3b", 8)}
+# The grouped matmul (pallas_kernels/tpu_gmm.py, gpu_gmm.py) at an MoE preset's expert shapes: whole experts
+# (one chip; E / 8 of them a chip under expert parallelism over 8; every expert's I / 8 under tensor
+# parallelism over 8), gate / up [E, H, I] and down [E, I, H] in bf16, at STEPS' token counts x top-k
+# rows. {label: (preset, experts a chip divides by, I a chip divides by)}
+GMM_SHAPES = {"qwen3-30b-a3b": ("qwen3-30b-a3b", 1, 1), "qwen3-30b-a3b-ep8": ("qwen3-30b-a3b", 8, 1),
+              "qwen3-30b-a3b-tp8": ("qwen3-30b-a3b", 1, 8)}
 
 
-def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool, group_rows: int | None = None):
-    """``tpu_gmm.gmm`` on one compile-only device: bf16 [m, k] rows x [e, k, n] experts."""
+def gmm_op(devices: list, m: int, k: int, n: int, e: int, zero_rest: bool, group_rows: int | None = None,
+           platform: str = "tpu"):
+    """``tpu_gmm.gmm`` (``gpu_gmm.gmm`` on cuda) on one compile-only device: bf16 [m, k] rows x
+    [e, k, n] experts."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from pallas_kernels import tpu_gmm
+    from pallas_kernels import gpu_gmm, tpu_gmm
 
     rep = NamedSharding(Mesh(devices[:1], ("x",)), PartitionSpec())
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=rep),
             jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16, sharding=rep),
             jax.ShapeDtypeStruct((e,), jnp.int32, sharding=rep))
-    return jax.jit(functools.partial(tpu_gmm.gmm, zero_rest=zero_rest, group_rows=group_rows)).lower(*args)
+    kernel = gpu_gmm.gmm if platform == "cuda" else tpu_gmm.gmm
+    return jax.jit(functools.partial(kernel, zero_rest=zero_rest, group_rows=group_rows)).lower(*args)
 
 
 def gmm_cases(target: deviceless.Target) -> list[Case]:
     devices = target.devices(1)
     cases = []
-    for label, (preset, split) in GMM_SHAPES.items():
+    for label, (preset, split, i_split) in GMM_SHAPES.items():
         c = json.loads((ROOT / "configs" / "models" / f"{preset}.json").read_text())
-        h, i, e, top = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"], c["num_experts_per_tok"]
+        h, e, top = c["hidden_size"], c["num_experts"], c["num_experts_per_tok"]
+        i = c["moe_intermediate_size"] // i_split
         for step, (tokens, _) in STEPS.items():
             for proj, (k, n) in (("gate_up", (h, i)), ("down", (i, h))):
-                cid = f"tpu/{target.name}/gmm/{label}/{step}-T{tokens}/{proj}"
-                # whole experts: ragged_dot's contract (rows past the sum zeroed); ep8 as the engine
-                # calls it (runtime/moe.pallas_ragged_dot: those rows left unwritten, row tiles sized
-                # for the tokens * top / E rows an expert gets)
-                build = functools.partial(gmm_op, devices, tokens * top, k, n, e // split, split == 1,
-                                          None if split == 1 else -(-tokens * top // e))
-                cases.append(Case(cid, "tpu", target.name, build, True))
+                cid = f"{target.platform}/{target.name}/gmm/{label}/{step}-T{tokens}/{proj}"
+                # whole experts: ragged_dot's contract (rows past the sum zeroed); ep8 and tp8 as the
+                # engine calls them (runtime/moe.pallas_ragged_dot / gpu_ragged_dot: those rows left
+                # unwritten; ep8 on TPU: row tiles sized for the tokens * top / E rows an expert gets)
+                build = functools.partial(gmm_op, devices, tokens * top, k, n, e // split, split == i_split == 1,
+                                          None if split == 1 else -(-tokens * top // e), target.platform)
+                cases.append(Case(cid, target.platform, target.name, build, True))
     return cases
 
 
@@ -293,7 +299,7 @@ def main(argv=None) -> int:
     cases = []
     for t in targets.values():
         cases += kernel_cases(t.platform, t)
-        cases += gmm_cases(t) if t.platform == "tpu" else []
+        cases += gmm_cases(t)
         cases += step_cases(t.platform, t) if t.name in (GPU_TARGET, TPU_TARGETS[0]) else []
     cases = [c for c in cases if fnmatch.fnmatch(c.id, args.only)
              and not any(fnmatch.fnmatch(c.id, pat) for pat in args.skip)]

@@ -24,7 +24,7 @@ from jaxserve.config import DTYPES
 from jaxserve.errors import UserError
 from jaxserve.runtime import compat, cpu_kernels, expert_matmul, mxfp4, quant
 from jaxserve.runtime.attention import layer_attention
-from jaxserve.runtime.moe import blocked_ragged_dot, grouped_experts, pallas_ragged_dot
+from jaxserve.runtime.moe import blocked_ragged_dot, gpu_ragged_dot, grouped_experts, pallas_ragged_dot
 from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
 from jaxserve.runtime.panels import PANEL
 from jaxserve.runtime.weight_formats import ExpertStack
@@ -92,6 +92,9 @@ class Backend:
     # the instructions of the dot-product formats' native kernel (csrc/dot_matmul.cc), chosen here
     # once ($JAXSERVE_CPU_ISA read then) and passed to every call; None where linear layers are not native
     dot_isa: cpu_kernels.DotIsa | None = None
+    # an NVIDIA Hopper GPU (sm_90a): the MoE experts' grouped matmul runs the Mosaic GPU kernel
+    # (pallas_kernels/gpu_gmm.py) where the Pallas backend is chosen (its fallback takes XLA's ragged_dot)
+    hopper: bool = False
 
     def describe(self) -> str:
         linear = "XLA dot"
@@ -101,6 +104,11 @@ class Backend:
                       f"w4a8: {paths.get('w4a8')})")
         return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
+
+    @property
+    def gpu_moe_kernel(self) -> bool:
+        """The routed experts through the Mosaic GPU grouped matmul (runtime/moe.gpu_ragged_dot)."""
+        return self.platform == "gpu" and self.hopper and self.attention == "pallas"
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -136,8 +144,11 @@ class Backend:
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
         # XLA:CPU expands ragged_dot into a product over every expert: tiles there; TPU: the Pallas
-        # grouped matmul (runtime/moe.py, pallas_kernels/tpu_gmm.py); GPU: XLA's ragged_dot
+        # grouped matmul (runtime/moe.py, pallas_kernels/tpu_gmm.py); cuda: the Mosaic GPU one
+        # (pallas_kernels/gpu_gmm.py; XLA:GPU makes ragged_dot a dense product over every expert)
         matmul = {"cpu": blocked_ragged_dot, "tpu": pallas_ragged_dot}.get(self.platform)
+        if self.gpu_moe_kernel:
+            matmul = gpu_ragged_dot
         moe = functools.partial(grouped_experts, matmul=matmul) if matmul else grouped_experts
         if not self.native_linear:
             return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
@@ -238,8 +249,9 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
                 log.warning("Pallas attention unavailable (%s); using the portable 'xla' backend.", why)
                 name, reason = "xla", f"pallas unavailable: {why}"
         layout = "tpu-fused" if (name, platform) == ("pallas", "tpu") else "paged"
+        hopper = platform == "gpu" and pallas_kernels.gpu_capable(compute_capability)
         return Backend(platform, name, layout, False, False, reason,
-                       fallback="xla" if name == "pallas" and not requested else None)
+                       fallback="xla" if name == "pallas" and not requested else None, hopper=hopper)
     native_dtypes = dtype == "float32" and (kv_dtype in ("float32", "bfloat16") or kv_quant.is_quantized(kv_dtype))
     if requested in (None, "cpu"):
         why = None if native_dtypes else (

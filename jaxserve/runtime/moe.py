@@ -9,9 +9,11 @@ assignments of experts another device holds - get the sentinel group E: sorted l
 group, their output is zero. The combine un-sorts and sums each token's k rows with their weights
 (a gather and a reduction, no scatter).
 
-Three implementations of the grouped product, same signature as `jax.lax.ragged_dot`: XLA's own
-(GPU), `pallas_ragged_dot` for TPU (pallas_kernels/tpu_gmm.py, a megablox-class Pallas kernel: row
-tiles visited once per group they hold, so a group's rows are multiplied by its expert only), and
+Four implementations of the grouped product, same signature as `jax.lax.ragged_dot`: XLA's own
+(which XLA:GPU turns into one dense product over every expert), `pallas_ragged_dot` for TPU
+(pallas_kernels/tpu_gmm.py, a megablox-class Pallas kernel: row tiles visited once per group they
+hold, so a group's rows are multiplied by its expert only), `gpu_ragged_dot` for cuda (the same
+visits in Mosaic GPU: pallas_kernels/gpu_gmm.py), and
 `blocked_ragged_dot` for CPU, where `ragged_dot` is expanded into a
 dense product over every expert (E x the FLOPs, and a masked [E, M, K] copy of the rows): there the
 rows are laid out in tiles of B rows, each tile one expert's (groups padded to whole tiles, at most
@@ -134,6 +136,30 @@ def pallas_ragged_dot(lhs, rhs, group_sizes, *, group_rows: int | None = None, i
     from pallas_kernels import tpu_gmm
 
     return tpu_gmm.gmm(lhs, rhs, group_sizes, zero_rest=False, group_rows=group_rows, interpret=interpret)
+
+
+def gpu_ragged_dot(lhs, rhs, group_sizes, *, interpret: bool = False):
+    """The cuda backend's grouped product: the Mosaic GPU kernel (pallas_kernels/gpu_gmm.py) over
+    bf16/f16 experts, rows past sum(group_sizes) left unwritten (as `pallas_ragged_dot`); XLA:GPU's
+    `ragged_dot` would multiply every row by every expert (a [M, E*K] operand). Operands the kernel
+    does not take (`gpu_gmm.unsupported`: f32, mixed dtypes, K or N not a multiple of 16) go to
+    `jax.lax.ragged_dot`, packed experts to the blocked product. The kernel's row tile does not
+    depend on the expert count, so it needs no ``group_rows`` under expert parallelism."""
+    if hasattr(rhs, "expert"):
+        return blocked_ragged_dot(lhs, rhs, group_sizes)
+    from pallas_kernels import gpu_gmm
+
+    if gpu_gmm.unsupported(lhs.shape[1], rhs.shape[2], lhs.dtype, rhs.dtype):
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    return gpu_gmm.gmm(lhs, rhs, group_sizes, zero_rest=False, interpret=interpret)
+
+
+def gpu_kernel_takes(hidden: int, inter: int, dtype) -> bool:
+    """Whether `gpu_ragged_dot` runs the kernel, not XLA's ragged_dot, on [E, hidden, inter] and
+    [E, inter, hidden] experts of ``dtype`` (`jaxserve lower`'s memory estimate asks)."""
+    from pallas_kernels import gpu_gmm
+
+    return not any(gpu_gmm.unsupported(k, n, dtype, dtype) for k, n in ((hidden, inter), (inter, hidden)))
 
 
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime.backend import resolve_backend
-from jaxserve.runtime.moe import grouped_experts, pallas_ragged_dot
+from jaxserve.runtime.moe import gpu_ragged_dot, grouped_experts, pallas_ragged_dot
 from pallas_kernels import tpu_budget, tpu_gmm
 
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -109,7 +109,7 @@ def test_tpu_backend_runs_the_kernel():
     tpu = resolve_backend(None, "bfloat16", "bfloat16", target="tpu")
     assert tpu._float_ops(lambda f: f).moe.keywords["matmul"] is pallas_ragged_dot
     gpu = resolve_backend(None, "bfloat16", "bfloat16", target="gpu", compute_capability="9.0")
-    assert gpu._float_ops(lambda f: f).moe is grouped_experts
+    assert gpu._float_ops(lambda f: f).moe.keywords["matmul"] is gpu_ragged_dot  # tests/kernels/test_gpu_gmm.py
 
 
 def test_gmm_lowers_for_tpu_at_qwen3_30b_a3b_down():
