@@ -15,6 +15,13 @@ os.environ.setdefault("JAXSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file_
 # Serialized step executables are keyed by the sources, not by what a test monkeypatches: off here
 # (tests/test_startup.py turns them on for itself).
 os.environ.setdefault("JAXSERVE_STEP_CACHE", "0")
+# XLA's LLVM backend at -O0: the suite is mostly compiles of tiny steps and interpreted kernels (a
+# step's compile costs ~40% less; what the tests check is computed the same: XLA:CPU does not
+# reassociate floats at any level). The product compiles at XLA's default; the compile tier's
+# subprocesses get their flags back (tests/test_compile_tier.py: ptxas figures depend on the level).
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
 
 # Each module's measured seconds on one xdist worker (setup, calls, teardown), written by
 # `python tools/suite_seconds.py <junit.xml>` from a run with `--junitxml`.

@@ -9,6 +9,7 @@ naming the extra is what is tested. The compiler runs in a subprocess: the devic
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,9 @@ from jaxserve.errors import UserError
 from jaxserve.runtime import deviceless
 
 ROOT = Path(__file__).resolve().parents[1]
+# the compilers run with XLA's default optimization level (tests/conftest.py lowers it for the suite)
+COMPILER_ENV = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                                     if "xla_backend_optimization_level" not in f)}
 PTXAS = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'rpa_general_mosaic_gpu_kernel' for 'sm_90a'
 ptxas info    : Function properties for rpa_general_mosaic_gpu_kernel
@@ -107,7 +111,8 @@ def test_tier_fails_a_misaligned_tpu_kernel(tmp_path):
     a row offset Mosaic cannot prove tile-aligned is a FAIL naming the alignment, not a pass."""
     script = tmp_path / "broken.py"
     script.write_text("import json\n" + textwrap.dedent(BROKEN.format(root=str(ROOT))))
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=COMPILER_ENV, capture_output=True, text=True,
+                          timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ROWS ")), None)
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {rid: (status, why) for rid, status, why in json.loads(line[5:])}
@@ -124,7 +129,7 @@ def test_lower_compile_reports_ptxas_and_temporaries(tmp_path):
         [sys.executable, "-m", "jaxserve.cli", "lower", "--compile", "--platform", "cuda", "--target", "h200",
          "--model", str(ROOT / "configs/models/llama-3.2-1b.json"), "--num-layers", "1", "--buckets", "largest",
          "--max-model-len", "4096", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=COMPILER_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "registers" in proc.stdout and "shared memory" in proc.stdout
     rows = json.loads(out.read_text())["buckets"]
@@ -142,7 +147,7 @@ def test_tier_compiles_the_sink_kernels(tmp_path):
     v5e/v6e: the mixed-step kernels of bfloat16 and int8 KV, no spills on the GPU."""
     out = tmp_path / "tier.json"
     proc = subprocess.run([sys.executable, "tools/compile_tier.py", "--only", "*/kernel/*-sink-*/*/mixed",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--json", str(out)], cwd=ROOT, env=COMPILER_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["id"]: r for r in json.loads(out.read_text())["cases"]}
     assert {i.split("/")[1] for i in rows} == {"h100", "v5e", "v6e"} and len(rows) == 6, sorted(rows)
@@ -172,7 +177,8 @@ def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
     target (prepare refuses one that does not)."""
     script = tmp_path / "ids.py"
     script.write_text(textwrap.dedent(STEP_IDS.format(root=str(ROOT))))
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=COMPILER_ENV, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ids = [x[3:] for x in proc.stdout.splitlines() if x.startswith("ID ")]
     assert {"cuda/h100/step/qwen3-30b-a3b/tp1/mixed-T512-S64", "cuda/h100/step/gemma-3-27b/tp1/decode-T64-S64",

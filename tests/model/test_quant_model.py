@@ -54,6 +54,13 @@ def reference(tiny_model):
     return get
 
 
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """(arch, scheme) -> a quantized model's measures, kept by the test that made them (so the xla
+    backend's test compares with the native run without repeating it)."""
+    return {}
+
+
 # weights / float32, perplexity tolerance, greedy agreement
 BUDGETS = {"int8": (0.30, 0.02, 0.90), "fp8": (0.30, 0.05, 0.80), "q8_0": (0.30, 0.02, 0.90),
            "q4_0": (0.17, 0.10, None), "q4_1": (0.17, 0.10, None)}
@@ -62,7 +69,7 @@ BUDGETS = {"int8": (0.30, 0.02, 0.90), "fp8": (0.30, 0.05, 0.80), "q8_0": (0.30,
 @pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "fp8"), ("llama", "q8_0"), ("llama", "q4_0"),
                                          ("llama", "q4_1"),
                                          ("qwen2", "int8"), ("qwen2", "q4_1")])  # qwen2: tied embeddings
-def test_quantized_tiny_model(reference, arch, scheme):
+def test_quantized_tiny_model(reference, measured, arch, scheme):
     path, ids, ref = reference(arch)
     budget, ppl_tol, agree = BUDGETS[scheme]
     llm = LLM(path, quantization=scheme, **ENGINE_KW)
@@ -70,7 +77,7 @@ def test_quantized_tiny_model(reference, arch, scheme):
     kernels = [w for p, w in jax.tree_util.tree_flatten_with_path(params, is_leaf=weight_formats.is_quantized)[0]
                if getattr(p[-1], "key", None) in ("kernel", "embedding")]
     assert kernels and all(weight_formats.is_quantized(w) for w in kernels)  # no float copy survives
-    got = evaluate(llm, ids, ref["tokens"])
+    got = measured[arch, scheme] = evaluate(llm, ids, ref["tokens"])
     assert got["bytes"] <= budget * got["float32_bytes"]
     assert got["float32_bytes"] == ref["bytes"]  # the same weights, counted in float32
     assert abs(got["perplexity"] / ref["perplexity"] - 1) <= ppl_tol
@@ -78,10 +85,10 @@ def test_quantized_tiny_model(reference, arch, scheme):
         assert got["greedy"] >= agree
 
 
-def test_xla_backend_dequantizes_inside_the_computation(reference):
+def test_xla_backend_dequantizes_inside_the_computation(reference, measured):
     """Without the native linear layers (the xla backend) the same weights give the same model."""
     path, ids, _ = reference("llama")
-    native = evaluate(LLM(path, quantization="q4_1", **ENGINE_KW), ids)
+    native = measured.get(("llama", "q4_1")) or evaluate(LLM(path, quantization="q4_1", **ENGINE_KW), ids)
     llm = LLM(path, quantization="q4_1", attention_backend="xla", **ENGINE_KW)
     assert not llm.engine.runner.backend.native_linear
     assert quant_params.has_quantized(llm.engine.runner.params)
