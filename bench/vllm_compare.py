@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", default="200,200")
     p.add_argument("--output-len", default="128,128")
     p.add_argument("--seed", type=int, default=0)
+    add_launch_args(p)
+    return p
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """`launched`'s settings (vLLM's venv and server, the HF export, the launch timeout) and --out."""
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="python of vLLM's venv")
     p.add_argument("--vllm-args", default="", help="extra vLLM server arguments, one string")
     p.add_argument("--vllm-ld-preload", default="auto", help="LD_PRELOAD for vLLM; auto (default): tcmalloc "
@@ -194,7 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF export of the default model for vLLM (written by tools/export_hf.py if absent)")
     p.add_argument("--launch-timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="write JSON here")
-    return p
 
 
 def main(argv=None) -> int:

@@ -99,15 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", default="ttft:2500 tpot:100", help="vllm bench serve's SLOs (ms), space-separated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="hide the client's own report")
-    # vllm_compare.launched's settings
-    p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="python of vLLM's venv")
-    p.add_argument("--vllm-args", default="", help="extra vLLM server arguments, one string")
-    p.add_argument("--vllm-ld-preload", default="auto")
-    p.add_argument("--vllm-kv-gib", type=int, default=2)
-    p.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "jaxserve-export-hf"),
-                   help="HF export of the default model (vLLM's weights, the client's tokenizer)")
-    p.add_argument("--launch-timeout", type=float, default=900)
-    p.add_argument("--out", default=None, help="write JSON here")
+    vllm_compare.add_launch_args(p)
     return p
 
 

@@ -190,8 +190,9 @@ def test_family_shapes_lower(tmp_path, preset, platform):
     lowering = prepare(_one_layer(tmp_path, preset), platform,
                        EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096))
     step = lowering.lower(BucketKey(16, 8, 0))
-    mc = lowering.model  # on tpu a routed-expert layer's two grouped products are Pallas calls too (tpu_gmm)
-    gmm = 2 if platform == "tpu" and mc.is_moe_layer(0) and mc.expert_format is None else 0
+    # a routed-expert layer's two grouped products are Pallas calls too (tpu_gmm; gpu_gmm on Hopper)
+    mc, grouped_kernel = lowering.model, platform == "tpu" or lowering.runner.backend.gpu_moe_kernel
+    gmm = 2 if grouped_kernel and mc.is_moe_layer(0) and mc.expert_format is None else 0
     assert (step.kernel_calls, step.num_devices) == (CALLS_PER_LAYER[platform] + gmm, 1), step.describe()
 
 

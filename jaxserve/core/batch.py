@@ -1,7 +1,8 @@
 """The step contract, host side: a scheduler plan in, one `StepBatch` out (numpy, no jax).
 
     Scheduler.schedule() -> [RowSpec per scheduled row] -> BatchBuilder.build() -> StepBatch
-    StepBatch.pack() -> one int32 buffer -> its head to the bucket's forward, its tail to the sampler
+    StepBatch.pack() -> one int32 buffer (a multi-host leader broadcasts it) -> its head to the
+        bucket's forward, its tail (SAMPLER_FIELDS on: shaped by S and W alone) to the shared sampler
 
 A batch's shapes are fixed by its `BucketKey` (T tokens, S sequences, W adjustment entries per
 row: 0, a small width for logit bias / bans / short penalties, or one that holds any request's
@@ -10,10 +11,6 @@ structured-output token bitmask (i32[S, ceil(V/32)]; -1 = unconstrained). T and 
 step of one sequence (a lone prefill or a single stream), else the T bucket's sequence width.
 Where the attention backend's work spans the block table (the `xla` path), the table's width C is
 a bucket dimension too (buckets.py); elsewhere C = 0, the full `max_blocks` width.
-Every 32-bit field is packed into one host buffer, which a multi-host leader broadcasts as it is.
-The buffer's head (the fields up to `num_logits`) feeds the bucket's forward executable; its tail,
-the sampling fields, depends on S and W alone and feeds the sampler executable that every bucket
-of those rows shares (worker/runner.py): two host-to-device copies a step.
 
 Logits rows: S counts sequences (attention's seq_lens, block tables) and, separately, logits rows
 (sampling parameters, `logits_indices`): a row samples its last token and may ask for logits at
@@ -279,10 +276,6 @@ class BatchBuilder:
 
     def packed_size(self, key: BucketKey) -> int:
         return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key))
-
-    def forward_size(self, key: BucketKey) -> int:
-        """int32 words of the packed buffer's head, the forward's fields (the tail is the sampler's)."""
-        return sum(int(np.prod(shape)) for _, shape, _ in self.field_specs(key)[:SAMPLER_FIELDS])
 
     # ---- one step ---------------------------------------------------------------------------
     def build(self, rows: list[RowSpec]) -> tuple[StepBatch, BucketKey, RowMap]:

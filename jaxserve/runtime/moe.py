@@ -162,6 +162,17 @@ def gpu_kernel_takes(hidden: int, inter: int, dtype) -> bool:
     return not any(gpu_gmm.unsupported(k, n, dtype, dtype) for k, n in ((hidden, inter), (inter, hidden)))
 
 
+def xla_gpu_dense_experts(platform: str, mc, tp: int, gpu_moe_kernel: bool, dtype) -> int:
+    """Experts per device whose product XLA:GPU expands densely (it rewrites `jax.lax.ragged_dot`
+    into a product over every expert), 0 where the Mosaic GPU grouped matmul runs them or off cuda:
+    for `jaxserve lower`'s memory estimate (packed experts, taking the blocked product, are the
+    caller's 0). `mc` is the model config as sharded."""
+    inter = mc.moe_intermediate_size if mc.expert_parallel else mc.moe_intermediate_size // max(tp, 1)
+    if platform != "cuda" or not mc.is_moe or (gpu_moe_kernel and gpu_kernel_takes(mc.hidden_size, inter, dtype)):
+        return 0
+    return mc.num_experts // tp if mc.expert_parallel else mc.num_experts
+
+
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
                     matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None, num_experts=None):
     """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e

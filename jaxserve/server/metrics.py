@@ -24,60 +24,15 @@ from jaxserve.outputs import RequestOutput
 
 NS = "jaxserve:"
 VLLM = "vllm:"
-_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-_ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 # vLLM V1's buckets (vllm/v1/metrics/loggers.py): its ITL/TPOT and request-latency series.
 VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                         60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 VLLM_TTFT_BUCKETS = _LATENCY_BUCKETS  # the same list in vLLM
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, *VLLM_ITL_BUCKETS)
 ENGINE_INDEX = "0"  # one engine per replica; vLLM's `engine` label
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -54,7 +54,7 @@ class BucketStep(NamedTuple):
 
     forward: Any  # (params, kv layers, head, last_tokens) -> ((logits, hidden), kv layers)
     sampler: Any  # (logits, tail) -> StepResult (hidden None)
-    split: int  # int32 words of the packed buffer that are the forward's (BatchBuilder.forward_size)
+    split: int  # int32 words of the packed buffer that are the forward's (ModelRunner._forward_size)
 
     def __call__(self, params, layers, head, tail, last_tokens) -> tuple[StepResult, list]:
         (logits, hidden), layers = self.forward(params, layers, head, last_tokens)

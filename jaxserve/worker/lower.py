@@ -45,7 +45,7 @@ from jaxserve.runtime import compat, deviceless, kv_sizing, memory, mxfp4
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
-from jaxserve.runtime.moe import gpu_kernel_takes
+from jaxserve.runtime.moe import xla_gpu_dense_experts
 from jaxserve.worker import runner as rt
 
 GiB = memory.GiB
@@ -340,14 +340,8 @@ def prepare(
     weights = full_weight_bytes(runner.params, full, layers)
     rc = runner.model_cfg  # kv heads as sharded (repeated when tp > kv heads)
 
-    # XLA:GPU expands `jax.lax.ragged_dot` into a product over every expert (runtime/moe.py's
-    # grouped_experts), unless the Mosaic GPU grouped matmul runs them (moe.gpu_ragged_dot) or they
-    # are packed (the blocked product)
-    dense_experts = 0
-    inter = rc.moe_intermediate_size if rc.expert_parallel else rc.moe_intermediate_size // max(tp, 1)
-    if platform == "cuda" and rc.is_moe and not packed and not (
-            backend.gpu_moe_kernel and gpu_kernel_takes(rc.hidden_size, inter, runner.dtype)):
-        dense_experts = rc.num_experts // tp if rc.expert_parallel else rc.num_experts
+    # packed experts take the blocked product (never XLA:GPU's dense expansion)
+    dense_experts = 0 if packed else xla_gpu_dense_experts(platform, rc, tp, backend.gpu_moe_kernel, runner.dtype)
 
     def estimate(key: BucketKey) -> int:
         return memory.estimate_step_bytes(

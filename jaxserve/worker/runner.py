@@ -243,6 +243,10 @@ class ModelRunner:
         return jax.jit(lambda logits, flat: self._sample_impl(logits, flat, key), in_shardings=(rep, rep),
                        out_shardings=rep)
 
+    def _forward_size(self, key: BucketKey) -> int:
+        """int32 words of the packed buffer's head, the forward's fields (the tail is the sampler's)."""
+        return sum(int(np.prod(shape)) for _, shape, _ in self.builder.field_specs(key)[:SAMPLER_FIELDS])
+
     @staticmethod
     def _flat(size: int):
         return jax.ShapeDtypeStruct((size,), jnp.int32)
@@ -251,7 +255,7 @@ class ModelRunner:
         """One bucket's step as one jitted function of the whole packed buffer (its forward, then
         its sampler) and its arguments: what `worker/lower.py` exports and compiles for another
         platform. The runner itself compiles the two parts apart (`_compile`)."""
-        n, sk = self.builder.forward_size(key), key.sampler()
+        n, sk = self._forward_size(key), key.sampler()
         forward, sampler = self._jit_forward(key), self._jit_sampler(sk)
 
         def step(p, layers, flat, last):
@@ -284,7 +288,7 @@ class ModelRunner:
         if mine:
             try:
                 logits = jax.ShapeDtypeStruct((sk.s, self.model_cfg.vocab_size), jnp.float32)
-                tail = self._flat(self.builder.packed_size(sk) - self.builder.forward_size(sk))
+                tail = self._flat(self.builder.packed_size(sk) - self._forward_size(sk))
                 pending.set_result(self._compile_part(sk, self._jit_sampler(sk), (logits, tail)))
             except BaseException as e:
                 with self._samplers_lock:
@@ -298,7 +302,7 @@ class ModelRunner:
         generation = self._generation
         t0 = time.perf_counter()
         try:
-            n = self.builder.forward_size(key)
+            n = self._forward_size(key)
             args = (self.params, self.kv.layers, self._flat(n), self.last_tokens)
             forward = self._compile_part(key, self._jit_forward(key), args)
             step = BucketStep(forward, self._sampler(key), n)
