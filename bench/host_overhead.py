@@ -34,7 +34,7 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
     vocab = eng.model_config.vocab_size
     # Long enough that no request ends before the timed steps are over: the prefill of N prompts
     # takes N x prompt_len / max_num_batched_tokens steps, in which the first ones already decode.
-    p = SamplingParams(max_tokens=steps + 8 + prefill_steps(n, prompt_len), temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=HEADROOM, temperature=0, ignore_eos=True)  # aborted after the timed steps
     for i in range(n):
         eng.add_request(f"h{n}-{i}", None, p, prompt_token_ids=[(7 * i + j) % (vocab - 10) + 5
                                                                  for j in range(prompt_len)])
@@ -69,8 +69,9 @@ def run(llm, n: int, prompt_len: int, steps: int) -> dict:
             "hidden_share": (t["dispatch_busy"] - b0) / k, "exposed_bound_ms": 1e3 * host_idle / k}
 
 
-def prefill_steps(n: int, prompt_len: int) -> int:
-    return -(-n * prompt_len // max(512, n)) + 1
+# output tokens a request may reach: none ends before the timed steps, however many steps the
+# prefill of every prompt takes (the ITL-aware prefill cap spreads it over more steps)
+HEADROOM = 512
 
 
 def device_step_s(eng, steps: int) -> float:
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     rows, results = [], []
     for overlap in (True, False):
         llm = LLM(args.model, max_num_seqs=max(levels), max_num_batched_tokens=max(512, max(levels)),
-                  max_model_len=args.prompt_len + args.steps + 64 + prefill_steps(max(levels), args.prompt_len),
+                  max_model_len=args.prompt_len + HEADROOM,
                   precompile=False, async_scheduling=overlap)
         for n in levels:
             run(llm, n, args.prompt_len, 4)  # warm-up: every bucket these steps meet is compiled

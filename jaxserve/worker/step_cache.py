@@ -26,6 +26,7 @@ import os
 import pathlib
 import pickle
 import tempfile
+import weakref
 
 import flax
 import jax
@@ -91,16 +92,28 @@ def key_for(runner, bucket) -> str | None:
     return key_of(describe(runner, bucket), bucket) if directory() is not None else None
 
 
+# Executables loaded or stored in this process, by key, while something holds them: a second engine
+# in the process (or a sampler shared by another engine's buckets) gets the same executable rather
+# than a second deserialized twin of its compiled functions beside it.
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def load(key: str | None):
     """The executable stored under `key`, or None."""
     d = directory()
     path = d / f"{key}.bin" if d and key else None
-    if path is None or not path.is_file():
+    if path is None:
+        return None
+    live = _LIVE.get(key)
+    if live is not None:
+        return live
+    if not path.is_file():
         return None
     try:
 
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        exe = _LIVE[key] = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        return exe
     except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile instead
         log.warning("Ignoring the cached step executable %s (%s: %s): compiling it", path, type(e).__name__, e)
         return None
@@ -110,6 +123,7 @@ def store(key: str | None, compiled) -> None:
     d = directory()
     if d is None or key is None:
         return
+    _LIVE[key] = compiled
     try:
 
         blob = pickle.dumps(serialize_executable.serialize(compiled))
