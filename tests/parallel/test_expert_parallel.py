@@ -2,7 +2,8 @@
 experts split on their intermediate axis (TP) or whole experts per device (EP = TP size, attention
 tensor-parallel alongside) give EP=1's greedy tokens and logits; each device holds E / N experts;
 impossible layouts and EP on a dense model are clear errors. gpt-oss's MXFP4 experts shard as
-whole blocks with their scales, padded on the intermediate axis where the blocks do not split."""
+whole blocks with their scales, padded on the intermediate axis where the blocks do not split; so
+do experts kept in a weight format (a GGUF's K-quant / Q8_0 blocks as stored)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import pytest
 from jaxserve.errors import UserError
 from jaxserve.model import sharding
 from jaxserve.model.loader import load_model
-from jaxserve.runtime import mxfp4
+from jaxserve.runtime import mesh as ml
+from jaxserve.runtime import mxfp4, weight_formats
+from jaxserve.runtime.quant_params import weight_bytes
 from jaxserve.worker.runner import ModelRunner, RunnerConfig
+from tests.model.test_gguf_families import _synthetic_moe
 from tests.model.test_gpt_oss import mxfp4_checkpoints
 from tests.parallel.test_tensor_parallel import BS, greedy_run
 
@@ -66,6 +70,38 @@ def test_mxfp4_experts_under_tp_and_ep(tiny_model, tmp_path):
         np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"mxfp4 tp={tp} ep={ep}: greedy tokens differ")
         err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
         assert err < 1e-5, f"mxfp4 tp={tp} ep={ep}: logits differ by {err:.2e} of their scale"
+
+
+def test_gguf_experts_packed_under_tp_and_ep(tmp_path):
+    """A GGUF's Q4_K gate, Q8_0 up and Q6_K down experts (Q4_K_M's mix; hidden = I = 256, 4 experts,
+    1 layer) stay in their blocks at TP 2 and EP 2 and give TP 1's greedy tokens and logits (the same
+    decoded values; TP 1 sums them in the native grouped kernel, TP / EP per device in XLA's tiled
+    product, and TP's down projection in two partial sums: float32 rounding only). EP 2: two whole
+    experts per device, half the stacks' bytes. TP 2: down's K = 256 is one Q6_K super-block, which
+    two devices cannot share, so I is padded to 512 (zero blocks; model/sharding.py
+    `stack_intermediate`): each device holds one super-block of K and 4 of the 8 gate / up panels."""
+    path = tmp_path / "moe.gguf"
+    _synthetic_moe(path, {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q6_K"})
+    lm = load_model(str(path), quantization="gguf")
+    prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
+    cfg = dataclasses.replace(CFG, quantization="gguf")
+    ref = ModelRunner(lm.config, lm.params, cfg)
+    packed = weight_bytes(ref.params["layers_0"]["mlp"]["experts"])
+    ref_logits, ref_tokens = greedy_run(ref, prompts, steps=3)
+    for ep, per_device in [(True, packed // 2), (False, packed)]:
+        runner = ModelRunner(lm.config, lm.params, dataclasses.replace(cfg, tensor_parallel_size=2,
+                                                                       enable_expert_parallel=ep))
+        experts = runner.params["layers_0"]["mlp"]["experts"]
+        assert all(isinstance(w, weight_formats.ExpertStack) for w in experts.values())
+        kinds = [type(experts[p].w).__name__ for p in ("gate_proj", "up_proj", "down_proj")]
+        assert kinds == ["Q4KWeight", "Q8Weight", "Q6KWeight"], kinds
+        assert set(ml.bytes_per_device(experts).values()) == {per_device}, ep  # stored bytes, not float32
+        down = experts["down_proj"].w.q
+        assert down.sharding.shard_shape(down.shape)[:2] == ((2, 4) if ep else (4, 4)), ep
+        logits, tokens = greedy_run(runner, prompts, steps=3)
+        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"gguf experts ep={ep}: greedy tokens differ")
+        err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
+        assert err < 1e-5, f"gguf experts ep={ep}: logits differ by {err:.2e} of their scale"
 
 
 def test_ep_layout_errors(tiny_model):
