@@ -245,15 +245,15 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(f, params, is_leaf=weight_formats.is_quantized)
 
 
-def _pad_axis(a, axis: int, size: int):
-    """a (numpy, jax or a ShapeDtypeStruct) padded with zeros to `size` along `axis`."""
+def _pad_axis(a, axis: int, size: int, value: int = 0):
+    """a (numpy, jax or a ShapeDtypeStruct) padded with `value` to `size` along `axis`."""
     if a.shape[axis] == size:
         return a
     if isinstance(a, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(a.shape[:axis] + (size,) + a.shape[axis + 1:], a.dtype)
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, size - a.shape[axis])
-    return (np.pad if isinstance(a, np.ndarray) else jnp.pad)(a, widths)
+    return (np.pad if isinstance(a, np.ndarray) else jnp.pad)(a, widths, constant_values=value)
 
 
 def pad_packed_experts(params: dict, cfg: ModelConfig, sharded: ModelConfig, tp: int = 1) -> dict:
@@ -295,13 +295,15 @@ def stack_intermediate(experts: dict, i: int, tp: int) -> int:
 
 
 def _pad_stack(w, name: str, i: int, size: int):
-    """One routed-expert weight padded from intermediate size i to size with zeros (zero scales:
-    every format decodes them to 0): gate / up's N (an ExpertStack's panels and per-channel scales,
-    a float stack's axis 2, a bias's axis 1), down's K (axis 2 of a stack's blocked parts, a float
-    stack's axis 1)."""
+    """One routed-expert weight padded from intermediate size i to size with values that decode to
+    0: gate / up's N (an ExpertStack's panels and per-channel scales, zero scales; a float stack's
+    axis 2, a bias's axis 1), down's K (axis 2 of a stack's blocked parts: zero blocks, or W8A8's
+    offset code 128 = 0 under its per-channel scale; a float stack's axis 1)."""
     if isinstance(w, weight_formats.ExpertStack):
         if name == "down_proj":
-            parts = (_pad_axis(a, 2, a.shape[2] * size // i) if a.ndim >= 3 else a for a in w.w)
+            zero = 128 if isinstance(w.w, weight_formats.W8A8Weight) else 0
+            parts = (_pad_axis(a, 2, a.shape[2] * size // i, zero if a.ndim >= 4 else 0) if a.ndim >= 3 else a
+                     for a in w.w)
         else:
             parts = (_pad_axis(a, 1, size // panels.PANEL if a.ndim >= 3 else size) for a in w.w)
         return weight_formats.ExpertStack(type(w.w)(*parts))
@@ -316,7 +318,7 @@ def pad_expert_stacks(params: dict, cfg: ModelConfig, tp: int) -> dict:
     (mxfp4a8's panels of MXFP4 experts with their gpt-oss biases padded by `packed_intermediate`)."""
     if tp == 1 or cfg.expert_parallel or not isinstance(params, dict):
         return params
-    out = dict(params)
+    out, padded = dict(params), {}
     for layer in cfg.moe_layers:
         mlp = out[f"layers_{layer}"]["mlp"]
         experts = dict(mlp["experts"])
@@ -330,13 +332,14 @@ def pad_expert_stacks(params: dict, cfg: ModelConfig, tp: int) -> dict:
         i = experts["down_proj"].shape[1]
         size = stack_intermediate(experts, i, tp)
         if size != i:
-            log.warning("layers_%d: routed experts' intermediate size %d padded to %d under tensor_parallel_size=%d "
-                        "for whole panels / blocks of their weight formats per device (%.2fx their bytes; "
-                        "--enable-expert-parallel splits whole experts instead, unpadded)", layer, i, size, tp,
-                        size / i)
+            padded[(i, size)] = padded.get((i, size), 0) + 1
             experts = {n: _pad_stack(w, n, i, size) if n in ("gate_proj", "up_proj", "down_proj", "gate_bias",
                                                                 "up_bias") else w for n, w in experts.items()}
         out[f"layers_{layer}"] = {**out[f"layers_{layer}"], "mlp": {**mlp, "experts": experts}}
+    for (i, size), n in padded.items():
+        log.warning("%d MoE layers: routed experts' intermediate size %d padded to %d under tensor_parallel_size=%d "
+                    "for whole panels / blocks of their weight formats per device (%.2fx their bytes; "
+                    "--enable-expert-parallel splits whole experts instead, unpadded)", n, i, size, tp, size / i)
     return out
 
 
