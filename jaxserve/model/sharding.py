@@ -33,6 +33,13 @@ experts do, in whole blocks with their scales (`sharded_ops.expert_specs`): whol
 else gate / up on their N = I rows and down on its K/32 blocks, with I padded by zero blocks to a
 multiple of 32 * tp where the blocks would not split evenly (`packed_intermediate`).
 
+Routed experts kept in a weight format (weight_formats.ExpertStack: a GGUF's Q8_0 / Q4_K / ... blocks
+as stored, w8a8 / w4a8 / bfloat16 made at load; each part [E, N / 64, K-ish, ...]) shard as stored
+too (`sharded_ops.weight_spec`): whole experts under EP; else gate / up on their N = I panels (axis
+1, per-channel scales with them), down on its K = I blocks (axis 2), with I padded by zero panels /
+blocks to whole ones per device (`stack_intermediate`: Qwen3-30B-A3B's 768 at TP 8 -> 1024 for Q8_0,
+2048 for a K-quant's 256-value super-blocks; EP needs no padding).
+
 Quantized weights (runtime/weight_formats.py: [N / 64, K-ish, ...] panels and their block scales) shard as
 their float kernel would: a column-parallel N over the panel axis (and a per-channel scale [N]
 with it), a row-parallel K over axis 1 of every part (quants, block and super-block scales alike),
