@@ -73,36 +73,47 @@ def test_mxfp4_experts_under_tp_and_ep(tiny_model, tmp_path):
         assert err < 1e-5, f"mxfp4 tp={tp} ep={ep}: logits differ by {err:.2e} of their scale"
 
 
-def test_gguf_experts_packed_under_tp_and_ep(tmp_path):
-    """A GGUF's Q4_K gate, Q8_0 up and Q6_K down experts (Q4_K_M's mix; hidden = I = 256, 4 experts,
-    1 layer) stay in their blocks at TP 2 and EP 2 and give TP 1's greedy tokens and logits (the same
-    decoded values; TP 1 sums them in the native grouped kernel, TP / EP per device in XLA's tiled
-    product, and TP's down projection in two partial sums: float32 rounding only). EP 2: two whole
-    experts per device, half the stacks' bytes. TP 2: down's K = 256 is one Q6_K super-block, which
-    two devices cannot share, so I is padded to 512 (zero blocks; model/sharding.py
-    `stack_intermediate`): each device holds one super-block of K and 4 of the 8 gate / up panels."""
+@pytest.mark.parametrize("quantization,types,kinds,eps", [
+    ("gguf", {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q6_K"},
+     ["Q4KWeight", "Q8Weight", "Q6KWeight"], (True, False)),
+    ("w8a8", {}, ["W8A8Weight"] * 3, (False,)),  # EP's whole experts: the same path whatever the format
+])
+def test_packed_experts_under_tp_and_ep(tmp_path, quantization, types, kinds, eps):
+    """Experts in a weight format (hidden = I = 256, 4 experts, 1 layer) stay packed at TP 2 and EP 2
+    (w8a8: TP 2 only) and give TP 1's greedy tokens and logits. gguf: a GGUF's Q4_K gate, Q8_0 up and Q6_K down experts
+    (Q4_K_M's mix) as stored; w8a8: float experts quantized at load (and the attention's matrices).
+    The same decoded values (w8a8: the same int8 activations, blocks of 32 along K never split) in
+    another sum order: TP 1 sums in the native kernels, TP / EP per device in XLA's tiled product,
+    TP's down projection in two partial sums, so float32 rounding only (1e-5 of the logit scale).
+    EP 2: two whole experts per device, half the stacks' bytes. TP 2: Q6_K down's K = 256 is one
+    super-block, which two devices cannot share, so the GGUF's I is padded to 512 (zero blocks;
+    model/sharding.py `stack_intermediate`): each device holds one super-block of K and 4 of the 8
+    gate / up panels; w8a8's 4 panels split 2 / 2 unpadded, down's per-channel scales replicated."""
     path = tmp_path / "moe.gguf"
-    _synthetic_moe(path, {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q6_K"})
-    lm = load_model(str(path), quantization="gguf")
+    _synthetic_moe(path, types, vocab=128)  # 2 panels: w8a8's embedding splits over 2 devices
+    lm = load_model(str(path), quantization=quantization if quantization == "gguf" else None)
     prompts = [[1, 5, 9, 33, 7], [2, 4, 6, 8, 10, 12, 14]]
-    cfg = dataclasses.replace(CFG, quantization="gguf")
+    cfg = dataclasses.replace(CFG, quantization=quantization)
     ref = ModelRunner(lm.config, lm.params, cfg)
     packed = weight_bytes(ref.params["layers_0"]["mlp"]["experts"])
     ref_logits, ref_tokens = greedy_logits(ref, prompts, steps=2)  # forward only: one compile a bucket
-    for ep, per_device in [(True, packed // 2), (False, packed)]:
+    # TP: the GGUF's stacks padded 2x, halved; w8a8's halved but down's scales f32[4, 256] on both
+    tp_bytes = packed if quantization == "gguf" else packed // 2 + 4 * 256 * 4 // 2
+    for ep in eps:
+        per_device = packed // 2 if ep else tp_bytes
         runner = ModelRunner(lm.config, lm.params, dataclasses.replace(cfg, tensor_parallel_size=2,
                                                                        enable_expert_parallel=ep))
         experts = runner.params["layers_0"]["mlp"]["experts"]
         assert all(isinstance(w, weight_formats.ExpertStack) for w in experts.values())
-        kinds = [type(experts[p].w).__name__ for p in ("gate_proj", "up_proj", "down_proj")]
-        assert kinds == ["Q4KWeight", "Q8Weight", "Q6KWeight"], kinds
+        got = [type(experts[p].w).__name__ for p in ("gate_proj", "up_proj", "down_proj")]
+        assert got == kinds, got
         assert set(ml.bytes_per_device(experts).values()) == {per_device}, ep  # stored bytes, not float32
         down = experts["down_proj"].w.q
         assert down.sharding.shard_shape(down.shape)[:2] == ((2, 4) if ep else (4, 4)), ep
         logits, tokens = greedy_logits(runner, prompts, steps=2)
-        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"gguf experts ep={ep}: greedy tokens differ")
+        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{quantization} ep={ep}: greedy tokens differ")
         err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
-        assert err < 1e-5, f"gguf experts ep={ep}: logits differ by {err:.2e} of their scale"
+        assert err < 1e-5, f"{quantization} experts ep={ep}: logits differ by {err:.2e} of their scale"
 
 
 def test_ep_layout_errors(tiny_model):
