@@ -8,6 +8,7 @@ do experts kept in a weight format (a GGUF's K-quant / Q8_0 blocks as stored).""
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from jaxserve.errors import UserError
 from jaxserve.model import sharding
 from jaxserve.model.loader import load_model
 from jaxserve.runtime import mesh as ml
-from jaxserve.runtime import mxfp4, weight_formats
+from jaxserve.runtime import expert_matmul, mxfp4, weight_formats
 from jaxserve.runtime.quant_params import weight_bytes
 from jaxserve.worker.runner import ModelRunner, RunnerConfig
 from tests.model.test_gguf_families import _synthetic_moe
@@ -83,8 +84,9 @@ def test_packed_experts_under_tp_and_ep(tmp_path, quantization, types, kinds, ep
     (w8a8: TP 2 only) and give TP 1's greedy tokens and logits. gguf: a GGUF's Q4_K gate, Q8_0 up and Q6_K down experts
     (Q4_K_M's mix) as stored; w8a8: float experts quantized at load (and the attention's matrices).
     The same decoded values (w8a8: the same int8 activations, blocks of 32 along K never split) in
-    another sum order: TP 1 sums in the native kernels, TP / EP per device in XLA's tiled product,
-    TP's down projection in two partial sums, so float32 rounding only (1e-5 of the logit scale).
+    another sum order: the native grouped kernels on each device's shard (under shard_map; the
+    dense layers in XLA's partitioned dot under TP), TP's down projection in two partial sums, so
+    float32 rounding only (1e-5 of the logit scale).
     EP 2: two whole experts per device, half the stacks' bytes. TP 2: Q6_K down's K = 256 is one
     super-block, which two devices cannot share, so the GGUF's I is padded to 512 (zero blocks;
     model/sharding.py `stack_intermediate`): each device holds one super-block of K and 4 of the 8
@@ -110,7 +112,9 @@ def test_packed_experts_under_tp_and_ep(tmp_path, quantization, types, kinds, ep
         assert set(ml.bytes_per_device(experts).values()) == {per_device}, ep  # stored bytes, not float32
         down = experts["down_proj"].w.q
         assert down.sharding.shard_shape(down.shape)[:2] == ((2, 4) if ep else (4, 4)), ep
-        logits, tokens = greedy_logits(runner, prompts, steps=2)
+        with mock.patch.object(expert_matmul, "native_grouped", wraps=expert_matmul.native_grouped) as native:
+            logits, tokens = greedy_logits(runner, prompts, steps=2)
+        assert native.call_count >= 2 and not runner.backend.native_linear  # native experts, XLA's dense layers
         np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{quantization} ep={ep}: greedy tokens differ")
         err = np.abs(logits - ref_logits).max() / np.abs(ref_logits).max()
         assert err < 1e-5, f"{quantization} experts ep={ep}: logits differ by {err:.2e} of their scale"
