@@ -69,3 +69,31 @@ def test_qwen3_235b_lowers_at_8_devices(tmp_path, platform, ep):
     # the platform's Pallas grouped matmul under shard_map (EP: whole experts; TP: slices of I), not
     # XLA's ragged_dot_general (a dense product over every expert on XLA:GPU)
     assert {"cuda": "gmm_gpu", "tpu": "gmm_tpu"}[platform] in text and "ragged_dot_general" not in text
+
+
+def test_packed_experts_lower_and_plan_as_stored_under_tp_and_ep(tmp_path):
+    """--quantization q4_k at TP 2: the experts stay Q4_K stacks (model/sharding.py), and the plan's
+    weights per device count them as stored: whole experts under EP (half the stacks' bytes), under
+    TP each expert's I = 768 padded to 1024 (2 x 512: whole 256-value super-blocks of down's K per
+    device) and halved; the TP step (each device's padded slice under shard_map) lowers for cuda."""
+    from jaxserve.runtime import weight_formats
+    from jaxserve.runtime.quant_params import weight_bytes
+
+    model = _one_layer(tmp_path, "qwen3-30b-a3b")
+    per_device = {}
+    for ep in (True, False):
+        lowering = prepare(model, "cuda", EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=4096,
+                                                       tensor_parallel_size=2, enable_expert_parallel=ep,
+                                                       quantization="q4_k"), device_memory=141 * GiB)
+        experts = lowering.runner.params["layers_0"]["mlp"]["experts"]
+        assert all(isinstance(w, weight_formats.ExpertStack) and type(w.w).__name__ == "Q4KWeight"
+                   for w in experts.values())
+        assert experts["down_proj"].shape == (128, 768 if ep else 1024, 2048)
+        per_device[ep] = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+                             for a in jax.tree.leaves(experts))
+        assert per_device[ep] == weight_bytes(experts) // 2
+    stored = 128 * 3 * 2048 * 768 * 4.625 / 8  # Q4_K as held: 4.625 bits a weight
+    assert per_device[True] == stored / 2 and per_device[False] == stored / 2 * 1024 / 768
+    assert per_device[False] < 128 * 3 * 2048 * 768 * 2 / 2 / 2  # < half of the bfloat16 experts TP 2 held before
+    step = lowering.lower(BucketKey(16, 8, 0))
+    assert step.num_devices == 2, step.describe()

@@ -90,7 +90,7 @@ class Backend:
     # (runtime/fallback.py): `xla` for the default Pallas on GPU/TPU; None where it was requested
     fallback: str | None = None
     # the instructions of the dot-product formats' native kernel (csrc/dot_matmul.cc), chosen here
-    # once ($JAXSERVE_CPU_ISA read then) and passed to every call; None where linear layers are not native
+    # once ($JAXSERVE_CPU_ISA read then) and passed to every call; None off the native CPU kernels
     dot_isa: cpu_kernels.DotIsa | None = None
     # an NVIDIA Hopper GPU (sm_90a): the MoE experts' grouped matmul runs the Mosaic GPU kernel
     # (pallas_kernels/gpu_gmm.py) where the Pallas backend is chosen (its fallback takes XLA's ragged_dot)
@@ -139,7 +139,15 @@ class Backend:
         ``decode_only``: ops for a step whose every row is one decode token (token t is sequence
         t), where the pallas backend runs the split-KV decode kernel on GPU."""
         ops = quant.quantized_ops(self._float_ops(attention_wrapper, decode_only), self.native_linear, self.dot_isa)
-        return dataclasses.replace(ops, moe=expert_matmul.packed_moe(ops.moe, self.native_linear, self.dot_isa))
+        return dataclasses.replace(ops, moe=expert_matmul.packed_moe(ops.moe, self.native_experts, self.dot_isa))
+
+    @property
+    def native_experts(self) -> bool:
+        """Experts kept in a weight format run in the native grouped kernels: wherever the native CPU
+        kernels are built, under tensor / expert parallelism too (the MoE runs per device under
+        shard_map, each call on its own shard: sharded_ops.shard_moe), unlike the dense linear layers,
+        which XLA partitions there."""
+        return self.native_linear or (self.platform == "cpu" and self.attention == "cpu")
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
         attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
@@ -262,8 +270,7 @@ def resolve_backend(requested: str | None, dtype: str, kv_dtype: str, tensor_par
         if why is None:
             native_linear = tensor_parallel_size == 1
             reason = "native CPU kernels built" + ("" if native_linear else "; XLA dot under tensor parallelism")
-            return Backend("cpu", "cpu", "cpu-tiled", native_linear, True, reason,
-                           dot_isa=cpu_kernels.choose_isa() if native_linear else None)
+            return Backend("cpu", "cpu", "cpu-tiled", native_linear, True, reason, dot_isa=cpu_kernels.choose_isa())
         if requested == "cpu":
             raise UserError(f"Attention backend 'cpu' cannot run here ({why}): install g++ (or set $CXX), "
                             "use --dtype float32, or use --attention-backend xla.", param="attention_backend")

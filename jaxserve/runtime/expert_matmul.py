@@ -72,8 +72,9 @@ def grouped_gated(lhs, w_gate, w_up, group_sizes, native: bool = False, isa: cpu
 
 def packed_moe(moe, native: bool, isa: cpu_kernels.DotIsa | None = None):
     """A backend's `ops.moe` (runtime/moe.py's signature) that also takes ExpertStack experts: their
-    grouped products natively where `native` (the backend's choice for linear layers, and float32
-    rows), else tiled; float and MXFP4 experts go to `moe` as before."""
+    grouped products natively where `native` (the backend's `native_experts`: the native CPU kernels,
+    also under tensor / expert parallelism, where the MoE runs per device under shard_map; and
+    float32 rows), else tiled; float and MXFP4 experts go to `moe` as before."""
 
     def run(x, ids, weights, w_gate, w_up, w_down, num_rows=None, **kw):
         if not any(isinstance(w, ExpertStack) for w in (w_gate, w_up, w_down)):

@@ -53,8 +53,9 @@ def quantize_params(params: dict, quantization: str, experts: bool = True) -> di
     quantizer falls back (to Q5_0 / Q8_0 there). Leaves already quantized (a GGUF's blocks) are
     kept (under w4a8, a Q4_0 / Q4_1 one in W4A8Weight's layout and a Q8_0 one in Q8A8Weight's, the
     same values). Stacked routed experts (experts/{gate,up,down}_proj [E, K, N]) become an ExpertStack
-    of each expert's kernel in the format (runtime/expert_matmul.py multiplies them as stored), unless
-    not `experts` (under tensor parallelism, where the experts stay float). The float leaves are
+    of each expert's kernel in the format (runtime/expert_matmul.py multiplies them as stored; under
+    tensor or expert parallelism sharded as stored: model/sharding.py), unless not `experts` (they
+    stay float). The float leaves are
     dropped: nothing here holds on to them."""
     check_quantization(quantization, LOAD_QUANTIZATIONS)
     if quantization == "mxfp4a8":
@@ -93,8 +94,8 @@ def quantize_params(params: dict, quantization: str, experts: bool = True) -> di
 def _mxfp4a8(params: dict, experts: bool) -> dict:
     """--quantization mxfp4a8: every MXFP4 expert stack (mxfp4.Mxfp4Weight, a gpt-oss checkpoint's) as
     an ExpertStack of mxfp4.Mxfp4A8Weight, the same codes and exponents (int8 activations on the
-    dot-product instructions); every other leaf as it is. A UserError where there are none, or under
-    tensor parallelism (`experts` False)."""
+    dot-product instructions); every other leaf as it is. A UserError where there are none, or where
+    not `experts` (model/sharding.py refuses them split on their intermediate axis: EP keeps them whole)."""
     found = []
 
     def convert(leaf):
@@ -139,20 +140,6 @@ def _experts(leaf, quantization: str, fallback: str, on_device: bool):
     w = np.asarray(leaf, np.float32)
     stack = stack_experts([quantize(w[i], kind) for i in range(e)])
     return ExpertStack(type(stack.w)(*map(jnp.asarray, stack.w))) if on_device else stack
-
-
-def float_experts(params: dict) -> dict:
-    """Every ExpertStack (a GGUF's experts kept as stored) as its float32 [E, K, N] array (numpy; shapes
-    only for lowering): what a model under tensor or expert parallelism holds, whose experts are sharded
-    as float arrays (model/sharding.py refuses stacked formats there)."""
-    def convert(leaf):
-        if not isinstance(leaf, ExpertStack):
-            return leaf
-        if isinstance(jax.tree.leaves(leaf)[0], jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(leaf.shape, jnp.float32)
-        return np.stack([np.asarray(leaf.expert(e)) for e in range(leaf.shape[0])])
-
-    return jax.tree.map(convert, params, is_leaf=is_quantized)
 
 
 def abstract(shape, quantization: str) -> QuantWeight:

@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.runtime.mesh import MODEL, page_spec, tp_size
+from jaxserve.runtime.weight_formats import ExpertStack
 from pallas_kernels.kv_quant import QuantPages
 
 
@@ -56,9 +57,28 @@ def expert_specs(expert_parallel: bool, packed: bool = False) -> tuple[P, P, P]:
     return P(None, None, MODEL), P(None, MODEL, None), P(None, MODEL)
 
 
+def weight_spec(w, down: bool, expert_parallel: bool):
+    """The spec (a pytree prefix of `w`) of one routed-expert weight: a float stack's or MXFP4's from
+    `expert_specs`; an ExpertStack's per part (each part [E, N / 64, K-ish, ...] in panels, or a
+    per-channel scale [E, N]): whole experts (axis 0) under expert parallelism, else gate / up on
+    their panels and scales of N = I (axis 1), down on K = I (axis 2 of every blocked part, whole
+    blocks: model/sharding.py pads I so they split), its per-channel scales [E, H] replicated."""
+    if isinstance(w, ExpertStack):
+        if expert_parallel:
+            specs = [P(MODEL) for _ in w.w]
+        elif down:
+            specs = [P(None, None, MODEL) if a.ndim >= 3 else P() for a in w.w]
+        else:
+            specs = [P(None, MODEL) for _ in w.w]
+        return ExpertStack(type(w.w)(*specs))
+    w_in, w_out, _ = expert_specs(expert_parallel, packed=hasattr(w, "expert"))
+    return w_out if down else w_in
+
+
 def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
     """Run `ops.moe` (runtime/moe.py's signature) per device over its slice of the experts (whole
-    experts with expert parallelism, else every expert's slice of the intermediate axis), then sum
+    experts with expert parallelism, else every expert's slice of the intermediate axis; float,
+    MXFP4 or kept in a weight format: `weight_spec`), then sum
     the partial outputs over the model axis (see mesh.py's module docstring for why no all-to-all)."""
     if tp_size(mesh) == 1:
         return moe_fn
@@ -67,7 +87,8 @@ def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
     def sharded(x, ids, weights, w_gate, w_up, w_down, num_rows=None, biases=None, **kw):
         if num_rows is None:
             num_rows = jnp.full((1,), x.shape[0], jnp.int32)
-        w_in, w_out, b_in = expert_specs(expert_parallel, packed=hasattr(w_gate, "expert"))
+        b_in = expert_specs(expert_parallel, packed=hasattr(w_gate, "expert"))[2]
+        specs = [weight_spec(w, i == 2, expert_parallel) for i, w in enumerate((w_gate, w_up, w_down))]
         # expert parallel: every device's experts together (sizes the TPU grouped matmul's row tiles)
         total = {"num_experts": w_gate.shape[0]} if expert_parallel else {}
 
@@ -78,7 +99,7 @@ def shard_moe(moe_fn, mesh: Mesh, expert_parallel: bool):
             return jax.lax.psum(y, MODEL)
 
         b_spec = None if biases is None else (b_in, b_in)  # gpt-oss's gate / up biases split with their columns
-        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, w_in, w_in, w_out, rep, b_spec),
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, *specs, rep, b_spec),
                           out_specs=rep, check_vma=False)
         return f(x, ids, weights, w_gate, w_up, w_down, num_rows, biases)
 

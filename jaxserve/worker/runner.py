@@ -182,11 +182,9 @@ class ModelRunner:
         if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
             params = params.restore(sharding.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
         tp = meshlib.tp_size(mesh)
-        if quantize:  # routed experts kept in a weight format at tp 1 only (runtime/expert_matmul.py)
-            params = quant_params.quantize_params(params, self.cfg.quantization, experts=tp == 1)
-        if tp > 1 and not hasattr(params, "restore"):  # a GGUF's experts kept as stored: float under TP/EP
-            params = quant_params.float_experts(params)
-        params = sharding.pad_packed_experts(params, mc, self.model_cfg)  # MXFP4 under TP: whole blocks per device
+        if quantize:  # routed experts kept in a weight format (runtime/expert_matmul.py), sharded as stored
+            params = quant_params.quantize_params(params, self.cfg.quantization)
+        params = sharding.pad_packed_experts(params, mc, self.model_cfg, tp)  # under TP: whole blocks per device
         if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
             self.param_shardings = sharding.quantized_shardings(params, mc, mesh)
             return quant_params.place_params(params, self.dtype, self.param_shardings)

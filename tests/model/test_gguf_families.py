@@ -179,7 +179,7 @@ def test_gguf_logits_match_transformers(tiny_model, tmp_path, arch, layers, qtyp
     assert err <= 1e-4, f"{arch} {qtype}: max abs logit diff {err:.2e} relative to logit scale"
 
 
-def _synthetic_moe(path, types: dict, hidden=256, inter=256, experts=4) -> dict:
+def _synthetic_moe(path, types: dict, hidden=256, inter=256, experts=4, vocab=64) -> dict:
     """A 1-layer qwen3moe file of random weights; `types`: the ggml type of the tensors whose name
     contains a key (the first key that matches; F32 otherwise). Returns {GGUF name: stored array}."""
     rng = np.random.default_rng(0)
@@ -188,7 +188,8 @@ def _synthetic_moe(path, types: dict, hidden=256, inter=256, experts=4) -> dict:
                    ("attention.head_count", 2), ("attention.head_count_kv", 2), ("expert_count", experts),
                    ("expert_used_count", 2), ("expert_feed_forward_length", inter)):
         w.add_uint32(f"qwen3moe.{key}", v)
-    shapes = {"token_embd.weight": (64, hidden), "output_norm.weight": (hidden,), "blk.0.attn_norm.weight": (hidden,),
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+              "blk.0.attn_norm.weight": (hidden,),
               "blk.0.ffn_norm.weight": (hidden,), "blk.0.attn_q_norm.weight": (128,),
               "blk.0.attn_k_norm.weight": (128,),
               "blk.0.ffn_gate_inp.weight": (experts, hidden), "blk.0.ffn_gate_exps.weight": (experts, inter, hidden),

@@ -4,7 +4,9 @@ gguf, and the model gives its dequantized float twin's logits (the same values, 
 order: 1e-5 of the logit scale) and greedy tokens; --quantization w8a8 / w4a8 / bfloat16 turn float
 experts into their formats (within their quantization error of the float model), and the weights'
 bytes are the packed experts' (bits per expert weight checked). That the native grouped call is the
-dense kernel's bits per expert, and the xla path its sums: tests/kernels/test_expert_matmul.py."""
+dense kernel's bits per expert, and the xla path its sums: tests/kernels/test_expert_matmul.py.
+Under tensor parallelism the stacks are padded to whole panels / blocks per device (checked here
+without devices; the engine at TP / EP 2: tests/parallel/test_expert_parallel.py)."""
 
 from __future__ import annotations
 
@@ -82,18 +84,93 @@ def test_quantized_float_experts(float_moe, quantization, kind, bits, tol):
     assert np.abs(logits[0] - ref_logits[0]).max() / scale < tol  # the prefill: quantization error only
 
 
-def test_float_experts_under_tensor_parallelism():
-    """Under TP/EP > 1 (the runner's `float_experts`) a GGUF's kept experts become their float32
-    stacks, each expert its dequantized kernel; shapes stay shapes for lowering."""
-    from jaxserve.runtime.quant_params import float_experts
+def _stack(rng, e, k, n, quantization):
+    return weight_formats.stack_experts([weight_formats.quantize(rng.standard_normal((k, n)).astype(np.float32) * 0.1,
+                                                                 quantization) for _ in range(e)])
 
-    w = np.random.default_rng(0).standard_normal((3, 64, 64)).astype(np.float32)
-    stack = weight_formats.stack_experts([weight_formats.quantize(w[e], "q8_0") for e in range(3)])
-    norm = w[0, 0]
-    out = float_experts({"experts": {"down_proj": stack}, "norm": norm})
-    assert out["experts"]["down_proj"].shape == (3, 64, 64) and out["norm"] is norm
-    for e in range(3):
-        np.testing.assert_array_equal(out["experts"]["down_proj"][e], np.asarray(weight_formats.dequantize(
-            weight_formats.expert_at(stack.w, e))))
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
-    assert float_experts({"x": shapes})["x"] == jax.ShapeDtypeStruct((3, 64, 64), np.float32)
+
+def moe_config(hidden: int, inter: int):
+    """A one-layer config with 2 routed experts (what the padding reads: its MoE layers, EP or not)."""
+    from jaxserve.model.config import ModelConfig
+
+    return ModelConfig("qwen3_moe", vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_layers=1,
+                       num_heads=2, num_kv_heads=2, head_dim=hidden // 2, num_experts=2, moe_intermediate_size=inter,
+                       moe_layers=(0,))
+
+
+def test_stack_intermediate_whole_panels_and_blocks():
+    """I per layer padded so each device holds whole gate / up panels (64) and whole down blocks
+    (32; a K-quant's 256): Qwen3-30B-A3B's I = 768 at TP 8."""
+    from jaxserve.model.sharding import stack_intermediate
+
+    def experts(gate_up, down):
+        shape = jax.ShapeDtypeStruct((2, 64, 64), np.float32)
+        one = lambda q: shape if q is None else jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _stack(np.random.default_rng(0), 1, 256, 64, q))
+        return {"gate_proj": one(gate_up), "up_proj": one(gate_up), "down_proj": one(down)}
+
+    assert stack_intermediate(experts("q8_0", "q8_0"), 768, 8) == 1024  # 96 per device -> 2 panels
+    assert stack_intermediate(experts("q4_k", "q6_k"), 768, 8) == 2048  # one super-block of K per device
+    assert stack_intermediate(experts("w8a8", "w8a8"), 768, 4) == 768  # 192: whole panels already
+    assert stack_intermediate(experts(None, "q8_0"), 96, 3) == 96  # float gate / up: down's 32-blocks only
+    assert stack_intermediate(experts(None, None), 768, 8) == 768 and stack_intermediate(experts("q8_0", "q8_0"),
+                                                                                        768, 1) == 768
+
+
+@pytest.mark.parametrize("quantization,inter", [("q8_0", 192), ("w8a8", 192), ("w4a8", 192), ("bfloat16", 192),
+                                                ("int8", 192), ("q4_k", 256)])
+def test_pad_expert_stacks_decode_to_zeros(quantization, inter):
+    """TP 2 over I = 192 (3 panels) or a K-quant's I = 256 (one super-block): padded to 256 / 512;
+    each expert decodes to its matrix with zero columns (gate / up) or zero rows (down) appended;
+    the parts' specs (sharded_ops.weight_spec) split whole panels / blocks, whole experts under EP."""
+    import dataclasses
+
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.model.sharding import pad_expert_stacks
+    from jaxserve.runtime.sharded_ops import weight_spec
+
+    rng = np.random.default_rng(1)
+    experts = {p: _stack(rng, 2, 256, inter, quantization) for p in ("gate_proj", "up_proj")}
+    experts["down_proj"] = _stack(rng, 2, inter, 256, quantization)
+    cfg = moe_config(256, inter)
+    params = {"layers_0": {"mlp": {"experts": experts}}}
+    assert pad_expert_stacks(params, dataclasses.replace(cfg, expert_parallel=True), 2) is params  # whole experts
+    padded = pad_expert_stacks(params, cfg, 2)["layers_0"]["mlp"]["experts"]
+    size = 512 if quantization == "q4_k" else 256
+    for name, w in padded.items():
+        assert type(w.w) is type(experts[name].w)
+        for e in range(2):
+            got, want = np.asarray(w.expert(e)), np.asarray(experts[name].expert(e))
+            if name == "down_proj":
+                assert got.shape == (size, 256)
+                np.testing.assert_array_equal(got[:inter], want)
+                np.testing.assert_array_equal(got[inter:], 0)
+            else:
+                assert got.shape == (256, size)
+                np.testing.assert_array_equal(got[:, :inter], want)
+                np.testing.assert_array_equal(got[:, inter:], 0)
+        specs = weight_spec(w, name == "down_proj", False)
+        for a, spec in zip(w.w, specs.w):
+            if name != "down_proj":
+                assert spec == P(None, "model") and a.shape[1] % 2 == 0
+            elif a.ndim >= 3:
+                assert spec == P(None, None, "model") and a.shape[2] % 2 == 0
+            else:
+                assert spec == P()  # a per-channel scale [E, H]
+        assert all(s == P("model") for s in weight_spec(w, name == "down_proj", True).w)
+
+
+def test_mxfp4a8_split_on_intermediate_axis_is_a_clear_error():
+
+    from jaxserve.errors import UserError
+    from jaxserve.model.sharding import pad_expert_stacks
+    from jaxserve.runtime import mxfp4
+
+    w = jax.ShapeDtypeStruct((2, 1, 8, 256), np.uint8), jax.ShapeDtypeStruct((2, 1, 2, 64), np.uint8)
+    stack = weight_formats.ExpertStack(mxfp4.Mxfp4A8Weight(*w))
+    cfg = moe_config(64, 64)
+    params = {"layers_0": {"mlp": {"experts": {"gate_proj": stack, "up_proj": stack, "down_proj": stack}}}}
+    with pytest.raises(UserError, match=r"mxfp4a8 keeps MXFP4 experts whole.*tensor_parallel_size=2 add "
+                                        r"--enable-expert-parallel"):
+        pad_expert_stacks(params, cfg, 2)
