@@ -75,6 +75,14 @@ def import_in_background() -> None:
 _preload: list = []
 
 
+def _await_preload() -> None:
+    """Wait for the background import: transformers' lazy module answers a name from another thread
+    with ImportError while that thread is still importing it (seen under load: 'cannot import name
+    AutoTokenizer')."""
+    for thread in _preload:
+        thread.join()
+
+
 @lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable unicode map."""
@@ -230,6 +238,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: os.PathLike | str, metadata: dict | None = None) -> "Tokenizer":
+        _await_preload()
         from transformers import PreTrainedTokenizerFast
 
         path = str(path)
@@ -247,6 +256,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: os.PathLike | str) -> "Tokenizer":
+        _await_preload()
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         p = pathlib.Path(path)
