@@ -51,19 +51,27 @@ class Answer:
 
 
 @dataclass(slots=True)
-class Open:
+class BlockEvent:
     block: Block
+
+
+class Open(BlockEvent):
+    """The block begins."""
+
+    __slots__ = ()
 
 
 @dataclass(slots=True)
-class Piece:
-    block: Block
+class Piece(BlockEvent):
+    """More of the block's text."""
+
     delta: str
 
 
-@dataclass(slots=True)
-class Close:
-    block: Block
+class Close(BlockEvent):
+    """The block is whole."""
+
+    __slots__ = ()
 
 
 @dataclass(slots=True)

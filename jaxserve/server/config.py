@@ -94,168 +94,82 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        public = tuple(p for p in (args.public_paths or "").split(",") if p)
-        return cls(
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
-            public_paths=public,
-            served_model_names=tuple(args.served_model_name or ()),
-            max_queued_requests=args.max_queued_requests,
-            max_body_bytes=args.max_body_bytes,
-            shutdown_timeout=args.shutdown_timeout,
-            hang_timeout=args.hang_timeout,
-            log_level=args.log_level,
-            max_seqs_per_request=args.max_seqs_per_request,
-            trust_request_chat_template=args.trust_request_chat_template,
-            render_timeout=args.render_timeout,
-            allowed_origins=tuple(args.allowed_origins or ()),
-            allowed_methods=tuple(args.allowed_methods),
-            allowed_headers=tuple(args.allowed_headers),
-            allow_credentials=args.allow_credentials,
-            enable_request_id_headers=args.enable_request_id_headers,
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
-            responses_store_size=args.responses_store_size,
-            responses_store_ttl=args.responses_store_ttl,
-            kv_events_config=args.kv_events_config,
-        )
+        """The config `add_serve_args`' options parsed into `args` say (each field from its option)."""
+        values = {}
+        for name, _flag, _kw in OPTIONS:
+            v = getattr(args, name)
+            values[name] = tuple(v or ()) if isinstance(getattr(cls, name), tuple) else v
+        values["public_paths"] = tuple(p for p in (args.public_paths or "").split(",") if p)
+        values["api_key"] = args.api_key or os.environ.get("JAXSERVE_API_KEY") or None
+        return cls(**values)
+
+
+# Each ServerConfig field's command-line option: (field, flag, argparse keywords). The default is
+# the field's (a tuple default becomes a list of values) unless the keywords give one.
+OPTIONS = (
+    ("host", "--host", dict(help="address to bind (default %(default)s: this machine only)")),
+    ("port", "--port", dict(type=int, help="port (default %(default)s)")),
+    ("api_key", "--api-key",
+     dict(help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY, else no key)")),
+    ("public_paths", "--public-paths",
+     dict(default=",".join(DEFAULT_PUBLIC_PATHS),
+          help="comma-separated paths open without the key (default /health,/metrics,/version,/load; "
+          "'' protects all; admin routes such as /reset_prefix_cache always need it)")),
+    ("served_model_names", "--served-model-name",
+     dict(nargs="+", default=None, metavar="NAME", help="model name(s) clients send (default: the model's name)")),
+    ("max_queued_requests", "--max-queued-requests",
+     dict(type=int, help="answer 429 when more requests than this wait for a first step (default %(default)s)")),
+    ("max_body_bytes", "--max-body-bytes",
+     dict(type=parse_bytes, help="answer 413 for request bodies larger than this (default 8MiB)")),
+    ("shutdown_timeout", "--shutdown-timeout",
+     dict(type=float,
+          help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default %(default)s)")),
+    ("hang_timeout", "--hang-timeout",
+     dict(type=float, help="/health answers 503 if one engine step runs longer than this (default %(default)s s)")),
+    ("log_level", "--log-level",
+     dict(choices=("critical", "error", "warning", "info", "debug"), help="uvicorn log level (default info)")),
+    ("max_seqs_per_request", "--max-seqs-per-request",
+     dict(type=int,
+          help="answer 400 when one request asks for more sequences (prompts x n) (default %(default)s)")),
+    ("trust_request_chat_template", "--trust-request-chat-template",
+     dict(action="store_true", help="let requests send their own chat template ('chat_template'); off by "
+          "default: a template is a program that runs on the server")),
+    ("render_timeout", "--render-timeout",
+     dict(type=float, help="answer 400 when rendering a chat template or tokenizing a prompt takes longer "
+          "(default %(default)s s)")),
+    ("allowed_origins", "--allowed-origins",
+     dict(nargs="*", default=None, help="CORS: origins browsers may call from, e.g. '*' or "
+          "https://example.com (default: none, no CORS headers)")),
+    ("allowed_methods", "--allowed-methods", dict(nargs="*", help="CORS: allowed methods (default *)")),
+    ("allowed_headers", "--allowed-headers", dict(nargs="*", help="CORS: allowed headers (default *)")),
+    ("allow_credentials", "--allow-credentials",
+     dict(action="store_true", help="CORS: allow credentials (default off)")),
+    ("enable_request_id_headers", "--enable-request-id-headers",
+     dict(action="store_true", help="answer with an X-Request-Id header: the client's, or a new one")),
+    ("tool_call_parser", "--tool-call-parser",
+     dict(choices=sorted(TOOL_PARSERS), help="the model's tool-call format, read for tool_choice 'auto' "
+          "(default: none; 'auto' is then a 400, 'required' and named functions still work)")),
+    ("reasoning_parser", "--reasoning-parser",
+     dict(choices=sorted(REASONING_PARSERS), help="put <think>...</think> in reasoning_content (qwen3: "
+          "when the answer opens with <think>; deepseek_r1: the prompt opened it) (default: off)")),
+    ("responses_store_size", "--responses-store-size",
+     dict(type=int, help="/v1/responses answers kept in memory for previous_response_id and GET "
+          "/v1/responses/{id}; the oldest go first (default %(default)s; 0 keeps none)")),
+    ("responses_store_ttl", "--responses-store-ttl",
+     dict(type=float, help="seconds a stored /v1/responses answer is kept (default %(default)s)")),
+    ("kv_events_config", "--kv-events-config",
+     dict(help="vLLM's KV-event publisher as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
+          "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+          "\"kv-events\"}' (BlockStored/BlockRemoved/AllBlocksCleared for prefix-aware routers; "
+          "needs jaxserve[kv-events])")),
+)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument(
-        "--host",
-        default=ServerConfig.host,
-        help="address to bind (default %(default)s: this machine only)",
-    )
-    g.add_argument("--port", type=int, default=ServerConfig.port, help="port (default %(default)s)")
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY, else no key)",
-    )
-    g.add_argument(
-        "--public-paths",
-        default=",".join(DEFAULT_PUBLIC_PATHS),
-        help="comma-separated paths open without the key (default /health,/metrics,/version,/load; "
-        "'' protects all; admin routes such as /reset_prefix_cache always need it)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="model name(s) clients send (default: the model's name)",
-    )
-    g.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=ServerConfig.max_queued_requests,
-        help="answer 429 when more requests than this wait for a first step (default %(default)s)",
-    )
-    g.add_argument(
-        "--max-body-bytes",
-        type=parse_bytes,
-        default=ServerConfig.max_body_bytes,
-        help="answer 413 for request bodies larger than this (default 8MiB)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=ServerConfig.shutdown_timeout,
-        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default %(default)s)",
-    )
-    g.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=ServerConfig.hang_timeout,
-        help="/health answers 503 if one engine step runs longer than this (default %(default)s s)",
-    )
-    g.add_argument(
-        "--log-level",
-        default=ServerConfig.log_level,
-        choices=("critical", "error", "warning", "info", "debug"),
-        help="uvicorn log level (default info)",
-    )
-    g.add_argument(
-        "--max-seqs-per-request",
-        type=int,
-        default=ServerConfig.max_seqs_per_request,
-        help="answer 400 when one request asks for more sequences (prompts x n) (default %(default)s)",
-    )
-    g.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let requests send their own chat template ('chat_template'); off by default: a "
-        "template is a program that runs on the server",
-    )
-    g.add_argument(
-        "--render-timeout",
-        type=float,
-        default=ServerConfig.render_timeout,
-        help="answer 400 when rendering a chat template or tokenizing a prompt takes longer "
-        "(default %(default)s s)",
-    )
-    g.add_argument(
-        "--allowed-origins",
-        nargs="*",
-        default=None,
-        help="CORS: origins browsers may call from, e.g. '*' or https://example.com "
-        "(default: none, no CORS headers)",
-    )
-    g.add_argument(
-        "--allowed-methods",
-        nargs="*",
-        default=list(ServerConfig.allowed_methods),
-        help="CORS: allowed methods (default *)",
-    )
-    g.add_argument(
-        "--allowed-headers",
-        nargs="*",
-        default=list(ServerConfig.allowed_headers),
-        help="CORS: allowed headers (default *)",
-    )
-    g.add_argument(
-        "--allow-credentials", action="store_true", help="CORS: allow credentials (default off)"
-    )
-    g.add_argument(
-        "--enable-request-id-headers",
-        action="store_true",
-        help="answer with an X-Request-Id header: the client's, or a new one",
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=ServerConfig.tool_call_parser,
-        choices=sorted(TOOL_PARSERS),
-        help="the model's tool-call format, read for tool_choice 'auto' (default: none; "
-        "'auto' is then a 400, 'required' and named functions still work)",
-    )
-    g.add_argument(
-        "--reasoning-parser",
-        default=ServerConfig.reasoning_parser,
-        choices=sorted(REASONING_PARSERS),
-        help="put <think>...</think> in reasoning_content (qwen3: when the answer opens with "
-        "<think>; deepseek_r1: the prompt opened it) (default: off)",
-    )
-    g.add_argument(
-        "--responses-store-size",
-        type=int,
-        default=ServerConfig.responses_store_size,
-        help="/v1/responses answers kept in memory for previous_response_id and GET "
-        "/v1/responses/{id}; the oldest go first (default %(default)s; 0 keeps none)",
-    )
-    g.add_argument(
-        "--responses-store-ttl",
-        type=float,
-        default=ServerConfig.responses_store_ttl,
-        help="seconds a stored /v1/responses answer is kept (default %(default)s)",
-    )
-    g.add_argument(
-        "--kv-events-config",
-        default=None,
-        help="vLLM's KV-event publisher as JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": "
-        "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
-        "\"kv-events\"}' (BlockStored/BlockRemoved/AllBlocksCleared for prefix-aware routers; "
-        "needs jaxserve[kv-events])",
-    )
+    for name, flag, kw in OPTIONS:
+        default = getattr(ServerConfig, name)
+        if "action" not in kw:
+            kw = {"default": list(default) if isinstance(default, tuple) else default, **kw}
+        g.add_argument(flag, dest=name, **kw)
     add_replica_args(p.add_argument_group("replicas (data parallel)"))

@@ -32,6 +32,9 @@ from jaxserve.server.serving import OpenAIServing
 from jaxserve.server.streaming import EventStream, sse_event
 
 log = logging.getLogger("jaxserve.server")
+# A text block's streamed events per kind: the event name's stem and the fields its delta and done
+# events add (output text carries logprobs, which this server does not return for responses).
+TEXT_EVENTS = {"reasoning": ("response.reasoning_text", {}), "text": ("response.output_text", {"logprobs": []})}
 
 
 def _hex() -> str:
@@ -186,23 +189,16 @@ class OpenAIResponses:
                     if b.kind == "call":
                         yield event("response.function_call_arguments.delta", **where,
                                     delta=e.delta)
-                    elif b.kind == "reasoning":
-                        yield event("response.reasoning_text.delta", **where, content_index=0,
-                                    delta=e.delta)
                     else:
-                        yield event("response.output_text.delta", **where, content_index=0,
-                                    delta=e.delta, logprobs=[])
+                        name, extra = TEXT_EVENTS[b.kind]
+                        yield event(f"{name}.delta", **where, content_index=0, delta=e.delta, **extra)
                 elif isinstance(e, Close):
                     if b.kind == "call":
                         yield event("response.function_call_arguments.done", **where,
                                     arguments=b.text)
                     else:
-                        if b.kind == "reasoning":
-                            yield event("response.reasoning_text.done", **where, content_index=0,
-                                        text=b.text)
-                        else:
-                            yield event("response.output_text.done", **where, content_index=0,
-                                        text=b.text, logprobs=[])
+                        name, extra = TEXT_EVENTS[b.kind]
+                        yield event(f"{name}.done", **where, content_index=0, text=b.text, **extra)
                         yield event("response.content_part.done", **where, content_index=0,
                                     part=shape.part(b))
                     yield event("response.output_item.done", output_index=b.index,
