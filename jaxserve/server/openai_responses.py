@@ -185,24 +185,23 @@ class OpenAIResponses:
                     if b.kind != "call":
                         yield event("response.content_part.added", **where, content_index=0,
                                     part=shape.part(b, ""))
-                elif isinstance(e, Piece):
+                elif isinstance(e, (Piece, Close)):
+                    # a call streams its arguments, a text block its text (TEXT_EVENTS); then done
+                    done = isinstance(e, Close)
+                    what = "arguments" if b.kind == "call" else "text"
+                    value = {what: b.text} if done else {"delta": e.delta}
                     if b.kind == "call":
-                        yield event("response.function_call_arguments.delta", **where,
-                                    delta=e.delta)
+                        name, extra = "response.function_call_arguments", {}
                     else:
                         name, extra = TEXT_EVENTS[b.kind]
-                        yield event(f"{name}.delta", **where, content_index=0, delta=e.delta, **extra)
-                elif isinstance(e, Close):
-                    if b.kind == "call":
-                        yield event("response.function_call_arguments.done", **where,
-                                    arguments=b.text)
-                    else:
-                        name, extra = TEXT_EVENTS[b.kind]
-                        yield event(f"{name}.done", **where, content_index=0, text=b.text, **extra)
+                        extra = {"content_index": 0, **extra}
+                    yield event(f"{name}.{'done' if done else 'delta'}", **where, **extra, **value)
+                    if done and b.kind != "call":
                         yield event("response.content_part.done", **where, content_index=0,
                                     part=shape.part(b))
-                    yield event("response.output_item.done", output_index=b.index,
-                                item=shape.item(b))
+                    if done:
+                        yield event("response.output_item.done", output_index=b.index,
+                                    item=shape.item(b))
                 elif isinstance(e, Finished):
                     usage = shape.usage(e.usage, e.blocks)
                     if e.finish_reason == "abort":  # by the server's shutdown timeout
