@@ -81,12 +81,15 @@ def main(argv=None) -> int:
     p.add_argument("--streams", default="1,32", help="comma-separated concurrent streams (default 1,32)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream (default 64)")
     p.add_argument("--out", default=None, help="write JSON here")
+    p.add_argument("--save-models", default=None, metavar="DIR",
+                   help="write the two models to DIR/moe and DIR/dense and keep them (e.g. for `jaxserve bench "
+                   "vllm_compare --model DIR/moe`); --quantizations '' only writes them")
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = make_models(Path(tmp))
-        for q in args.quantizations.split(","):
+        models = make_models(Path(args.save_models or tmp))
+        for q in filter(None, args.quantizations.split(",")):
             for name, path in models.items():
                 tps = run(path, None if q == "none" else q, streams, args.tokens)
                 results.append({"model": name, "quantization": q, "active_params": active_params(name),

@@ -107,7 +107,7 @@ def default_preload(vllm_python: str) -> str:
 def launched(engine: str, args):
     if engine == "vllm":
         return launched_vllm(args)
-    ns = argparse.Namespace(model=None, server_args=JAXSERVE_FLAGS[engine], server_log=None,
+    ns = argparse.Namespace(model=args.model, server_args=JAXSERVE_FLAGS[engine], server_log=None,
                             launch_timeout=args.launch_timeout)
     return serve.launched_server(ns)
 
@@ -198,6 +198,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     p.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "jaxserve-export-hf"),
                    help="HF export of the default model for vLLM (written by tools/export_hf.py if absent)")
+    p.add_argument("--model", default=None, help="an HF checkpoint directory both engines serve instead of the "
+                   "default model (e.g. the tiny MoE `jaxserve bench moe_decode --save-models` writes)")
     p.add_argument("--launch-timeout", type=float, default=900)
     p.add_argument("--out", default=None, help="write JSON here")
 
@@ -208,12 +210,12 @@ def main(argv=None) -> int:
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"Unknown engine(s) {unknown}: choose from {', '.join(ENGINES)}.")
-    if "vllm" in engines and not (Path(args.export_dir) / "config.json").is_file():
-        subprocess.run([sys.executable, str(common.REPO / "tools" / "export_hf.py"), "--out", args.export_dir],
-                       check=True, cwd=common.REPO, env={**os.environ, "PYTHONPATH": str(common.REPO)})
+    if "vllm" in engines:
+        prepare_export(args)
     sargs = serve.build_parser().parse_args(["--dataset", args.dataset, "--prompt-len", args.prompt_len,
                                              "--output-len", args.output_len, "--seed", str(args.seed),
-                                             "--num-requests", str(args.num_requests)])
+                                             "--num-requests", str(args.num_requests),
+                                             *(["--model", args.model] if args.model else [])])
     items, ds_info = serve.load_dataset(sargs)
     records = []
     for rnd in range(args.rounds):
@@ -226,12 +228,28 @@ def main(argv=None) -> int:
     return 0 if agree and not any(r["failed"] for r in rows) else 1
 
 
+def prepare_export(args) -> None:
+    """What vLLM serves: --model where given (args.export_dir becomes it), else the default model's
+    HF export (tools/export_hf.py writes it once into --export-dir)."""
+    if args.model:
+        args.export_dir = args.model
+    elif not (Path(args.export_dir) / "config.json").is_file():
+        subprocess.run([sys.executable, str(common.REPO / "tools" / "export_hf.py"), "--out", args.export_dir],
+                       check=True, cwd=common.REPO, env={**os.environ, "PYTHONPATH": str(common.REPO)})
+
+
+def models(args) -> dict:
+    """What each engine served, for the report."""
+    if args.model:
+        return {"jaxserve": args.model, "vllm": args.model}
+    return {"jaxserve": "default (SmolLM2-135M-Instruct Q4_1 GGUF)", "vllm": str(args.export_dir)}
+
+
 def write_report(argv, args, engines, ds_info, records) -> tuple[list[dict], bool]:
     rows = aggregate(records)
     probes = {r["engine"]: r["probe"] for r in records}
     agree = len({text for e, text in probes.items() if e not in LOSSY}) <= 1
-    common.report("vllm_compare", argv, model={"jaxserve": "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
-                                               "vllm": str(args.export_dir)},
+    common.report("vllm_compare", argv, model=models(args),
                   config={**vars(args), "dataset_info": ds_info, "precision": {e: PRECISION[e] for e in engines}},
                   results={"table": rows, "runs": records, "probes": probes, "probes_agree": agree},
                   out=args.out, jax_devices=False)

@@ -21,7 +21,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -109,15 +108,12 @@ def main(argv=None) -> int:
     unknown = [e for e in engines if e not in vllm_compare.ENGINES]
     if unknown:
         raise ValueError(f"Unknown engine(s) {unknown}: choose from {', '.join(vllm_compare.ENGINES)}.")
-    if not (Path(args.export_dir) / "config.json").is_file():
-        subprocess.run([sys.executable, str(common.REPO / "tools" / "export_hf.py"), "--out", args.export_dir],
-                       check=True, cwd=common.REPO, env={**os.environ, "PYTHONPATH": str(common.REPO)})
+    vllm_compare.prepare_export(args)  # also the tokenizer the client counts tokens with
     records = []
     for rnd in range(args.rounds):
         for engine in (engines if rnd % 2 == 0 else engines[::-1]):
             records += run_engine(engine, rnd, args)
-            common.report("vllm_tails", argv, model={"jaxserve": "default (SmolLM2-135M-Instruct GGUF)",
-                                                     "vllm": str(args.export_dir)},
+            common.report("vllm_tails", argv, model=vllm_compare.models(args),
                           config={**vars(args), "datasets_args": DATASETS,
                                   "precision": {e: vllm_compare.PRECISION[e] for e in engines}},
                           results={"runs": records}, out=args.out, jax_devices=False)
