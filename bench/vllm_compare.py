@@ -107,8 +107,8 @@ def default_preload(vllm_python: str) -> str:
 def launched(engine: str, args):
     if engine == "vllm":
         return launched_vllm(args)
-    ns = argparse.Namespace(model=args.model, server_args=JAXSERVE_FLAGS[engine], server_log=None,
-                            launch_timeout=args.launch_timeout)
+    ns = argparse.Namespace(model=args.model, server_args=f"{JAXSERVE_FLAGS[engine]} {args.jaxserve_args}",
+                            server_log=None, launch_timeout=args.launch_timeout)
     return serve.launched_server(ns)
 
 
@@ -193,6 +193,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     """`launched`'s settings (vLLM's venv and server, the HF export, the launch timeout) and --out."""
     p.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python", help="python of vLLM's venv")
     p.add_argument("--vllm-args", default="", help="extra vLLM server arguments, one string")
+    p.add_argument("--jaxserve-args", default="", help="extra `jaxserve serve` arguments, one string")
     p.add_argument("--vllm-ld-preload", default="auto", help="LD_PRELOAD for vLLM; auto (default): tcmalloc "
                    "and the venv's libiomp5.so where found (vLLM's CPU guide); none: nothing")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")

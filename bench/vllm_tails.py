@@ -44,12 +44,12 @@ KEEP = ("request_throughput", "output_throughput", "total_token_throughput", "re
         "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "duration")
 
 
-def bench_serve(args, url: str, model: str, dataset: str, num_prompts: int, out: Path) -> dict:
+def bench_serve(args, url: str, model: str, dataset: str, num_prompts: int, out: Path, seed: int) -> dict:
     """One `vllm bench serve` run; its saved result's figures (KEEP)."""
     cmd = [args.vllm_python, "-c", CLI_SHIM, "bench", "serve", "--backend", "openai", "--base-url", url,
            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(args.export_dir),
            *DATASETS[dataset], "--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency),
-           "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", str(args.seed),
+           "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", str(seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
     if args.goodput:
@@ -65,11 +65,14 @@ def run_engine(engine: str, rnd: int, args) -> list[dict]:
     with vllm_compare.launched(engine, args) as (url, info):
         model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
         with tempfile.TemporaryDirectory() as tmp:
+            # first steps, lazily built state: not measured. Another seed: the measured runs' prompts
+            # must not be in the prefix cache already (the same seed made the random run all hits)
             bench_serve(args, url, model, "random", min(args.num_prompts, 2 * args.concurrency),
-                        Path(tmp) / "warmup.json")  # first steps, lazily built state: not measured
+                        Path(tmp) / "warmup.json", args.seed + 1)
             for dataset in args.datasets.split(","):
                 load0 = os.getloadavg()[0]
-                figures = bench_serve(args, url, model, dataset, args.num_prompts, Path(tmp) / f"{dataset}.json")
+                figures = bench_serve(args, url, model, dataset, args.num_prompts, Path(tmp) / f"{dataset}.json",
+                                      args.seed)
                 records.append({"engine": engine, "round": rnd, "dataset": dataset, "server": info,
                                 "load1_before": load0, "load1_after": os.getloadavg()[0], **figures})
                 print(f"{engine} {dataset}: {figures}", flush=True)
