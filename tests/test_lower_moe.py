@@ -95,5 +95,7 @@ def test_packed_experts_lower_and_plan_as_stored_under_tp_and_ep(tmp_path):
     stored = 128 * 3 * 2048 * 768 * 4.625 / 8  # Q4_K as held: 4.625 bits a weight
     assert per_device[True] == stored / 2 and per_device[False] == stored / 2 * 1024 / 768
     assert per_device[False] < 128 * 3 * 2048 * 768 * 2 / 2 / 2  # < half of the bfloat16 experts TP 2 held before
+    # the plan says so (the last lowering: TP 2, not EP)
+    assert "intermediate 768 padded to 1024 for whole panels / blocks" in "\n".join(lowering.describe())
     step = lowering.lower(BucketKey(16, 8, 0))
     assert step.num_devices == 2, step.describe()

@@ -301,6 +301,17 @@ def stack_intermediate(experts: dict, i: int, tp: int) -> int:
     return -(-i // unit) * unit
 
 
+def stacked_intermediate(params, mc: ModelConfig) -> int | None:
+    """The routed experts' intermediate size as their weight-format stacks hold it per model (padded
+    under TP to whole panels / blocks per device: model/sharding.pad_expert_stacks), or None where
+    the experts are not stacks in a weight format."""
+    if not mc.is_moe:
+        return None
+    experts = params[f"layers_{mc.moe_layers[0]}"]["mlp"]["experts"]
+    down = experts.get("down_proj")
+    return down.shape[1] if isinstance(down, weight_formats.ExpertStack) else None
+
+
 def _pad_stack(w, name: str, i: int, size: int):
     """One routed-expert weight padded from intermediate size i to size with values that decode to
     0: gate / up's N (an ExpertStack's panels and per-channel scales, zero scales; a float stack's

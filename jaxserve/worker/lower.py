@@ -177,7 +177,8 @@ class Lowering:
         return [
             f"model: {mc.model_type}, {full.num_layers} layers{cut}, hidden {mc.hidden_size}, {mc.num_heads} q / "
             f"{mc.num_kv_heads} kv heads x {mc.head_dim}, vocab {mc.vocab_size}: "
-            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}" + _experts(full, r.model_cfg),
+            f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}"
+            + _experts(full, r.model_cfg, sharding.stacked_intermediate(r.params, r.model_cfg)),
             f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} "
             f"({'abstract mesh' if isinstance(r.mesh, jax.sharding.AbstractMesh) else 'compile-only devices'}), "
             f"KV {r.kv_dtype.name}, {len(r.all_buckets())} buckets",
@@ -215,15 +216,16 @@ class Lowering:
         return LoweredStep(key, self.platform, exported.nr_devices, time.perf_counter() - t0, len(text), calls)
 
 
-def _experts(full: ModelConfig, mc: ModelConfig) -> str:
+def _experts(full: ModelConfig, mc: ModelConfig, stacked: int | None = None) -> str:
     if not full.is_moe:
         return ""
     split = ("whole experts split over the model axis" if mc.expert_parallel
              else "each expert split on its intermediate axis")
     packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
-    if mc.moe_intermediate_size != full.moe_intermediate_size:  # model/sharding.py: packed_intermediate
-        packed += (f", intermediate {full.moe_intermediate_size} padded to {mc.moe_intermediate_size} "
-                   "for whole MXFP4 blocks per device")
+    i, size = full.moe_intermediate_size, stacked or mc.moe_intermediate_size
+    unit = "MXFP4 blocks" if stacked is None else "panels / blocks of their format"
+    if size != i:  # model/sharding.py: packed_intermediate (MXFP4), pad_expert_stacks (weight formats)
+        packed += f", intermediate {i} padded to {size} for whole {unit} per device ({size / i:.2f}x; EP: unpadded)"
     return (f"; {len(full.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
             f"({split}{packed})")
 
@@ -349,7 +351,8 @@ def prepare(
             num_heads=rc.num_heads, num_kv_heads=rc.num_kv_heads, head_dim=rc.head_dim, vocab_size=rc.vocab_size,
             dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp,
             num_experts_per_tok=rc.num_experts_per_tok if rc.is_moe else 0,
-            moe_intermediate_size=rc.moe_intermediate_size, expert_parallel=rc.expert_parallel,
+            moe_intermediate_size=sharding.stacked_intermediate(runner.params, rc) or rc.moe_intermediate_size,
+            expert_parallel=rc.expert_parallel,
             dense_experts=dense_experts)
 
     largest = max(runner.all_buckets(), key=estimate)
