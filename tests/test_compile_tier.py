@@ -173,7 +173,7 @@ for platform, name in (("cuda", ct.GPU_TARGET), ("tpu", ct.TPU_TARGETS[0])):
                     reason="needs jaxserve[compile-cuda] and jaxserve[compile-tpu]")
 def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
     """The tier's engine-step cases (set up, not compiled): besides Llama, one bucket each of an MoE
-    preset, Gemma 3 and gpt-oss, at a tensor parallel size where the whole model's plan fits the
+    preset (and Qwen3-235B-A22B at expert parallelism 8), Gemma 3 and gpt-oss, at a tensor parallel size where the whole model's plan fits the
     target (prepare refuses one that does not)."""
     script = tmp_path / "ids.py"
     script.write_text(textwrap.dedent(STEP_IDS.format(root=str(ROOT))))
@@ -184,6 +184,7 @@ def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
     assert {"cuda/h100/step/qwen3-30b-a3b/tp1/mixed-T512-S64", "cuda/h100/step/gemma-3-27b/tp1/decode-T64-S64",
             "cuda/h100/step/gpt-oss-120b/tp1/mixed-T512-S64", "tpu/v5e/step/qwen3-30b-a3b/tp8/mixed-T512-S64",
             "tpu/v5e/step/gemma-3-27b/tp8/decode-T64-S64",
-            "tpu/v5e/step/gpt-oss-20b/tp1/mixed-T512-S64"} <= set(ids), ids
+            "tpu/v5e/step/gpt-oss-20b/tp1/mixed-T512-S64",
+            "cuda/h100/step/qwen3-235b-a22b/ep-tp8/mixed-T512-S64"} <= set(ids), ids
     assert sum(i.startswith("cuda/h100/step/tp") for i in ids) == 4, ids  # Llama: mixed and decode at TP 1 and 8
     assert sum(i.startswith("tpu/v5e/step/tp") for i in ids) == 4 and not [i for i in ids if i.endswith("/plan")], ids

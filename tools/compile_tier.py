@@ -65,6 +65,10 @@ STEP_TP = {"cuda": (1, 8), "tpu": (4, 8)}
 FAMILY_STEPS = {"qwen3-30b-a3b": ("mixed", {"cuda": 1, "tpu": 8}, 32768),
                 "gemma-3-27b": ("decode", {"cuda": 1, "tpu": 8}, 32768),
                 "gpt-oss-120b": ("mixed", {"cuda": 1}, 32768), "gpt-oss-20b": ("mixed", {"tpu": 1}, 8192)}
+# The same at expert parallelism (--enable-expert-parallel): Qwen3-235B-A22B's 437.9 GiB on 8 H100s
+# (54.9 GiB a device); at 8 v5e / v6e chips it does not fit (its plan says so; v5p-8 compiles by hand:
+# bench/RESULTS.md)
+EP_STEPS = {"qwen3-235b-a22b": ("mixed", {"cuda": 8}, 32768)}
 SINK_SHAPE = (64, 8, 64, 128)  # gpt-oss-20b/120b: q heads, kv heads, head_dim, sliding window
 
 
@@ -210,8 +214,10 @@ def step_cases(platform: str, target: deviceless.Target) -> list[Case]:
     cases = []
     runs = [(STEP_MODEL, EngineConfig(tensor_parallel_size=tp), ("mixed", "decode"), "") for tp in STEP_TP[platform]]
     runs += [(ROOT / "configs" / "models" / f"{name}.json",
-              EngineConfig(tensor_parallel_size=tps[platform], max_model_len=length), (kind,), f"{name}/")
-             for name, (kind, tps, length) in FAMILY_STEPS.items() if platform in tps]
+              EngineConfig(tensor_parallel_size=tps[platform], max_model_len=length, enable_expert_parallel=ep),
+              (kind,), f"{name}/{'ep-' if ep else ''}")
+             for steps, ep in ((FAMILY_STEPS, False), (EP_STEPS, True))
+             for name, (kind, tps, length) in steps.items() if platform in tps]
     for model, config, kinds, prefix in runs:
         tp = config.tensor_parallel_size
         lowering = functools.cache(lambda model=model, config=config: lower.prepare(
