@@ -9,7 +9,7 @@ and decoded (numpy or jnp, inside the computation: no float copy is stored).
 
 Why the decode is exact whatever the order of operations: d * sc (11 + 7 bits) and q times it
 (at most 24 bits) are exact in float32, so each weight is rounded once at most (Q4_K's minus),
-as `gguf.quants.dequantize` computes it; csrc/quant_matmul.cc decodes the same way.
+as `gguf.quants.dequantize` computes it; csrc/quant_matmul.cc decodes the same way (csrc/quant_decode.h).
 """
 
 from __future__ import annotations

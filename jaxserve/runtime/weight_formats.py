@@ -208,7 +208,7 @@ def quantize(w, quantization: str) -> QuantWeight:
 def quantize_blocks(x, xp=jnp):
     """x f32[M, K] -> (int8 values f32[M, K] in -127..127, scale f32[M, K / 32]): each block of 32
     along k symmetric, rint(x * 127 / max |x_block|), as csrc/dot_matmul.cc quantizes W8A8's
-    activations (jnp or numpy)."""
+    activations (csrc/dot_acts.h) (jnp or numpy)."""
     m, k = x.shape
     xb = x.reshape(m, k // BLOCK, BLOCK)
     amax = xp.max(xp.abs(xb), axis=2, keepdims=True)

@@ -345,7 +345,8 @@ def test_sources_build_for_cpus_without_avx512(tmp_path, march, source):
     from jax import ffi
 
     # -O0: an intrinsic the target lacks fails at any level (always_inline target mismatch is an
-    # error at -O0 too); paged_attention.cc: 5.6 s at -O0, 20 s at -O1, 80 s at -O3 on 2 cores
+    # error at -O0 too); the attention kernels (then one paged_attention.cc): 5.6 s at -O0, 20 s at
+    # -O1, 80 s at -O3 on 2 cores
     flags = [f for f in native_build.FLAGS if f not in ("-march=native", "-shared", "-O3")]
     (tmp_path / "formats.h").write_text(native_build.formats_header())  # generated, as build() does
     cmd = [native_build.compiler(), *flags, "-O0", f"-march={march}", "-c", f"-I{ffi.include_dir()}",

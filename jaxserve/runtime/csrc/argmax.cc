@@ -6,15 +6,16 @@
 #include <cstring>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using v16 = float __attribute__((vector_size(64)));
-using i16 = int32_t __attribute__((vector_size(64)));
-constexpr int kW = 16;
+using jaxserve::kW;
+using jaxserve::v16;
+using i16 = jaxserve::i32x16;
 
 int32_t RowArgmax(const float* x, int64_t n) {
   int64_t j = 0;
@@ -55,8 +56,5 @@ ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveArgmax, Argmax,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[S, V]
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // [S]
+// x[S, V] -> [S]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveArgmax, Argmax, jaxserve::BindPoolF32().Ret<ffi::Buffer<ffi::S32>>());

@@ -19,7 +19,9 @@
 #include <cstdint>
 #include <cstring>
 
+#include "formats.h"
 #include "parallel.h"
+#include "row_tiles.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,7 +32,7 @@ namespace {
 using jaxserve::kW;
 using jaxserve::LoadU;
 using jaxserve::v16;
-constexpr int kPanel = 64;   // columns per work item panel (4 vectors)
+using jaxserve::kPanel;  // columns per work item panel (4 vectors; formats.h)
 constexpr int kMR = 6;       // rows per micro-kernel call
 constexpr int kRowChunk = 48;  // rows per work item (a multiple of kMR)
 
@@ -66,25 +68,12 @@ inline void Tile(int64_t mr, const float* x, const float* w, float* y, int64_t k
 }
 static_assert(kMR == 6, "Tile covers MR = 1..6");
 
-// y[0:rows, 0:64] = x[0:rows, :] @ panel; rows of x are K apart, rows of y N apart.
-void Rows(const float* x, const float* w, float* y, int64_t rows, int64_t k_len, int64_t n) {
-  for (int64_t r = 0; r < rows; r += kMR) Tile(std::min<int64_t>(kMR, rows - r), x + r * k_len, w, y + r * n, k_len, n);
-}
-
-// y[0:rows, 0:64] = silu(x @ gate panel) * (x @ up panel), a 6 x 64 tile at a time.
-void GatedRows(const float* x, const float* wg, const float* wu, float* y, int64_t rows, int64_t k_len, int64_t n) {
-  alignas(64) float g[kMR * kPanel], u[kMR * kPanel];
-  for (int64_t r = 0; r < rows; r += kMR) {
-    const int64_t mr = std::min<int64_t>(kMR, rows - r);
-    Tile(mr, x + r * k_len, wg, g, k_len, kPanel);
-    Tile(mr, x + r * k_len, wu, u, k_len, kPanel);
-    for (int64_t i = 0; i < mr; ++i)
-      for (int v = 0; v < kPanel; v += kW) {
-        const v16 gv = LoadU(g + i * kPanel + v), uv = LoadU(u + i * kPanel + v);
-        const v16 out = gv * uv / (1.0f + jaxserve::Exp(-gv));  // silu(g) * u = g * sigmoid(g) * u
-        std::memcpy(y + (r + i) * n + v, &out, sizeof(out));
-      }
-  }
+// y[0:rows, 0:64] = x[0:rows, :] @ panel, or silu(x @ gate panel) * (x @ up panel) where w_up (SiLU
+// and the product applied to each 6 x 64 tile as it is computed); rows of x K apart, of y N apart.
+void Rows(const float* x, const float* w, const float* w_up, float* y, int64_t rows, int64_t k_len, int64_t n) {
+  jaxserve::RowTiles<kMR>(0, rows, w_up != nullptr, y, n, [&](int64_t mr, int64_t r, bool up, float* dst, int64_t ldd) {
+    Tile(mr, x + r * k_len, up ? w_up : w, dst, k_len, ldd);
+  });
 }
 
 // One call's work: y[M, N] from x[M, K] and one packed weight w (gated: w and w_up, alike).
@@ -106,10 +95,7 @@ void Run(ffi::ThreadPool& pool, const Call& c) {
     const int64_t panel = i % c.panels, r0 = (i / c.panels) * kRowChunk, rows = std::min<int64_t>(kRowChunk, c.m - r0);
     const float* x = c.x + r0 * c.k_len;
     float* y = c.y + r0 * n + panel * kPanel;
-    if (c.w_up)
-      GatedRows(x, c.w + panel * wsize, c.w_up + panel * wsize, y, rows, c.k_len, n);
-    else
-      Rows(x, c.w + panel * wsize, y, rows, c.k_len, n);
+    Rows(x, c.w + panel * wsize, c.w_up ? c.w_up + panel * wsize : nullptr, y, rows, c.k_len, n);
   });
 }
 
@@ -144,17 +130,13 @@ ffi::Error GatedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, Matmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                              jaxserve::BindPoolF32()            // x[M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w[N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y[M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulGated, GatedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x[M, K]
+                              jaxserve::BindPoolF32()            // x[M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w_gate[N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w_up[N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rows[1]: real rows of x

@@ -1,4 +1,5 @@
-// csrc/dot_matmul.cc's kMXFP4A8: gpt-oss's MXFP4 experts (runtime/mxfp4.py) times int8 activations.
+// csrc/dot_matmul.cc's kMXFP4A8: gpt-oss's MXFP4 experts (runtime/mxfp4.py) times int8 activations
+// (its kernels: csrc/dot_tile.h, csrc/dot_amx.h).
 //
 // A weight is an e2m1 code c (0..15) and its block's E8M0 exponent e: W = e2m1(c) * 2^(e - 127).
 // 2 e2m1(c) is an integer in -12..12, so W = (2 e2m1(c)) * 2^(e - 128): an int8 value times the
@@ -19,7 +20,6 @@
 namespace jaxserve {
 namespace mxfp4a8 {
 
-using i32x16 = int32_t __attribute__((vector_size(64)));
 constexpr int kOffset = 12;  // 2 e2m1 + 12 >= 0: the unsigned operand
 
 // 2 e2m1(c) + 12 for the codes c = 0..15 (sign bit 3: codes 8..15 the negatives of 0..7).

@@ -1,5 +1,6 @@
 // Spread n independent work items over XLA's intra-op thread pool (and the calling thread), and
-// the row chunks of a matmul's row groups (a grouped, mixture-of-experts call) as such items.
+// the row chunks of a matmul's row groups (a grouped, mixture-of-experts call) as such items; the
+// start of the handlers' XLA FFI bindings (the pool, then their float32 operand).
 #pragma once
 
 #include <algorithm>
@@ -69,5 +70,22 @@ class RowChunks {
   int64_t chunk_, rows_ = 0;
   std::vector<int64_t> start_, end_;  // each group's first row; cumulative chunks through it
 };
+
+// A matmul's work items (row chunk, weight panel), panels fastest: the threads share x's rows and
+// split the weights. fn(group, first row, rows, panel) for each.
+template <typename F>
+void ForEachChunkPanel(xla::ffi::ThreadPool& pool, const RowChunks& chunks, int64_t panels, F fn) {
+  ParallelFor(pool, panels * chunks.size(), [&](int64_t i) {
+    int64_t group, r0, rows;
+    chunks.At(i / panels, group, r0, rows);
+    fn(group, r0, rows, i % panels);
+  });
+}
+
+// The start of the kernels' FFI bindings: their handlers take XLA's intra-op thread pool (for
+// ParallelFor) and then the float32 operand they compute from (x, or attention's q).
+inline auto BindPoolF32() {
+  return xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>().Arg<xla::ffi::Buffer<xla::ffi::F32>>();
+}
 
 }  // namespace jaxserve

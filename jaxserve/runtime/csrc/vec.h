@@ -11,12 +11,29 @@
 namespace jaxserve {
 
 using v16 = float __attribute__((vector_size(64)));  // naturally 64-byte aligned
+using i32x16 = int32_t __attribute__((vector_size(64)));
 constexpr int kW = 16;  // floats per v16
 
 inline v16 LoadU(const float* src) {
   v16 x;
   std::memcpy(&x, src, sizeof(x));
   return x;
+}
+
+// A V (a vector) from the bytes at p, however aligned.
+template <typename V, typename T>
+inline V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// f's bits as a To of the same size.
+template <typename To, typename From>
+inline To Bits(From f) {
+  To t;
+  std::memcpy(&t, &f, sizeof(t));
+  return t;
 }
 
 // A value the compiler must materialize as it is: -ffast-math may then neither fold a factor into

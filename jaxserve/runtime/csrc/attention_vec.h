@@ -1,0 +1,155 @@
+// Ragged paged attention's vector steps (csrc/attention_tiles.h's fast path): lane reductions,
+// 16 page elements widened to float32 at a time, the quantized pages' scales, and one online-
+// softmax step over a 16-slot tile.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "attention.h"
+#include "page_types.h"
+#include "vec.h"
+
+namespace jaxserve::attention {
+
+// A tile is kW (vec.h) slots: the floats of one v16.
+using jaxserve::LoadU;  // float32's, beside the page types' below
+
+// Lane reductions as shuffle trees (4 steps for 16 lanes).
+template <typename F>
+inline float Reduce(v16 x, F op) {
+  using i16 = int32_t __attribute__((vector_size(64)));
+  x = op(x, __builtin_shuffle(x, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  x = op(x, __builtin_shuffle(x, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  x = op(x, __builtin_shuffle(x, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  x = op(x, __builtin_shuffle(x, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  return x[0];
+}
+inline float HSum(v16 x) { return Reduce(x, [](v16 a, v16 b) { return a + b; }); }
+inline float HMax(v16 x) { return Reduce(x, [](v16 a, v16 b) { return a > b ? a : b; }); }
+
+inline v16 LoadU(const Bf16* src) {
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  using u32x16 = uint32_t __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, src, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 x;
+  std::memcpy(&x, &w, sizeof(x));
+  return x;
+}
+
+// 16 bytes widened to 16 int32 lanes: one vpmovsxbd / vpmovzxbd where AVX-512 is there (GCC's
+// generic byte -> int vector conversion is far slower).
+template <bool Signed>
+inline i32x16 WidenBytes(const void* src) {
+  i32x16 out;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(src));
+  const __m512i w = Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  std::memcpy(&out, &w, sizeof(out));
+#else  // GCC drops vector_size on a dependent alias (std::conditional_t): spell out both types
+  using s16 = int8_t __attribute__((vector_size(16)));
+  using u16 = uint8_t __attribute__((vector_size(16)));
+  if constexpr (Signed) {
+    s16 b;
+    std::memcpy(&b, src, sizeof(b));
+    out = __builtin_convertvector(b, i32x16);
+  } else {
+    u16 b;
+    std::memcpy(&b, src, sizeof(b));
+    out = __builtin_convertvector(b, i32x16);
+  }
+#endif
+  return out;
+}
+
+inline v16 LoadU(const int8_t* src) { return __builtin_convertvector(WidenBytes<true>(src), v16); }
+
+// 16 fp8 values: ToFloat's arithmetic, lane-wise.
+template <int M, int Bias>
+inline v16 LoadU(const Fp8<M, Bias>* src) {
+  const i32x16 i = WidenBytes<false>(src);
+  const i32x16 m = i & ((1 << M) - 1), e = (i >> M) & ((1 << (7 - M)) - 1);
+  const i32x16 mant = e == 0 ? m : m + (1 << M);
+  const i32x16 pow_bits = ((e == 0 ? i32x16{} + 1 : e) + (127 - Bias - M)) << 23;
+  v16 pow;
+  std::memcpy(&pow, &pow_bits, sizeof(pow));
+  const v16 v = __builtin_convertvector(mant, v16) * pow;
+  return (i & 0x80) != 0 ? -v : v;
+}
+
+// Quantized pages: a tile's per-slot K scales multiply its scores; V scales multiply each visible
+// probability [jlo, jhi] (the softmax sum l is taken before, over the unscaled probabilities).
+template <typename T>
+inline void ScaleScores(const Problem& p, int64_t blk, int64_t h, int64_t off, v16* sc, int n) {
+  if constexpr (kQuant<T>) {
+    const v16 s = LoadU(p.KScale(blk, h, off));
+    for (int q = 0; q < n; ++q) sc[q] *= s;
+  }
+}
+template <typename T>
+inline void ScaleProbs(const Problem& p, int64_t blk, int64_t h, int64_t off, int64_t jlo, int64_t jhi, float* pr) {
+  if constexpr (kQuant<T>) {
+    const float* s = p.VScale(blk, h, off);
+    for (int64_t c = jlo; c <= jhi; ++c) pr[c] *= s[c];
+  }
+}
+
+// One online-softmax step of a query vector over a 16-slot tile whose visible lanes are
+// [jlo, jhi]: scores -> probabilities in pr (zero outside), running max m and sum l updated, the
+// accumulator acc[DV] rescaled.
+template <int DV>
+inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, float* m, float* l, v16* acc,
+                          float* pr) {
+  v16 lane;
+  for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
+  if (p.soft_cap > 0.0f)
+    for (int c = 0; c < kW; ++c) x[c] = p.soft_cap * std::tanh(x[c] / p.soft_cap);
+  const auto vis = (lane >= static_cast<float>(jlo)) & (lane <= static_cast<float>(jhi));
+  x = vis ? x : v16{} + kNeg;
+  const float mx = std::max(*m, HMax(x));
+  v16 ex = Exp(x - mx);
+  ex = vis ? ex : v16{};
+  std::memcpy(pr, &ex, sizeof(ex));
+  const float corr = std::exp(*m - mx);
+  *m = mx;
+  *l = *l * corr + HSum(ex);
+  for (int e = 0; e < DV; ++e) acc[e] *= corr;
+}
+
+// A 16-slot tile of one head as float32: float pages are used in place (K rows bs apart),
+// bfloat16 pages are widened into the object's buffers (K rows 16 apart).
+template <int D, typename T>
+struct Widened {
+  alignas(64) float kbuf[D * kW];
+  alignas(64) float vbuf[kW * D];
+  const float* k;
+  const float* v;
+  int64_t k_stride;
+  Widened(const T* kt, const T* vt, int64_t bs) : k(kbuf), v(vbuf), k_stride(kW) {
+    for (int e = 0; e < D; ++e) {
+      const v16 x = LoadU(kt + e * bs);
+      std::memcpy(kbuf + e * kW, &x, sizeof(x));
+    }
+    for (int i = 0; i < kW * D; i += kW) {
+      const v16 x = LoadU(vt + i);
+      std::memcpy(vbuf + i, &x, sizeof(x));
+    }
+  }
+};
+template <int D>
+struct Widened<D, float> {
+  const float* k;
+  const float* v;
+  int64_t k_stride;
+  Widened(const float* kt, const float* vt, int64_t bs) : k(kt), v(vt), k_stride(bs) {}
+};
+
+}  // namespace jaxserve::attention

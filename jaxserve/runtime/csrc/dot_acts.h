@@ -1,0 +1,60 @@
+// The dot-product matmul's activations (csrc/dot_matmul.cc), prepared once per call for all its
+// rows: bfloat16 pairs, or int8 quads quantized in blocks of 32 along k with each block's scale and sum.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dot_matmul.h"
+#include "parallel.h"
+#include "vec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxserve::dot_matmul {
+
+// float32 -> bfloat16 bits, round to nearest even (ml_dtypes' and XLA's convert; no NaN inputs).
+inline uint32_t Bf16(float f) {
+  const uint32_t u = Bits<uint32_t>(f);
+  return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+// Row r of x into a's words (and w8a8's block scales and sums).
+inline void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
+  uint32_t* out = a.words.data() + r * a.ldx;
+  if (f == kBFLOAT16) {
+    for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
+    return;
+  }
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const float* xb = xr + b * kBlock;
+    float amax = 0;
+    for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int8_t q[kBlock];
+    int32_t sum = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      q[k] = int8_t(std::clamp(std::nearbyint(xb[k] * inv), -127.0f, 127.0f));
+      sum += q[k];
+    }
+    std::memcpy(out + b * kQuads, q, sizeof(q));  // word i, byte t = x[4 i + t] (little-endian)
+    a.sx[r * a.blocks + b] = amax / 127.0f;
+    a.xsum[r * a.blocks + b] = sum;
+  }
+}
+
+// All m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
+inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const float* x, int64_t m, int64_t k_len, Acts& a) {
+  constexpr int64_t kRows = 16;
+  a.ldx = k_len / (f == kBFLOAT16 ? 2 : 4);
+  a.blocks = f == kBFLOAT16 ? 0 : k_len / kBlock;
+  a.words.resize(m * a.ldx);
+  a.sx.resize(m * a.blocks);
+  a.xsum.resize(m * a.blocks);
+  ParallelFor(pool, (m + kRows - 1) / kRows, [&](int64_t i) {
+    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x + r * k_len, k_len, a, r);
+  });
+}
+
+}  // namespace jaxserve::dot_matmul

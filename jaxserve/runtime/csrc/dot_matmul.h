@@ -1,0 +1,65 @@
+// The dot-product matmul (csrc/dot_matmul.cc: its formats, instructions and FFI calls): the paths'
+// constants, and a call's activations (prepared by csrc/dot_acts.h) and weights as the kernels
+// (csrc/dot_tile.h, csrc/dot_amx.h, csrc/dot_run.h) read them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "formats.h"
+#include "vec.h"
+
+// The formats' ids (Format: kBFLOAT16, kW8A8, ...), kPanel and kBlock come from formats.h, which
+// runtime/native_build.py generates from runtime/weight_formats.py.
+namespace jaxserve::dot_matmul {
+
+constexpr int kNV = kPanel / kW, kRowChunk = 48;
+constexpr int kQuads = kBlock / 4;  // w8a8's activation blocks (kBlock k values) in 4-k words
+constexpr bool Blocked(int f) { return f == kW4A8 || f == kQ8A8; }  // d and m per block of 32 k
+constexpr bool Nibbled(int f) { return f == kW4A8 || f == kMXFP4A8; }  // two quads a byte (w4a8's layout)
+// Rows per tile: 6 x 4 accumulator vectors (of AVX-512's 32 registers; w4a8's nibbles take 8
+// more); the int8 formats' float32 block sums live in memory (L1), updated once per block.
+template <int F>
+constexpr int kMaxMR = Nibbled(F) ? 4 : 6;
+enum Isa { kPortable = 0, kDot = 1, kAmx = 2 };
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kHaveBf16 = true;
+#else
+constexpr bool kHaveBf16 = false;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define JAXSERVE_AMX 1
+constexpr bool kHaveAmx = true;
+#else
+constexpr bool kHaveAmx = false;
+#endif
+constexpr int kAmxRows = 16;  // rows of an AMX tile: the activations' row step on isa 2
+constexpr int kAmxChunk = 64;  // rows per work item on isa 2
+constexpr int kAmxMinRowsW8A8 = 16;  // W8A8: a partial tile runs isa 1 (no faster on AMX: bench quant_matmul)
+
+// A call's activations, prepared once for all its rows: bf16 pairs, or w8a8 quads of xq (int8)
+// with each block's scale sx and sum of xq.
+struct Acts {
+  std::vector<uint32_t> words;
+  std::vector<float> sx;
+  std::vector<int32_t> xsum;
+  int64_t ldx = 0, blocks = 0;  // words and w8a8 blocks per row
+};
+
+// A weight as the kernel reads it (w8a8: with its scales; w4a8: its blocks' d and m; mxfp4a8: its
+// blocks' exponents).
+struct Weight {
+  const uint32_t* w;
+  const float* scale;
+  const _Float16* d = nullptr;
+  const _Float16* m = nullptr;
+  const uint8_t* e = nullptr;
+};
+
+}  // namespace jaxserve::dot_matmul
