@@ -59,3 +59,33 @@ def test_moe_int8_kv_and_structured_output(moe, reference):
     assert out.outputs[0].finish_reason == "stop"
     assert set(json.loads(out.outputs[0].text)) == {"n"}
     assert_all_blocks_free(llm)
+
+
+# Every other MoE family, Gemma 3 and gpt-oss (issues 27 and 28: "the same under preemption"): four
+# concurrent greedy requests on a KV cache of 112 tokens (each alone fits; together they do not)
+# give the tokens each gives alone on the same engine, with no preemption; every block comes back.
+# gpt-oss: 4-token blocks (its sliding window of 8 spans blocks), the same 112 tokens of cache.
+PREEMPT = {
+    "qwen2_moe": ("qwen2_moe", {}, {}),
+    "mixtral": ("mixtral", {}, {}),
+    "glm4_moe": ("glm4_moe", {}, {}),
+    "gemma3": ("gemma3", {}, {}),  # 2 layers: one sliding (window 20), one global
+    "gpt_oss": ("gpt_oss", {}, {"block_size": 4, "num_blocks": 29}),
+}
+
+
+@pytest.mark.parametrize("family", list(PREEMPT))
+def test_greedy_identical_under_preemption(tiny_model, family):
+    from jaxserve import LLM, SamplingParams
+
+    arch, model_kw, engine_kw = PREEMPT[family]
+    llm = LLM(tiny_model(arch, **model_kw), **{**KW, "num_blocks": 8, "prefix_cache": "off", **engine_kw})
+    prompts = [{"prompt_token_ids": p} for p in repetitive_prompts(4)]
+    sp = SamplingParams(**GREEDY)
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert llm.engine.get_stats()["preemptions"] == 0
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert llm.engine.get_stats()["preemptions"] > 0, "the cache was meant to force preemptions"
+    assert together == alone, f"{family}: greedy tokens differ under preemption"
+    assert all(len(t) == GREEDY["max_tokens"] for t in together)
+    assert_all_blocks_free(llm)
