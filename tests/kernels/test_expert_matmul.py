@@ -70,8 +70,10 @@ def test_grouped_equals_dense_per_expert(data, name):
 
 def test_mxfp4_kernel_exact_against_numpy():
     """MXFP4 in panels (csrc/quant_matmul.cc kMXFP4, decoded in registers) against numpy's float64
-    product of mxfp4.decode_numpy's values, at 1, 7 and 113 rows (issue 28's reference): every value
-    and product is exact in float32, so only the float32 sums' rounding differs."""
+    product of mxfp4.decode_numpy's values at every row count 1..113 (issue 28's reference): one
+    113-row executable given `num_rows` real rows (as the engine runs its padded buckets: the kernel
+    tiles only those rows, the rest come out zero), and 1, 7 and 113 rows as their own shapes. Every
+    value and product is exact in float32, so only the float32 sums' rounding differs."""
     from jaxserve.runtime import mxfp4
 
     rng = np.random.default_rng(3)
@@ -80,7 +82,16 @@ def test_mxfp4_kernel_exact_against_numpy():
     dense = np.swapaxes(mxfp4.decode_numpy(hf.blocks[0], hf.scales[0]), 0, 1)  # [K, N] float64
     panels = mxfp4.to_panels(hf.blocks[0], hf.scales[0])
     np.testing.assert_array_equal(np.asarray(weight_formats.dequantize(panels)), dense)
+    w = type(panels)(*map(jnp.asarray, panels))
+    tol = dict(rtol=1e-5, atol=1e-5 * np.abs(dense).max())
     for m in (1, 7, 113):
         x = rng.standard_normal((m, K)).astype(np.float32)
-        got = np.asarray(quant.linear(jnp.asarray(x), type(panels)(*map(jnp.asarray, panels)), native=True))
-        np.testing.assert_allclose(got, x.astype(np.float64) @ dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())
+        got = np.asarray(quant.linear(jnp.asarray(x), w, native=True))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ dense, **tol)
+    x = rng.standard_normal((113, K)).astype(np.float32)
+    want = x.astype(np.float64) @ dense
+    run = jax.jit(lambda x, w, n: quant.linear(x, w, n, native=True))
+    for m in range(1, 114):
+        got = np.asarray(run(x, w, jnp.array([m], jnp.int32)))
+        np.testing.assert_allclose(got[:m], want[:m], err_msg=f"{m} rows", **tol)
+        assert not got[m:].any(), f"{m} rows: rows past num_rows must be zero"

@@ -65,8 +65,10 @@ CAPS = ["auto", "avx512", "portable"]
 @pytest.mark.parametrize("cap", CAPS)
 def test_kernel_bit_exact_against_numpy(cap):
     """Every isa this machine reaches (auto: AMX where Linux grants it; avx512: VNNI; portable)
-    gives the reference's bits, plain and gated (silu(g) u of the two), rows 1..113; a zero block
-    and a zero row included."""
+    gives the reference's bits, plain and gated (silu(g) u of the two), at 1, 7, 16, 40 and 113 rows
+    as their own shapes and at every row count 1..113 in one 113-row executable given `num_rows`
+    real rows (as the engine runs its padded buckets: the kernel tiles only those rows, the rest
+    come out zero); a zero block and a zero row included."""
     isa = cpu_kernels.choose_isa(cap)
     if cap == "avx512" and "avx512_vnni" not in cpu_isa.cpu_features():
         pytest.skip("no AVX512_VNNI: avx512 is the portable path here")
@@ -88,6 +90,23 @@ def test_kernel_bit_exact_against_numpy(cap):
         u = reference(x, mxfp4.quantize_panels(np.asarray(weight_formats.dequantize(up)))).astype(np.float64)
         silu = want * u / (1 + np.exp(-want.astype(np.float64)))
         np.testing.assert_allclose(g, silu, rtol=1e-5, atol=1e-6 * np.abs(want * u).max())
+    m_max = ROWS[-1]
+    x = rng.standard_normal((m_max, K)).astype(np.float32)
+    x[:, 64:96] = 0
+    x[[2, 57]] = 0
+    want = reference(x, exact)
+    u = reference(x, mxfp4.quantize_panels(np.asarray(weight_formats.dequantize(up)))).astype(np.float64)
+    silu = want * u / (1 + np.exp(-want.astype(np.float64)))
+    lin_n = jax.jit(lambda x, w, n: quant.linear(x, w, n, native=True, isa=isa))
+    gat_n = jax.jit(lambda x, w, u, n: quant.linear_gated(x, w, u, n, native=True, isa=isa))
+    for m in range(1, m_max + 1):
+        n = jnp.array([m], jnp.int32)
+        y = np.asarray(lin_n(x, a8, n))
+        np.testing.assert_array_equal(y[:m], want[:m], err_msg=f"{cap}, {m} of {m_max} rows")
+        g = np.asarray(gat_n(x, a8, up, n))
+        np.testing.assert_allclose(g[:m], silu[:m], rtol=1e-5, atol=1e-6 * np.abs(want[:m] * u[:m]).max(),
+                                   err_msg=f"{cap}, gated, {m} of {m_max} rows")
+        assert not y[m:].any() and not g[m:].any(), f"{cap}, {m} rows: rows past num_rows must be zero"
 
 
 def test_isa_paths_and_xla_agree():

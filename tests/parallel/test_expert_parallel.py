@@ -32,6 +32,9 @@ CFG = RunnerConfig(block_size=BS, num_blocks=16, max_model_len=128, max_num_seqs
     ("qwen3_moe", [(2, False), (2, True), (4, True)]),  # 8 experts: 4 / 2 per device under EP
     ("qwen2_moe", [(2, True)]),  # shared expert (column/row-parallel) and a dense layer beside EP
     ("gpt_oss", [(2, False)]),  # expert biases split with their columns, sinks with their heads (xla attention)
+    ("mixtral", [(2, True)]),  # 4 experts: 2 per device
+    # sigmoid routing with a correction bias over expert groups, a shared expert, layer 0 dense
+    ("glm4_moe", [(2, True)]),
 ])
 def test_ep_same_greedy_tokens(tiny_model, arch, layouts):
     lm = load_model(tiny_model(arch))
@@ -41,7 +44,7 @@ def test_ep_same_greedy_tokens(tiny_model, arch, layouts):
     for tp, ep in layouts:
         runner = ModelRunner(lm.config, lm.params, dataclasses.replace(
             CFG, tensor_parallel_size=tp, enable_expert_parallel=ep))
-        experts = runner.params["layers_0"]["mlp"]["experts"]["gate_proj"]
+        experts = runner.params[f"layers_{lm.config.moe_layers[0]}"]["mlp"]["experts"]["gate_proj"]
         e, h, i = experts.shape
         shard = experts.sharding.shard_shape(experts.shape)
         assert shard == ((e // tp, h, i) if ep else (e, h, i // tp)), (tp, ep, shard)
