@@ -173,8 +173,8 @@ for platform, name in (("cuda", ct.GPU_TARGET), ("tpu", ct.TPU_TARGETS[0])):
                     reason="needs jaxserve[compile-cuda] and jaxserve[compile-tpu]")
 def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
     """The tier's engine-step cases (set up, not compiled): besides Llama, one bucket each of an MoE
-    preset (and Qwen3-235B-A22B at expert parallelism 8), Gemma 3 and gpt-oss, at a tensor parallel size where the whole model's plan fits the
-    target (prepare refuses one that does not)."""
+    preset (and Qwen3-235B-A22B at expert parallelism 8), Gemma 3 and gpt-oss, at a tensor parallel
+    size where the whole model's plan fits the target (prepare refuses one that does not)."""
     script = tmp_path / "ids.py"
     script.write_text(textwrap.dedent(STEP_IDS.format(root=str(ROOT))))
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=COMPILER_ENV, capture_output=True, text=True,
