@@ -2,7 +2,7 @@
 model tensor-parallel over all their devices; process 0 runs the scheduler and broadcasts each step.
 
     python tools/multihost_demo.py --model PATH [--processes 2] [--devices-per-process 1] \
-        [--prompt TEXT ...] [--max-tokens 16] [--compare]
+        [--prompt TEXT ...] [--max-tokens 16] [--compare] [--enable-expert-parallel]
 
 --compare also runs the same prompts in one ordinary process (tensor_parallel_size=1) and exits 1 if
 the greedy tokens differ. The last stdout line is JSON: {"tokens": [...], "texts": [...], ...}.
@@ -46,7 +46,7 @@ def worker(args) -> int:
 
     tp = jax.device_count()
     t0 = time.perf_counter()
-    llm = LLM(args.model, tensor_parallel_size=tp, **ENGINE_KW)
+    llm = LLM(args.model, tensor_parallel_size=tp, enable_expert_parallel=args.enable_expert_parallel, **ENGINE_KW)
     if jax.process_index() == 0:
         leader = LeaderRunner(llm.engine.runner)
         llm.engine.runner = leader
@@ -56,7 +56,8 @@ def worker(args) -> int:
         leader.shutdown()
         print("RESULT " + json.dumps(dict(
             tokens=tokens, texts=texts, processes=jax.process_count(), devices=jax.device_count(),
-            tensor_parallel_size=tp, mesh=str(llm.engine.runner.mesh.shape), steps=llm.engine.counters["steps"],
+            tensor_parallel_size=tp, expert_parallel=args.enable_expert_parallel,
+            mesh=str(llm.engine.runner.mesh.shape), steps=llm.engine.counters["steps"],
             start_seconds=t1 - t0, generate_seconds=t2 - t1)), flush=True)
     else:
         steps = follower_loop(llm.engine.runner)
@@ -77,7 +78,8 @@ def launch(args) -> int:
     env.pop("XLA_FLAGS", None)  # the device count per process comes from --devices-per-process
     base = [sys.executable, __file__, "--model", args.model, "--processes", str(args.processes),
             "--devices-per-process", str(args.devices_per_process), "--max-tokens", str(args.max_tokens),
-            "--coordinator", coord, *[a for p in args.prompt for a in ("--prompt", p)]]
+            "--coordinator", coord, *[a for p in args.prompt for a in ("--prompt", p)],
+            *(["--enable-expert-parallel"] if args.enable_expert_parallel else [])]
     procs = [subprocess.Popen(base + ["--process-id", str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(args.processes)]
     outs = []
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", default=None)
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--compare", action="store_true")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a mixture-of-experts model's experts split whole over all processes' devices")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
