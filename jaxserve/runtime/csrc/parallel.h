@@ -71,14 +71,17 @@ class RowChunks {
   std::vector<int64_t> start_, end_;  // each group's first row; cumulative chunks through it
 };
 
-// A matmul's work items (row chunk, weight panel), panels fastest: the threads share x's rows and
-// split the weights. fn(group, first row, rows, panel) for each.
+// A matmul's work items (row chunk, weight panel), row chunks fastest: a panel's weights are read
+// from memory once and stay in cache while its row chunks pass (the rows, a few hundred KiB, stay
+// in L2 across panels); panels fastest read every weight again per row chunk. fn(group, first row,
+// rows, panel) for each.
 template <typename F>
 void ForEachChunkPanel(xla::ffi::ThreadPool& pool, const RowChunks& chunks, int64_t panels, F fn) {
-  ParallelFor(pool, panels * chunks.size(), [&](int64_t i) {
+  const int64_t n = chunks.size();
+  ParallelFor(pool, panels * n, [&](int64_t i) {
     int64_t group, r0, rows;
-    chunks.At(i / panels, group, r0, rows);
-    fn(group, r0, rows, i % panels);
+    chunks.At(i % n, group, r0, rows);
+    fn(group, r0, rows, i / n);
   });
 }
 
