@@ -13,8 +13,15 @@ executable by what its trace depends on instead, and loads it with
 
 One file per key under `<XLA cache dir>/jaxserve-steps/` (pickled: trusted like XLA's own cache).
 A file that fails to load is ignored (and recompiled and rewritten); writes are atomic. The key
-cannot see code patched at run time (a test's monkeypatch): `JAXSERVE_STEP_CACHE=0` turns the cache
-off (the test suite does, tests/conftest.py).
+cannot see code patched at run time (a test's monkeypatch).
+
+**Off by default; `JAXSERVE_STEP_CACHE=1` turns it on.** An executable serialized here can load
+and then fail when run: a warm `jaxserve serve --quantization bfloat16` died on its first steps
+with XLA:CPU's `Error dispatching computation: Function bitcast_dynamic-slice_fusion not found`,
+on every start from that cache, and ran with the cache off (2026-12-03, jax 0.10.2; the same
+class of error was seen once before, "wrapped_slice.2 not found"). The cause is not found yet
+(a suspect: serializing an executable that XLA's own persistent cache had just deserialized).
+Without it a warm `serve` is healthy as fast (the background warm-up traces the other buckets).
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def environment() -> str:
 def directory() -> pathlib.Path | None:
     """Where step executables are kept: beside XLA's cache, None when that cache (or this one) is off."""
     xla = jax.config.jax_compilation_cache_dir
-    return pathlib.Path(xla) / SUBDIR if xla and os.environ.get("JAXSERVE_STEP_CACHE", "1") != "0" else None
+    return pathlib.Path(xla) / SUBDIR if xla and os.environ.get("JAXSERVE_STEP_CACHE", "0") == "1" else None
 
 
 def describe(runner, key) -> str:
