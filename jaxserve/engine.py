@@ -15,6 +15,7 @@ step (the drafter reads the token) makes the engine read the step before dispatc
 
 from __future__ import annotations
 
+import logging
 import time
 
 from jaxserve import default_format
@@ -39,6 +40,9 @@ from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.worker import runner as rt
 from jaxserve.worker import xla_cache
+
+log = logging.getLogger("jaxserve")
+
 
 class LLMEngine:
     supports_structured_outputs = True  # grammars are applied to the logits (tests key on this)
@@ -107,6 +111,11 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             self.tokenizer, mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids))
         self.grammars = GrammarWait(self.grammar_compiler)
+        if on_device:  # the planned cache takes the device's memory once every bucket compiled
+            if config.precompile:
+                log.info("Compiling every step bucket before the KV cache takes the device's memory")
+                self.precompile()
+            self.runner.allocate_kv()
         mark("engine")
 
     def precompile(self, progress=None) -> float:

@@ -50,7 +50,9 @@ def blocks_from_budget(config: EngineConfig, mc: ModelConfig, dtype: str) -> int
 
 
 def plan_device_memory(config: EngineConfig, mc: ModelConfig, runner, kv_dtype: str, max_model_len: int) -> int:
-    """Resize the runner's KV cache to what the device has left; returns the block count."""
+    """Size the runner's KV cache to what the device has left, not yet allocated; returns the block
+    count. Steps compile against the planned shapes before the cache takes the memory: XLA's GPU
+    autotuner allocates its trial buffers (the LM head's alone ~1 GB on an 8B model) from the same pool."""
     limit, in_use = memory.device_memory(jax.devices()[0])
     tp = config.tensor_parallel_size
     plan = memory.plan_kv_memory(  # a GPU pool sized by size_gpu_pool: planned against the whole device
@@ -61,7 +63,7 @@ def plan_device_memory(config: EngineConfig, mc: ModelConfig, runner, kv_dtype: 
         utilization=config.gpu_memory_utilization, tensor_parallel_size=tp, reserved_blocks=1,
     )
     log.info(memory.summary(plan))
-    runner.resize_kv(plan.num_blocks)
+    runner.resize_kv(plan.num_blocks, allocate=False)  # allocated once the buckets compiled (LLMEngine)
     return plan.num_blocks
 
 

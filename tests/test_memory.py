@@ -226,3 +226,54 @@ def test_memory_maps_reads_this_process():
         pytest.skip("no /proc here")
     held, limit = maps
     assert 0 < held < limit
+
+
+def test_device_buckets_compile_before_the_kv_cache_is_allocated(tiny_model, monkeypatch):
+    """Issue 24 item 6: on a device (stats faked) every bucket compiles against the planned cache's
+    shapes while its memory is still free (XLA:GPU's autotuner allocates from the same pool), then
+    the cache is allocated once; serving then compiles nothing and decodes as a host engine does."""
+    from jaxserve import SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+    import jax
+
+    from jaxserve.worker import runner as rt
+
+    events = []
+    allocate, compile_ = rt.ModelRunner._allocate_kv, rt.ModelRunner._compile
+
+    def record(self, n):  # real allocations only (kv_spec traces this under eval_shape: no memory)
+        out = allocate(self, n)
+        if not isinstance(jax.tree.leaves(out.layers)[0], jax.core.Tracer):
+            events.append(("allocate", n))
+        return out
+
+    monkeypatch.setattr(rt.ModelRunner, "_allocate_kv", record)
+    monkeypatch.setattr(rt.ModelRunner, "_compile",
+                        lambda self, key: events.append(("compile", key)) or compile_(self, key))
+    limit, in_use = memory.DEFAULT_MARGIN + (48 << 20), 4 << 20
+    monkeypatch.setattr(memory, "has_device_stats", lambda: True)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (limit, in_use))
+    kw = dict(model=tiny_model("llama"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              gpu_memory_utilization=1.0)
+    engine = LLMEngine(EngineConfig(**kw))
+    n, buckets = engine.num_blocks, engine.runner.all_buckets()
+    assert n > 2 and engine.runner.kv_caches[0][0].shape[0] == n
+    assert [e for e in events if e[0] == "allocate"][-1] == ("allocate", n) == events[-1]  # allocated last
+    assert sum(1 for e in events if e == ("allocate", n)) == 1  # once, not per layout or per compile
+    compiles = [e[1] for e in events if e[0] == "compile"]  # the plan's largest step, then every bucket
+    assert compiles[0] == max(buckets) and sorted(compiles[1:]) == sorted(buckets)
+    assert engine.runner.num_compiles == len(buckets)
+
+    def greedy(engine):
+        engine.add_request("a", None, SamplingParams(max_tokens=6, temperature=0), prompt_token_ids=[3, 4, 5, 6])
+        out = []
+        while engine.has_unfinished_requests():
+            out += [o for o in engine.step() if o.finished]
+        return out[0].outputs[0].token_ids
+
+    tokens = greedy(engine)
+    assert engine.runner.num_compiles == len(buckets)  # nothing compiled while serving
+    monkeypatch.setattr(memory, "has_device_stats", lambda: False)
+    host = LLMEngine(EngineConfig(**kw, num_blocks=n, precompile=False))
+    assert greedy(host) == tokens

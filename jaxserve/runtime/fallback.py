@@ -40,7 +40,7 @@ def fall_back(runner, generation: int, error: Exception) -> bool:
                     old.attention, old.platform, _first_line(error), old.fallback, old.fallback)
         new = dataclasses.replace(old, attention=old.fallback, kv_layout=layout, fallback=None,
                                   reason=f"{old.attention} failed to compile: {_first_line(error)}")
-        runner._use_backend(new)
+        runner._use_backend(new, allocate=runner.kv is not None)  # a device's cache may wait (resize_kv)
         runner.drop_executables()
         runner._generation += 1
         return True

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core.batch import StepBatch
+from jaxserve.runtime import mesh as meshlib
 
 
 class StepResult(NamedTuple):
@@ -66,3 +67,17 @@ class BucketStep(NamedTuple):
     def memory_analysis(self) -> list:
         """Both executables' analyses (compat.peak_temp_bytes takes the larger: they run in turn)."""
         return [self.forward.memory_analysis(), self.sampler.memory_analysis()]
+
+
+def fetch_result(result: StepResult, s: int, logprobs: bool, accepted: bool = False,
+                 hidden: bool = False) -> StepResult:
+    """A step's tokens on the host (and `accepted` / the logprobs / the hidden rows of a pool
+    bucket when asked; None otherwise); blocks until the step ran."""
+    want = [True, accepted, logprobs, logprobs, logprobs, logprobs, hidden and result.hidden is not None]
+    parts = tuple(x for x, w in zip(result, want) if w)
+    if jax.process_count() > 1:  # replicated over processes: read the local copy
+        host = iter([meshlib.to_host(x) for x in parts])
+    else:
+        host = iter([np.asarray(x) for x in jax.device_get(parts)])
+    out = StepResult(*(next(host) if w else None for w in want))
+    return out._replace(tokens=out.tokens[:s])

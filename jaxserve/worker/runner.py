@@ -44,7 +44,7 @@ from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
 from jaxserve.runtime.sampler import sample
 from jaxserve.startup_trace import mark
 from jaxserve.worker import step_cache, xla_cache
-from jaxserve.worker.bucket_step import BucketStep, StepResult, unpack_batch
+from jaxserve.worker.bucket_step import BucketStep, StepResult, fetch_result, unpack_batch
 from pallas_kernels import kv_quant
 
 log = logging.getLogger("jaxserve")
@@ -120,9 +120,10 @@ class ModelRunner:
         self._fallback_lock = threading.Lock()
         mark("kv cache")
 
-    def _use_backend(self, backend: Backend) -> None:
+    def _use_backend(self, backend: Backend, allocate: bool = True) -> None:
         """The attention backend's models (one per attention variant, same params: decode-only
-        buckets get the decode kernel), KV layout and shardings, and a KV cache in that layout."""
+        buckets get the decode kernel), KV layout and shardings, and a KV cache in that layout
+        (where `allocate`: not while a device's buckets compile before their cache, resize_kv)."""
         self.backend = backend
         # the bucket dimensions the backend asks for (the engine's planner shares this builder)
         self.builder.decode_buckets = backend.has_decode_kernel
@@ -138,7 +139,9 @@ class ModelRunner:
         self.kv_sharding = ([(self.page_sharding, v_sharding)] * self.model_cfg.num_layers if quantized
                             else self.page_sharding)
         self.kv = None  # free the old arrays first
-        self.kv = self._allocate_kv(self.cfg.num_blocks)
+        self._kv_spec = None
+        if allocate:
+            self.allocate_kv()
 
     def _ops(self, decode_only: bool):
         ops = self.backend.ops(lambda attend: sharded_ops.shard_attention(attend, self.mesh, self.backend.kv_layout),
@@ -157,14 +160,30 @@ class ModelRunner:
             return KVCaches([(zeros(), None) for _ in range(mc.num_layers)], layout)
         return KVCaches([(zeros(), zeros()) for _ in range(mc.num_layers)], layout)
 
-    def resize_kv(self, num_blocks: int) -> None:
-        """Re-allocate the KV cache with num_blocks blocks (after memory sizing); executables
-        compiled for the old size are dropped."""
+    def resize_kv(self, num_blocks: int, allocate: bool = True) -> None:
+        """Size the KV cache at num_blocks blocks (after memory sizing); executables compiled for
+        the old size are dropped. allocate=False frees the cache and leaves it to allocate_kv():
+        steps compile against its shapes (kv_spec) meanwhile, so on a device every bucket compiles
+        while the memory the cache will take is still free (XLA's autotuner allocates from it)."""
         self.kv = None  # free the old arrays first
-        self.kv = self._allocate_kv(num_blocks)
         self.cfg = dataclasses.replace(self.cfg, num_blocks=num_blocks)
+        self._kv_spec = None
         self.drop_executables()
         self.num_compiles = 0
+        if allocate:
+            self.allocate_kv()
+
+    def allocate_kv(self) -> None:
+        """The KV cache's arrays at the configured size (a no-op when they exist)."""
+        if self.kv is None:
+            self.kv = self._allocate_kv(self.cfg.num_blocks)
+
+    def kv_spec(self) -> list:
+        """The KV cache's per-layer arrays as shapes (the jitted steps carry their shardings): what
+        every step compiles against, whether or not the cache is allocated yet."""
+        if self._kv_spec is None:
+            self._kv_spec = jax.eval_shape(lambda: ModelRunner._allocate_kv(self, self.cfg.num_blocks).layers)
+        return self._kv_spec
 
     def drop_executables(self) -> None:
         """Forget every compiled step and sampler (a new KV size or attention backend)."""
@@ -263,7 +282,7 @@ class ModelRunner:
         rep, kv = self._replicated, self.kv_sharding
         jitted = jax.jit(step, donate_argnums=(1,), in_shardings=(self.param_shardings, kv, rep, rep),
                          out_shardings=(rep, kv))
-        return jitted, (self.params, self.kv.layers, self._flat(self.builder.packed_size(key)), self.last_tokens)
+        return jitted, (self.params, self.kv_spec(), self._flat(self.builder.packed_size(key)), self.last_tokens)
 
     def _compile_part(self, key: BucketKey, jitted, args):
         """One executable, from the step cache (serialized, keyed by what its trace depends on) or
@@ -301,7 +320,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             n = self._forward_size(key)
-            args = (self.params, self.kv.layers, self._flat(n), self.last_tokens)
+            args = (self.params, self.kv_spec(), self._flat(n), self.last_tokens)
             forward = self._compile_part(key, self._jit_forward(key), args)
             step = BucketStep(forward, self._sampler(key), n)
             mark("compile", bucket=list(key), s=time.perf_counter() - t0)
@@ -357,6 +376,8 @@ class ModelRunner:
         """Dispatch one step (returns at once: device arrays, not synced). `batch` may already be
         packed (multi-host followers receive the buffer)."""
         fn = self.executable(key)
+        if self.kv is None:
+            raise RuntimeError("the KV cache is not allocated yet: allocate_kv() after resize_kv(n, allocate=False)")
         flat = batch.pack() if isinstance(batch, StepBatch) else batch
         head, tail = (meshlib.to_global(x, self._replicated) for x in (flat[:fn.split], flat[fn.split:]))
         result, layers = fn(self.params, self.kv.layers, head, tail, self.last_tokens)
@@ -365,18 +386,7 @@ class ModelRunner:
         self.last_tokens = result.tokens
         return result
 
-    @staticmethod
-    def fetch(result: StepResult, s: int, logprobs: bool, accepted: bool = False, hidden: bool = False) -> StepResult:
-        """The step's tokens on the host (and `accepted` / the logprobs / the hidden rows of a
-        pool bucket when asked; None otherwise); blocks until the step ran."""
-        want = [True, accepted, logprobs, logprobs, logprobs, logprobs, hidden and result.hidden is not None]
-        parts = tuple(x for x, w in zip(result, want) if w)
-        if jax.process_count() > 1:  # replicated over processes: read the local copy
-            host = iter([meshlib.to_host(x) for x in parts])
-        else:
-            host = iter([np.asarray(x) for x in jax.device_get(parts)])
-        out = StepResult(*(next(host) if w else None for w in want))
-        return out._replace(tokens=out.tokens[:s])
+    fetch = staticmethod(fetch_result)  # the step's tokens (and what was asked) on the host
 
     # ---- for tests and tools: logits of a batch, no sampling ------------------------------------
     def forward_logits(self, batch: StepBatch, key: BucketKey):

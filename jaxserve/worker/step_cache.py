@@ -85,8 +85,8 @@ def describe(runner, key) -> str:
 
     r = runner
     return repr((r.source_config, r.model_cfg, r.cfg, r.backend, r.kv_cache_dtype, str(r.dtype), r.kv_repeat, r.s_max,
-                 r.builder.field_specs(key), cpu_kernels.library_name(), leaves(r.params), leaves(r.kv.layers),
-                 r.kv.layout, leaves(r.last_tokens), leaves(r.inv_freq), [str(d) for d in r.mesh.devices.flat],
+                 r.builder.field_specs(key), cpu_kernels.library_name(), leaves(r.params), leaves(r.kv_spec()),
+                 r.backend.kv_layout, leaves(r.last_tokens), leaves(r.inv_freq), [str(d) for d in r.mesh.devices.flat],
                  r.mesh.axis_names))
 
 
