@@ -49,9 +49,12 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None, dtype=np.float32, quantization: str | None = None) -> LoadedModel:
-    """quantization "gguf": keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/weight_formats.py);
-    "w4a8" keeps them too, and quant_params.quantize_params lays the 4-bit ones out for int8 activations."""
+def load_model(model: str | None, dtype=None, quantization: str | None = None) -> LoadedModel:
+    """dtype: the host weights' float dtype; None keeps each as the checkpoint stores it (a bfloat16
+    checkpoint stays bfloat16 on the host: the runner casts each shard to its compute dtype as it
+    places it, so no float32 copy of the whole model is ever held). quantization "gguf": keep a
+    GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices in their blocks (runtime/weight_formats.py); "w4a8"
+    keeps them too, and quant_params.quantize_params lays the 4-bit ones out for int8 activations."""
     t0 = time.perf_counter()
     path = resolve_model_path(model)
     params = None
@@ -159,8 +162,7 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     with safe_open(str(file), framework="flax") as f:  # flax: handles bfloat16 too
         for name in f.keys():
             if name not in fp8:
-                w = np.asarray(f.get_tensor(name))
-                out[name] = w if w.dtype == np.uint8 else w.astype(np.float32)  # uint8: MXFP4 blocks / scales
+                out[name] = np.asarray(f.get_tensor(name))  # as stored (uint8: MXFP4 blocks / scales)
     return out | fp8
 
 
@@ -179,6 +181,10 @@ def _fp8_tensors(file: Path) -> dict[str, np.ndarray]:
     return out
 
 
+# Host dtypes a tensor keeps as loaded (the runner casts per shard); others (float8) become float32.
+KEPT_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
 def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None = None,
                        keep_fp8: bool = False) -> dict:
     """FP8 (and other scaled) checkpoints -> float weights: `X.weight` times `X.weight_scale`
@@ -193,7 +199,7 @@ def fold_weight_scales(weights: dict[str, np.ndarray], block: list[int] | None =
             continue
         scale = weights.get(f"{name}_scale", weights.get(f"{name}_scale_inv"))
         if scale is None or not name.endswith(".weight"):
-            out[name] = w if w.dtype == np.uint8 else np.asarray(w, np.float32)  # float8 -> float32; float32 as it is
+            out[name] = w if w.dtype in KEPT_DTYPES else np.asarray(w, np.float32)  # float8 -> float32
             continue
         if keep_fp8 and (kept := _kept_fp8(w, scale)) is not None:
             out[name] = kept

@@ -54,7 +54,8 @@ def _common_path(name: str) -> tuple[str, ...] | None:
 
 
 def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
-    """Build the nested param dict (numpy, on host). Linear weights go from [out, in] to [in, out];
+    """Build the nested param dict (numpy, on host) in `dtype` (None: each tensor's own). Linear
+    weights go from [out, in] to [in, out];
     quantized ones (runtime/weight_formats.py) come in their kernel layout and are kept as they are."""
     params: dict = {}
     experts: dict = {}  # path -> {expert index: [in, out] matrix}

@@ -58,3 +58,48 @@ def test_engine_kv_dtype_follows_checkpoint(tiny_model, tmp_path):
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def _retyped(src: str, dst: Path, dtype: str) -> str:
+    """The checkpoint at `src` with its float tensors stored as `dtype` (torch: safetensors' numpy
+    writer has no bfloat16); values are rounded once, so a float32 copy of the bfloat16 one holds
+    the very same numbers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({k: v.to(getattr(torch, dtype)) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("quantization", [None, "w8a8"])
+def test_bfloat16_checkpoint_stays_bfloat16_on_the_host(tiny_model, tmp_path, quantization):
+    """Issue 24 item 6: a bfloat16 checkpoint is held in bfloat16 on the host (no float32 copy of
+    the whole model; the runner casts shard by shard) and runs exactly as its float32 copy does."""
+    import ml_dtypes
+    import numpy as np
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.model.loader import load_model
+
+    bf16 = _retyped(tiny_model("llama"), tmp_path / "bf16", "bfloat16")
+    f32 = _retyped(bf16, tmp_path / "f32", "float32")
+    leaves = [w for layer in load_model(bf16).params.values() for w in _arrays(layer)]
+    assert leaves and all(w.dtype == ml_dtypes.bfloat16 for w in leaves)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    outs = []
+    for path in (bf16, f32):
+        llm = LLM(path, **{**ENGINE_KW, "quantization": quantization})
+        out = llm.generate([[5, 6, 7], [9, 3]], params, use_tqdm=False)
+        outs.append([(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in out])
+    assert outs[0] == outs[1]
+    assert np.asarray(outs[0][0][0]).size == 6
+
+
+def _arrays(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _arrays(v)
+    else:
+        yield node
