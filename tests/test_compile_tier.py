@@ -188,3 +188,16 @@ def test_tier_steps_cover_moe_gemma3_and_gpt_oss(tmp_path):
             "cuda/h100/step/qwen3-235b-a22b/ep-tp8/mixed-T512-S64"} <= set(ids), ids
     assert sum(i.startswith("cuda/h100/step/tp") for i in ids) == 4, ids  # Llama: mixed and decode at TP 1 and 8
     assert sum(i.startswith("tpu/v5e/step/tp") for i in ids) == 4 and not [i for i in ids if i.endswith("/plan")], ids
+
+
+def test_tier_case_selection_keeps_what_ci_keeps():
+    """.ci/run's filter: every TPU engine step skipped but the two it keeps; other cases untouched."""
+    from tools.compile_tier import selected
+
+    skip, keep = ["tpu/*/step/*"], ["tpu/*/step/tp8/decode-*", "tpu/*/step/qwen3-30b-a3b/*"]
+    assert selected("tpu/v5e/step/tp8/decode-T64-S64", "*", skip, keep)
+    assert selected("tpu/v5e/step/qwen3-30b-a3b/tp8/mixed-T512-S64", "*", skip, keep)
+    assert not selected("tpu/v5e/step/tp4/mixed-T512-S64", "*", skip, keep)
+    assert not selected("tpu/v5e/step/gemma-3-27b/tp8/decode-T64-S64", "*", skip, keep)
+    assert selected("cuda/h100/step/tp1/mixed-T512-S64", "*", skip, keep)
+    assert not selected("cuda/h100/step/tp1/mixed-T512-S64", "tpu/*", skip, keep)

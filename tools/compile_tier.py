@@ -280,12 +280,23 @@ def run_cases(cases: list[Case], targets: dict, out=print) -> list[dict]:
     return rows
 
 
+def selected(case_id: str, only: str = "*", skip=(), keep=()) -> bool:
+    """Whether a case runs: it matches `only`, and no `skip` pattern or also a `keep` one (.ci/run
+    skips the TPU engine steps, minutes of CPU each on 2 cores, but keeps two of them)."""
+    def match(patterns):
+        return any(fnmatch.fnmatch(case_id, p) for p in patterns)
+
+    return fnmatch.fnmatch(case_id, only) and (not match(skip) or match(keep))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None, help="write every case's figures here")
     p.add_argument("--only", default="*", help="shell pattern over case ids, e.g. 'cuda/*/kernel/*'")
     p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                    help="shell pattern over case ids to leave out (repeatable), e.g. 'tpu/*/step/*'")
+    p.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                   help="shell pattern over case ids that --skip does not leave out (repeatable)")
     p.add_argument("--platforms", default="cuda,tpu")
     args = p.parse_args(argv)
     platforms = tuple(x for x in args.platforms.split(",") if x)
@@ -307,8 +318,7 @@ def main(argv=None) -> int:
         cases += kernel_cases(t.platform, t)
         cases += gmm_cases(t)
         cases += step_cases(t.platform, t) if t.name in (GPU_TARGET, TPU_TARGETS[0]) else []
-    cases = [c for c in cases if fnmatch.fnmatch(c.id, args.only)
-             and not any(fnmatch.fnmatch(c.id, pat) for pat in args.skip)]
+    cases = [c for c in cases if selected(c.id, args.only, args.skip, args.keep)]
     print(f"compile tier: jax {jax.__version__}, {len(cases)} cases on {', '.join(targets)}")
     rows = run_cases(cases, targets)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "XFAIL", "XPASS")}
