@@ -220,6 +220,9 @@ def quantized_specs(path: tuple[str, ...], w, cfg: ModelConfig, tp: int):
     name = "/".join(path)
     parts = [a for a in w if a.ndim >= 2]
     splits = (spec_n and q.shape[0] % tp) or (spec_k and any(a.shape[1] % tp for a in parts))
+    if splits and path[-2] in ("embed_tokens", "lm_head"):  # vocab panels do not divide: split the hidden
+        # axis instead (as param_spec does for an odd vocab), or keep the table whole where its blocks do not
+        spec_n, spec_k, splits = None, None if any(a.shape[1] % tp for a in parts) else MODEL, False
     if splits:
         count = q.shape[0] if spec_n else min(a.shape[1] for a in parts)  # panels, or K's coarsest blocks
         unit = f"{panels.PANEL}-column panels" if spec_n else f"blocks of {k // count} along K"
@@ -234,10 +237,6 @@ def quantized_shardings(params, cfg: ModelConfig, mesh: Mesh):
     """NamedShardings for a tree holding quantized weights: theirs from `quantized_specs`, the
     float leaves' from param_spec."""
     tp = tp_size(mesh)
-    if kv_replication(cfg, tp) > 1:
-        raise UserError(f"tensor_parallel_size={tp} > num_key_value_heads={cfg.num_kv_heads} repeats kv heads, "
-                        "which a model with quantized weights cannot yet: use a tensor parallel size that "
-                        f"divides {cfg.num_kv_heads}, or float weights.", param="tensor_parallel_size")
 
     def f(path, leaf):
         names = tuple(str(getattr(k, "key", k)) for k in path)
@@ -362,6 +361,38 @@ def pad_expert_stacks(params: dict, cfg: ModelConfig, tp: int) -> dict:
 
 
 # ---- placing weights --------------------------------------------------------------------------
+def repeat_kv_heads(params: dict, cfg: ModelConfig, r: int) -> dict:
+    """A model with quantized weights, its k/v projections with each kv head repeated r times before
+    placement (`expand_kv_heads` repeats float models' on device). Every part of a quantized kernel
+    holds 64-column panels along axis 0 (per-column scales: columns), so a head of head_dim D is D /
+    64 whole panels, repeated as stored (the same bytes: exact); float leaves (biases) by column."""
+    if r == 1:
+        return params
+    d = cfg.head_dim
+
+    def rep(a, unit: int, axis: int):  # [.., Hkv * unit, ..] -> [.., Hkv * r * unit, ..] along axis
+        shape = a.shape[:axis] + (a.shape[axis] * r,) + a.shape[axis + 1:]
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(shape, a.dtype)
+        xp = np if isinstance(a, np.ndarray) else jnp
+        heads = a.reshape(a.shape[:axis] + (a.shape[axis] // unit, unit) + a.shape[axis + 1:])
+        return xp.repeat(heads, r, axis=axis).reshape(shape)
+
+    def f(path, w):
+        if not _is_kv_proj(path):
+            return w
+        if not weight_formats.is_quantized(w):
+            return rep(w, d, w.ndim - 1)
+        if d % panels.PANEL:
+            raise UserError(f"tensor_parallel_size > num_key_value_heads={cfg.num_kv_heads} repeats kv heads, which "
+                            f"quantized k/v projections can only do in whole {panels.PANEL}-column panels, but "
+                            f"head_dim is {d}: use a tensor parallel size that divides {cfg.num_kv_heads}, or "
+                            "float weights.", param="tensor_parallel_size")
+        return type(w)(*(rep(a, d if a.ndim == 1 else d // panels.PANEL, 0) for a in w))
+
+    return map_paths(params, f)
+
+
 def expand_kv_heads(params: dict, cfg: ModelConfig, r: int, target: dict) -> dict:
     """Repeat each kv head r times in k/v projections (kernel [H, Hkv*D], bias [Hkv*D]), on device,
     producing arrays already in their target (column-parallel) sharding. Abstract leaves

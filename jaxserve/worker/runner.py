@@ -205,6 +205,7 @@ class ModelRunner:
             params = quant_params.quantize_params(params, self.cfg.quantization)
         params = sharding.pad_packed_experts(params, mc, self.model_cfg, tp)  # under TP: whole blocks per device
         if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
+            params = sharding.repeat_kv_heads(params, mc, self.kv_repeat)
             self.param_shardings = sharding.quantized_shardings(params, mc, mesh)
             return quant_params.place_params(params, self.dtype, self.param_shardings)
         if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout

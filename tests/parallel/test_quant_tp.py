@@ -73,7 +73,30 @@ def test_block_split_by_tp_is_a_clear_error(tiny_model):
     make_runner(lm, 2, "q4_1")  # 32-blocks split fine
 
 
-def test_kv_head_repeat_with_quantized_weights_is_a_clear_error(tiny_model):
+@pytest.mark.parametrize("quantization", ["int8", "q8_0", "q4_1"])
+def test_kv_heads_repeated_with_quantized_weights(tiny_model, quantization):
+    """TP=4 over 2 kv heads: each quantized k/v head (head_dim 128: two 64-column panels) is
+    repeated as stored, one per device, and the greedy tokens are TP=1's."""
     lm = load_model(tiny_model("llama", **TINY))
-    with pytest.raises(UserError, match=r"tensor_parallel_size=4 > num_key_value_heads=2 repeats kv heads"):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, lm.config.vocab_size, n).tolist() for n in (17, 9)]
+    ref_logits, ref_tokens = greedy_logits(make_runner(lm, 1, quantization), prompts, steps=3)
+    runner = make_runner(lm, 4, quantization)
+    k = runner.params["layers_0"]["self_attn"]["k_proj"]["kernel"]
+    assert weight_formats.is_quantized(k) and runner.model_cfg.num_kv_heads == 4
+    assert jax.eval_shape(weight_formats.dequantize, k).shape == (512, 4 * 128)  # [H, 4 heads x D]
+    # the vocab's 6 panels do not divide over 4 devices: the quantized table splits its hidden axis instead
+    table = runner.params["embed_tokens"]["embedding"][0]
+    assert weight_formats.is_quantized(runner.params["embed_tokens"]["embedding"])
+    assert table.sharding.shard_shape(table.shape) == (table.shape[0], table.shape[1] // 4, *table.shape[2:])
+    logits, tokens = greedy_logits(runner, prompts, steps=3)
+    np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{quantization}: TP=4 greedy tokens differ")
+    assert np.abs(logits - ref_logits).max() <= 1e-4 * np.abs(ref_logits).max()
+
+
+def test_kv_head_repeat_of_a_partial_panel_is_a_clear_error(tiny_model):
+    """head_dim 32: a quantized k/v head is half a 64-column panel, which cannot be repeated alone."""
+    lm = load_model(tiny_model("llama", hidden=256, heads=8, kv_heads=2, layers=1))
+    with pytest.raises(UserError, match=r"whole 64-column panels, but head_dim is 32: use a tensor parallel size "
+                                        r"that divides 2"):
         make_runner(lm, 4, "int8")
