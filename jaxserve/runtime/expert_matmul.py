@@ -70,6 +70,13 @@ def grouped_gated(lhs, w_gate, w_up, group_sizes, native: bool = False, isa: cpu
     return jax.nn.silu(g) * grouped_matmul(lhs, w_up, group_sizes, native, isa)
 
 
+def native_route(group, e: int):
+    """(argsort(group, stable=True), rows per expert i32[e]) of group i32[M] (values e and past: no
+    expert's, sorted last), natively."""
+    shapes = (jax.ShapeDtypeStruct(group.shape, jnp.int32), jax.ShapeDtypeStruct((e,), jnp.int32))
+    return jax.ffi.ffi_call("jaxserve_moe_route", shapes, vmap_method="sequential")(group.astype(jnp.int32))
+
+
 def native_gather(x, order):
     """x[order // k] (order i32[T*k]: the expert-sorted rows' token-slot indices), natively."""
     out = jax.ShapeDtypeStruct((order.shape[0], x.shape[1]), jnp.float32)
@@ -100,6 +107,6 @@ def packed_moe(moe, native: bool, isa: cpu_kernels.DotIsa | None = None):
         return grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows,
                                matmul=functools.partial(grouped_matmul, native=nat, isa=isa),
                                gated=functools.partial(grouped_gated, native=nat, isa=isa),
-                               rows=(native_gather, native_combine) if native_rows else None, **kw)
+                               rows=(native_route, native_gather, native_combine) if native_rows else None, **kw)
 
     return run

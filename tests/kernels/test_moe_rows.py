@@ -1,5 +1,5 @@
 """The native row moves of a packed-expert MoE layer (csrc/moe_rows.cc, runtime/expert_matmul.py
-native_gather / native_combine): the layer's rows reach the experts and come back as with XLA's
+native_route / native_gather / native_combine): the layer's rows reach the experts and come back as with XLA's
 gathers, each token's sum over its slots a float32 FMA chain from 0 in slot order (what XLA's
 einsum computes at its default optimization; the suite's -O0, conftest.py, leaves mul and add
 apart, so the einsum is checked against to within rounding only), for routed-away slots, padded
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime import cpu_kernels
-from jaxserve.runtime.expert_matmul import grouped_gated, grouped_matmul, native_combine, native_gather
+from jaxserve.runtime.expert_matmul import grouped_gated, grouped_matmul, native_combine, native_gather, native_route
 from jaxserve.runtime.moe import grouped_experts
 from jaxserve.runtime.weight_formats import ExpertStack, stack_experts
 from jaxserve.runtime.weight_formats import quantize as quantize_weight
@@ -51,8 +51,8 @@ def test_native_rows_bit_identical(name, offset):
     def slots(y, order, w):  # the down product's rows in (token, slot) order, and the slots' weights
         return jnp.concatenate([y[jnp.argsort(order)], w.reshape(-1, 1)], axis=1)
 
-    got = layer((native_gather, native_combine))
-    assert got.tobytes() == fma_chain(layer((lambda x, o: x[o // K], slots))).tobytes()
+    got = layer((native_route, native_gather, native_combine))
+    assert got.tobytes() == fma_chain(layer((native_route, lambda x, o: x[o // K], slots))).tobytes()
     np.testing.assert_allclose(got, layer(None), rtol=1e-5, atol=1e-6)
 
 
@@ -64,6 +64,15 @@ def fma_chain(slots):
     for j in range(K):
         acc = (y[:, j].astype(np.float64) * w[:, j, None] + acc).astype(np.float32)
     return acc
+
+
+def test_route_is_the_stable_argsort():
+    rng = np.random.default_rng(3)
+    group = rng.integers(-1, E + 2, 200).astype(np.int32)  # -1 and E..E+1: no expert's
+    order, sizes = native_route(jnp.asarray(group), E)
+    key = np.where((group >= 0) & (group < E), group, E)
+    np.testing.assert_array_equal(order, np.argsort(key, kind="stable"))
+    np.testing.assert_array_equal(sizes, np.bincount(key, minlength=E + 1)[:E])
 
 
 def test_combine_matches_einsum_and_refuses_a_bad_order():

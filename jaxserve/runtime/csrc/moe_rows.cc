@@ -1,6 +1,9 @@
 // A mixture-of-experts layer's row moves around its grouped matmuls (runtime/moe.py
 // grouped_experts, runtime/expert_matmul.py), as XLA FFI custom calls:
 //
+//   jaxserve_moe_route:   order i32[M], sizes i32[E] from group i32[M] (each row's expert; E or
+//       more, or negative: no expert's): argsort(group, stable) with the expert-less rows last, and
+//       the rows per expert (a counting sort: XLA:CPU's argsort takes ~50 us at M = 256)
 //   jaxserve_moe_gather:  xs[M, H] = x[order[r] / k]       (x f32[T, H], order i32[M], k = M / T)
 //   jaxserve_moe_combine: out[T, H], out[t] = sum_j w[t, j] y[r(t, j)] over j = 0..k-1 in order,
 //       r(t, j) the row with order[r] = t k + j (y f32[M, H], order i32[M], w f32[T, k])
@@ -33,6 +36,19 @@ bool Permutation(const int32_t* order, int64_t m) {
     seen[order[r]] = true;
   }
   return true;
+}
+
+ffi::Error Route(ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::S32> order, ffi::ResultBuffer<ffi::S32> sizes) {
+  const int64_t m = group.element_count(), e = sizes->element_count();
+  if (order->element_count() != m) return ffi::Error::InvalidArgument("moe route: expected order[M] for group[M]");
+  const int32_t* g = group.typed_data();
+  std::vector<int64_t> start(e + 2, 0);  // start[x + 1]: rows of expert x (x = e: no expert's)
+  const auto key = [&](int64_t r) { return g[r] >= 0 && g[r] < e ? int64_t(g[r]) : e; };
+  for (int64_t r = 0; r < m; ++r) ++start[key(r) + 1];
+  for (int64_t x = 0; x < e; ++x) sizes->typed_data()[x] = int32_t(start[x + 1]);
+  for (int64_t x = 1; x <= e + 1; ++x) start[x] += start[x - 1];
+  for (int64_t r = 0; r < m; ++r) order->typed_data()[start[key(r)]++] = int32_t(r);  // in row order: stable
+  return ffi::Error::Success();
 }
 
 ffi::Error Gather(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> order,
@@ -89,6 +105,12 @@ ffi::Error Combine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ff
 
 }  // namespace
 
+// group i32[M] -> order i32[M], sizes i32[E]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeRoute, Route,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 // x[T, H], order i32[T*k] -> xs[T*k, H]
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeGather, Gather,
                               jaxserve::BindPoolF32().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
