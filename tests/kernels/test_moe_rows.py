@@ -87,5 +87,8 @@ def test_combine_matches_einsum_and_refuses_a_bad_order():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     x = y[:T]
     np.testing.assert_array_equal(native_gather(x, order), x[order // K])
+    none = jnp.zeros((0,), jnp.int32)  # no tokens
+    assert native_gather(jnp.zeros((0, 8), jnp.float32), none).shape == (0, 8)
+    assert native_combine(jnp.zeros((0, 8), jnp.float32), none, jnp.zeros((0, K), jnp.float32)).shape == (0, 8)
     with pytest.raises(Exception, match="permutation"):
         native_combine(y, order.at[0].set(order[1]), w).block_until_ready()

@@ -55,6 +55,7 @@ ffi::Error Gather(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::ResultBuffer<ffi::F32> out) {
   const auto d = x.dimensions();
   const int64_t m = order.element_count();
+  if (d.size() == 2 && m == 0) return ffi::Error::Success();  // no tokens (T = 0): nothing to move
   if (d.size() != 2 || d[0] < 1 || m % d[0] != 0 || !Permutation(order.typed_data(), m))
     return ffi::Error::InvalidArgument("moe gather: expected x[T, H], order a permutation of 0..T*k-1");
   const int64_t k = m / d[0], h = d[1];
