@@ -41,7 +41,9 @@ TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write
            "jaxserve_quant_matmul_gated": "JaxserveQuantMatmulGated",
            "jaxserve_dot_matmul": "JaxserveDotMatmul", "jaxserve_dot_matmul_gated": "JaxserveDotMatmulGated",
            "jaxserve_quant_matmul_grouped": "JaxserveQuantMatmulGrouped",
-           "jaxserve_dot_matmul_grouped": "JaxserveDotMatmulGrouped"}
+           "jaxserve_dot_matmul_grouped": "JaxserveDotMatmulGrouped",
+           "jaxserve_moe_route": "JaxserveMoeRoute", "jaxserve_moe_gather": "JaxserveMoeGather",
+           "jaxserve_moe_combine": "JaxserveMoeCombine"}
 
 _lock = threading.Lock()
 _state: dict = {}  # "error": str | None once a build was tried

@@ -70,6 +70,27 @@ def grouped_gated(lhs, w_gate, w_up, group_sizes, native: bool = False, isa: cpu
     return jax.nn.silu(g) * grouped_matmul(lhs, w_up, group_sizes, native, isa)
 
 
+def native_route(group, e: int):
+    """(argsort(group, stable=True), rows per expert i32[e]) of group i32[M] (values e and past: no
+    expert's, sorted last), natively."""
+    shapes = (jax.ShapeDtypeStruct(group.shape, jnp.int32), jax.ShapeDtypeStruct((e,), jnp.int32))
+    return jax.ffi.ffi_call("jaxserve_moe_route", shapes, vmap_method="sequential")(group.astype(jnp.int32))
+
+
+def native_gather(x, order):
+    """x[order // k] (order i32[T*k]: the expert-sorted rows' token-slot indices), natively."""
+    out = jax.ShapeDtypeStruct((order.shape[0], x.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_moe_gather", out, vmap_method="sequential")(
+        x.astype(jnp.float32), order.astype(jnp.int32))
+
+
+def native_combine(y, order, w):
+    """einsum("tkh,tk->th", y[argsort(order)].reshape(T, k, H), w) bit for bit, natively."""
+    out = jax.ShapeDtypeStruct((w.shape[0], y.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("jaxserve_moe_combine", out, vmap_method="sequential")(
+        y.astype(jnp.float32), order.astype(jnp.int32), w.astype(jnp.float32))
+
+
 def packed_moe(moe, native: bool, isa: cpu_kernels.DotIsa | None = None):
     """A backend's `ops.moe` (runtime/moe.py's signature) that also takes ExpertStack experts: their
     grouped products natively where `native` (the backend's `native_experts`: the native CPU kernels,
@@ -80,8 +101,12 @@ def packed_moe(moe, native: bool, isa: cpu_kernels.DotIsa | None = None):
         if not any(isinstance(w, ExpertStack) for w in (w_gate, w_up, w_down)):
             return moe(x, ids, weights, w_gate, w_up, w_down, num_rows, **kw)
         nat = native and x.dtype == jnp.float32
+        # The rows moved natively where the down product is a native grouped call (its rows past the
+        # groups', the routed-away slots', come out 0, as combine needs).
+        native_rows = nat and isinstance(w_down, ExpertStack)
         return grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows,
                                matmul=functools.partial(grouped_matmul, native=nat, isa=isa),
-                               gated=functools.partial(grouped_gated, native=nat, isa=isa), **kw)
+                               gated=functools.partial(grouped_gated, native=nat, isa=isa),
+                               rows=(native_route, native_gather, native_combine) if native_rows else None, **kw)
 
     return run

@@ -174,7 +174,8 @@ def xla_gpu_dense_experts(platform: str, mc, tp: int, gpu_moe_kernel: bool, dtyp
 
 
 def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert_offset=0,
-                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None, num_experts=None):
+                    matmul=jax.lax.ragged_dot, *, biases=None, act=silu_gate, gated=None, num_experts=None,
+                    rows=None):
     """sum_j weights[t, j] * FFN_{ids[t, j]}(x[t]) for every token t, FFN_e(x) = act(x Wg_e, x Wu_e) Wd_e
     (act silu(g) * u unless given; `biases` (b_gate, b_up) [E, I] add to x Wg_e and x Wu_e; a down
     bias is the caller's: sum_j weights * b_down[ids] needs no grouped product).
@@ -189,7 +190,11 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     one expert's matrix per tile; `gated(rows, w_gate, w_up, sizes)`: silu(rows Wg) * (rows Wu) in one
     product, used for the default act without biases; `num_experts`: every device's experts together
     (expert parallelism: sizes `pallas_ragged_dot`'s row tiles for the T*k/num_experts rows an expert
-    gets, not the T*k/E rows, mostly other devices', it is given). -> [T, H] in x's dtype."""
+    gets, not the T*k/E rows, mostly other devices', it is given); `rows`: (route, gather, combine)
+    in place of XLA's sort, gathers and einsum (runtime/expert_matmul.py's native ones, for float32
+    and a matmul whose rows past sum(sizes) are zero): route(group, e) = (order, sizes) below,
+    gather(x, order) = x[order // k], combine(y, order, w) = the einsum below of y in (token, slot)
+    order. -> [T, H] in x's dtype."""
     t, k = ids.shape
     e = w_gate.shape[0]
     local = ids - expert_offset
@@ -197,14 +202,17 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     if num_rows is not None:
         valid &= (jnp.arange(t) < num_rows[0])[:, None]
     group = jnp.where(valid, local, e).reshape(-1)  # [T*k], sentinel e: not computed
-    order = jnp.argsort(group, stable=True)
-    sizes = jnp.zeros((e + 1,), jnp.int32).at[group].add(1)[:e]
+    if rows:
+        order, sizes = rows[0](group, e)
+    else:
+        order = jnp.argsort(group, stable=True)
+        sizes = jnp.zeros((e + 1,), jnp.int32).at[group].add(1)[:e]
     packed = hasattr(w_gate, "expert")
     dot = blocked_ragged_dot if packed and matmul is jax.lax.ragged_dot else matmul
     if num_experts and getattr(matmul, "func", matmul) is pallas_ragged_dot:  # a partial (tests: interpret)
         dot = functools.partial(dot, group_rows=-(-t * k // num_experts))
     dtype = x.dtype if packed else w_gate.dtype
-    xs = x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
+    xs = rows[1](x, order) if rows else x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
     if gated is not None and act is silu_gate and biases is None:
         h = gated(xs, w_gate, w_up, sizes)
     else:
@@ -214,7 +222,9 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
             g, u = g + biases[0][row_expert].astype(g.dtype), u + biases[1][row_expert].astype(u.dtype)
         h = act(g, u)
     y = dot(h.astype(dtype), w_down, sizes)  # [T*k, H]
+    w = jnp.where(valid, weights, 0).astype(jnp.float32)
+    if rows:
+        return rows[2](y, order, w).astype(x.dtype)
     y = jnp.where(group[order][:, None] < e, y, 0)  # rows outside every group: exactly zero
     y = y[jnp.argsort(order)].reshape(t, k, -1)  # back to (token, slot) order
-    w = jnp.where(valid, weights, 0).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), w).astype(x.dtype)

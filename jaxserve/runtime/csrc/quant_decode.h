@@ -128,19 +128,20 @@ inline void Q6Pair(const uint8_t* q, int64_t k, int v, i8x16& lo, i8x16& hi) {
   hi = (i8x16)((nib >> 4) | (top & 12) << 2) - 32;
 }
 
-// Calls use(k, w) for k = 0..K-1 in order, w[kNV] the panel's row k decoded (int8: q, unscaled),
-// and fence() between the two rows a Q4 byte holds. Each decoded vector is Opaque (vec.h): a
-// decoded weight's scale is not folded into the FMAs.
+// Calls use(k, w) for k = k0..k1-1 in order (k0 and k1 multiples of kSub<F>, or K), w[kNV] the
+// panel's row k decoded (int8: q, unscaled), and fence() between the two rows a Q4 byte holds.
+// Each decoded vector is Opaque (vec.h): a decoded weight's scale is not folded into the FMAs.
+// kDecoded: p.f holds rows k0..k1-1 only.
 template <Format F, typename Use, typename Fence>
-inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) {
+inline void ForEachRow(const Panel& p, int64_t k0, int64_t k1, Use&& use, Fence&& fence) {
   v16 w[kNV], hi[kNV], d[kNV], m[kNV];
   if constexpr (F == kDecoded) {
-    for (int64_t k = 0; k < k_len; ++k) {
-      for (int v = 0; v < kNV; ++v) w[v] = Load<v16>(p.f + k * kPanel + v * kW);
+    for (int64_t k = k0; k < k1; ++k) {
+      for (int v = 0; v < kNV; ++v) w[v] = Load<v16>(p.f + (k - k0) * kPanel + v * kW);
       use(k, w);
     }
   } else if constexpr (F == kINT8 || F == kFP8) {
-    for (int64_t k = 0; k < k_len; ++k) {
+    for (int64_t k = k0; k < k1; ++k) {
       for (int v = 0; v < kNV; ++v) {
         if constexpr (F == kINT8)
           w[v] = Float(Load<i8x16>(p.q + k * kPanel + v * kW));
@@ -152,7 +153,7 @@ inline void ForEachRow(const Panel& p, int64_t k_len, Use&& use, Fence&& fence) 
     }
   } else {
     constexpr bool kPairs = F != kQ8_0;  // two rows per byte (Q4, Q4_K) or per step (Q6_K)
-    for (int64_t b = 0; b < k_len / kSub<F>; ++b) {
+    for (int64_t b = k0 / kSub<F>; b < k1 / kSub<F>; ++b) {
       BlockScales<F>(p, b, d, m);
       for (int64_t k = b * kSub<F>; k < (b + 1) * kSub<F>; k += kPairs ? 2 : 1) {
         for (int v = 0; v < kNV; ++v) {

@@ -53,19 +53,26 @@ struct Weight {
   }
 };
 
-// out[K, 64] = the panel decoded (int8: q, unscaled): what the row tiles of a chunk share.
+// out[k1 - k0, 64] = the panel's rows k0..k1-1 decoded (int8: q, unscaled): what the row tiles of
+// a chunk share.
 template <Format F>
-void Decode(const Panel& p, int64_t k_len, float* out) {
-  ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) { std::memcpy(out + k * kPanel, w, kNV * sizeof(v16)); },
-                [] {});
+void Decode(const Panel& p, int64_t k0, int64_t k1, float* out) {
+  ForEachRow<F>(p, k0, k1, [&](int64_t k, const v16* w) {
+    std::memcpy(out + (k - k0) * kPanel, w, kNV * sizeof(v16));
+  }, [] {});
 }
 
-// y[0:MR, 0:64] = x[0:MR, :] @ panel, times `scale` per column where given (int8); x rows K apart,
-// y rows ldy apart.
+// y[0:MR, 0:64] = c + x[0:MR, k0:k1] @ panel[k0:k1] (c: rows ldc apart, or zero where null), times
+// `scale` per column where given (int8); x rows K apart, y rows ldy apart. The sums go on in k
+// order from the c they are given, so k ranges run one after another sum as one whole-K call.
 template <Format F, int MR>
-void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
+void Kernel(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_t k_len, const float* c0, int64_t ldc,
+            const float* scale, float* y, int64_t ldy) {
   v16 c[MR][kNV] = {};
-  ForEachRow<F>(p, k_len, [&](int64_t k, const v16* w) {
+  if (c0)
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < kNV; ++v) c[r][v] = Load<v16>(c0 + r * ldc + v * kW);
+  ForEachRow<F>(p, k0, k1, [&](int64_t k, const v16* w) {
     for (int r = 0; r < MR; ++r) {
       const float a = x[r * k_len + k];
       for (int v = 0; v < kNV; ++v) c[r][v] += a * w[v];
@@ -84,18 +91,51 @@ void Kernel(const float* x, const Panel& p, const float* scale, float* y, int64_
 }
 
 template <Format F>
-void Tile(int64_t mr, const float* x, const Panel& p, const float* scale, float* y, int64_t k_len, int64_t ldy) {
+void Tile(int64_t mr, const float* x, const Panel& p, int64_t k0, int64_t k1, int64_t k_len, const float* c0,
+          int64_t ldc, const float* scale, float* y, int64_t ldy) {
   switch (mr) {
-    case 1: return Kernel<F, 1>(x, p, scale, y, k_len, ldy);
-    case 2: return Kernel<F, 2>(x, p, scale, y, k_len, ldy);
-    case 3: return Kernel<F, 3>(x, p, scale, y, k_len, ldy);
-    case 4: return Kernel<F, 4>(x, p, scale, y, k_len, ldy);
-    case 5: return Kernel<F, 5>(x, p, scale, y, k_len, ldy);
-    case 6: return Kernel<F, 6>(x, p, scale, y, k_len, ldy);
+    case 1: return Kernel<F, 1>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
+    case 2: return Kernel<F, 2>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
+    case 3: return Kernel<F, 3>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
+    case 4: return Kernel<F, 4>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
+    case 5: return Kernel<F, 5>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
+    case 6: return Kernel<F, 6>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
     default: return;
   }
 }
 static_assert(kMR == 6, "Tile covers MR = 1..6");
+
+// k rows per decoded slab: 128 x 64 floats (32 KiB) stay in L1 while every row tile of a chunk
+// reads them (a whole decoded panel, 256 KiB at K = 1024, was read from L2 by each tile); a
+// multiple of every format's block (kSub), so slabs start on block boundaries.
+constexpr int64_t kSlab = 128;
+
+// A chunk of more than one row tile: the panel decoded once per chunk, a slab of k at a time, into
+// this thread's buffer, and the kernel run over the floats: the same values, summed in the same
+// order (each tile's sums carried from slab to slab in `acc`), decoded 1 / 8 as often as per tile.
+// Rows r0..r0+rows-1 of y's panel columns (y rows n apart; gated: silu(g) * u).
+template <Format F>
+void SharedDecode(const float* xs, int64_t r0, int64_t rows, int64_t k_len, const Panel* ps, const float* const* scales,
+                  int weights, float* y, int64_t n) {
+  thread_local std::vector<float> buf, acc;
+  buf.resize(kSlab * kPanel);
+  acc.resize(weights * rows * kPanel);
+  for (int64_t k0 = 0; k0 < k_len; k0 += kSlab) {
+    const int64_t k1 = std::min(k_len, k0 + kSlab);
+    for (int u = 0; u < weights; ++u) {
+      Decode<F>(ps[u], k0, k1, buf.data());
+      Panel decoded{};
+      decoded.f = buf.data();
+      // One weight: straight into y. Gated: gate and up into acc, then silu(g) * u.
+      float* c = weights == 1 ? y + r0 * n : acc.data() + u * rows * kPanel;
+      const int64_t ldc = weights == 1 ? n : kPanel;
+      for (int64_t r = 0; r < rows; r += kMR)
+        Tile<kDecoded>(std::min<int64_t>(kMR, rows - r), xs + (r0 + r) * k_len, decoded, k0, k1, k_len,
+                       k0 ? c + r * ldc : nullptr, ldc, k1 == k_len ? scales[u] : nullptr, c + r * ldc, ldc);
+    }
+  }
+  if (weights == 2) SiluMul(acc.data(), acc.data() + rows * kPanel, rows, y + r0 * n, n);
+}
 
 // ys = xs @ W, or silu(xs @ W) * (xs @ W_up) where `ups`, over `chunks`' row groups: group g's rows
 // times ws[g] (and ups[g]); the rows after the groups' (to m_padded) come out zero.
@@ -107,27 +147,12 @@ void Run(xla::ffi::ThreadPool& pool, const float* xs, const RowChunks& chunks, i
   ForEachChunkPanel(pool, chunks, panels, [&](int64_t group, int64_t r0, int64_t rows, int64_t panel) {
     const Weight& w = ws[group];
     const Weight* w_up = ups ? ups + group : nullptr;
-    const Panel pg = w.At(panel, k_len, F), pu = w_up ? w_up->At(panel, k_len, F) : Panel{};
-    const float *sg = w.Scale(panel, F), *su = w_up ? w_up->Scale(panel, F) : nullptr;
-    // A chunk of more than one row tile decodes the panel once, into this thread's buffer, and runs
-    // the kernel over the floats: the same values, summed in the same order, decoded 1 / 8 as often.
-    thread_local std::vector<float> buf_g, buf_u;
-    const bool shared = rows > kMR;
-    if (shared) {
-      buf_g.resize(k_len * kPanel);
-      Decode<F>(pg, k_len, buf_g.data());
-      if (w_up) {
-        buf_u.resize(k_len * kPanel);
-        Decode<F>(pu, k_len, buf_u.data());
-      }
-    }
+    const Panel ps[2] = {w.At(panel, k_len, F), w_up ? w_up->At(panel, k_len, F) : Panel{}};
+    const float* scales[2] = {w.Scale(panel, F), w_up ? w_up->Scale(panel, F) : nullptr};
+    if (rows > kMR) return SharedDecode<F>(xs, r0, rows, k_len, ps, scales, w_up ? 2 : 1, ys + panel * kPanel, n);
     RowTiles<kMR>(r0, rows, w_up != nullptr, ys + panel * kPanel, n,
                   [&](int64_t mr, int64_t r, bool up, float* y, int64_t ldy) {
-                    const float* x = xs + r * k_len;
-                    if (!shared) return Tile<F>(mr, x, up ? pu : pg, up ? su : sg, y, k_len, ldy);
-                    Panel decoded{};
-                    decoded.f = (up ? buf_u : buf_g).data();
-                    Tile<kDecoded>(mr, x, decoded, up ? su : sg, y, k_len, ldy);
+                    Tile<F>(mr, xs + r * k_len, ps[up], 0, k_len, k_len, nullptr, 0, scales[up], y, ldy);
                   });
   });
 }
