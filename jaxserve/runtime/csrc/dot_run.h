@@ -24,8 +24,9 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
          int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
   // Rows per work item: AMX reads a panel's weights once per 16 rows, from L2 after the first.
   constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk;
-  constexpr int step = I == kAmx ? kAmxRows : kMaxMR<F>;
-  static_assert(kAmxChunk % kAmxRows == 0, "AMX row tiles do not straddle chunks");
+  // bf16 on AMX: 32-row tiles (AmxKernel2x2; a last one of up to 16 rows on AmxKernel)
+  constexpr int step = I == kAmx ? (F == kBFLOAT16 ? 2 * kAmxRows : kAmxRows) : kMaxMR<F>;
+  static_assert(kAmxChunk % (2 * kAmxRows) == 0, "AMX row tiles do not straddle chunks");
   const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()), chunk);
   const int64_t n = panels * kPanel, m = chunks.rows();
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
@@ -34,7 +35,7 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
     const Weight* up = ups ? ups + group : nullptr;
     int configured = 0;  // the rows the tiles are configured for (AMX)
     // w4a8 on AMX: the panel's nibbles split into bytes once per work item (gate, then up)
-    thread_local std::vector<uint32_t> split[2];
+    thread_local AlignedVector<uint32_t> split[2];
     const uint32_t* panel_words[2] = {PanelWords<F>(w.w, panel, a.ldx), up ? PanelWords<F>(up->w, panel, a.ldx) : nullptr};
     if constexpr (I == kAmx && Nibbled(F))
       if (rows >= kAmxMinRowsW8A8)
@@ -54,6 +55,11 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
           for (int64_t j = 0; j < mr; j += kMaxMR<F>)
             Rows<F, kDot>(std::min<int64_t>(kMaxMR<F>, mr - j), a, r + j, wt, panel, y + j * ldy, ldy);
           return;
+        }
+      if constexpr (I == kAmx && F == kBFLOAT16)
+        if (mr > kAmxRows) {  // the 2 x 2 blocking's configurations: mr 17..32, apart from AmxKernel's
+          if (configured != mr) ConfigureTiles2x2(configured = int(mr));
+          return AmxKernel2x2(a, r, panel_words[is_up], y, ldy);
         }
       if constexpr (I == kAmx) {
         if (configured != mr) ConfigureTiles<F>(configured = int(mr));
