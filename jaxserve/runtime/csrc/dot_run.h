@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "dot_amx.h"
+#include "dot_amx_run.h"
 #include "dot_matmul.h"
 #include "dot_tile.h"
 #include "parallel.h"
@@ -24,12 +25,16 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
          int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
   // Rows per work item: AMX reads a panel's weights once per 16 rows, from L2 after the first.
   constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk;
-  // bf16 on AMX: 32-row tiles (AmxKernel2x2; a last one of up to 16 rows on AmxKernel)
-  constexpr int step = I == kAmx ? (F == kBFLOAT16 ? 2 * kAmxRows : kAmxRows) : kMaxMR<F>;
-  static_assert(kAmxChunk % (2 * kAmxRows) == 0, "AMX row tiles do not straddle chunks");
-  const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()), chunk);
+  constexpr int step = I == kAmx ? kAmxRows : kMaxMR<F>;
+  static_assert(kAmxChunk % kAmxRows == 0, "AMX row tiles do not straddle chunks");
+  // bf16 on AMX: its own work loop (csrc/dot_amx_run.h), on 32-row tiles
+  const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()),
+                         I == kAmx && F == kBFLOAT16 ? 2 * kAmxRows : chunk);
   const int64_t n = panels * kPanel, m = chunks.rows();
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
+#ifdef JAXSERVE_AMX
+  if constexpr (I == kAmx && F == kBFLOAT16) return RunAmxBf16(pool, a, chunks, panels, ws, ups, ys);
+#endif
   ForEachChunkPanel(pool, chunks, panels, [&](int64_t group, int64_t c0, int64_t rows, int64_t panel) {
     const Weight& w = ws[group];
     const Weight* up = ups ? ups + group : nullptr;
@@ -55,11 +60,6 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
           for (int64_t j = 0; j < mr; j += kMaxMR<F>)
             Rows<F, kDot>(std::min<int64_t>(kMaxMR<F>, mr - j), a, r + j, wt, panel, y + j * ldy, ldy);
           return;
-        }
-      if constexpr (I == kAmx && F == kBFLOAT16)
-        if (mr > kAmxRows) {  // the 2 x 2 blocking's configurations: mr 17..32, apart from AmxKernel's
-          if (configured != mr) ConfigureTiles2x2(configured = int(mr));
-          return AmxKernel2x2(a, r, panel_words[is_up], y, ldy);
         }
       if constexpr (I == kAmx) {
         if (configured != mr) ConfigureTiles<F>(configured = int(mr));
