@@ -25,8 +25,8 @@ inline int64_t AmxPanelsPerItem(int64_t tiles, int64_t panels, int64_t k_words) 
   return std::clamp<int64_t>(std::min(in_l2, tiles * panels / 16), 1, 8);
 }
 
-// Row tiles fastest within a group of panels: the group's weights (8 panels: 64 K * 8 bytes) stay in
-// L2 while the row tiles pass; each tile's activations (32 rows) in L1 across the group's panels.
+// Row tiles fastest within a group of panels: the group's weights (8 panels: 1 KiB per k) stay in L2
+// while the row tiles pass; a tile's activations (32 rows) are read again from L1 or L2 per panel.
 inline void RunAmxBf16(xla::ffi::ThreadPool& pool, const Acts& a, const RowChunks& tiles, int64_t panels,
                        const Weight* ws, const Weight* ups, float* ys) {
   const int64_t n = panels * kPanel, t = tiles.size(), per = AmxPanelsPerItem(t, panels, a.ldx);

@@ -42,7 +42,7 @@ constexpr bool kHaveAmx = true;
 constexpr bool kHaveAmx = false;
 #endif
 constexpr int kAmxRows = 16;  // rows of an AMX tile: the activations' row step on isa 2
-constexpr int kAmxChunk = 64;  // rows per work item on isa 2
+constexpr int kAmxChunk = 64;  // rows per work item on isa 2 (the int8 formats; bf16: csrc/dot_amx_run.h)
 constexpr int kAmxMinRowsW8A8 = 16;  // W8A8: a partial tile runs isa 1 (no faster on AMX: bench quant_matmul)
 
 // A vector's allocator on 64-byte (cache line) boundaries. An AMX tile row is 64 bytes: from a
