@@ -24,7 +24,17 @@ inline uint32_t Bf16(float f) {
 inline void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
   uint32_t* out = a.words.data() + r * a.ldx;
   if (f == kBFLOAT16) {
-    for (int64_t i = 0; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
+    // Bf16 on 16 lanes at a time (one was scalar: a third of a 1536-k matmul's time at 512 rows);
+    // the same integer rounding, so the same bits. The words' halves are the bf16 values in k order.
+    using u32x16 = uint32_t __attribute__((vector_size(64)));
+    using u16x16 = uint16_t __attribute__((vector_size(32)));
+    int64_t k = 0;
+    for (; k + kW <= k_len; k += kW) {
+      const u32x16 u = Load<u32x16>(xr + k);
+      const u16x16 b = __builtin_convertvector((u + 0x7fff + ((u >> 16) & 1)) >> 16, u16x16);
+      std::memcpy(reinterpret_cast<char*>(out) + 2 * k, &b, sizeof(b));
+    }
+    for (int64_t i = k / 2; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
     return;
   }
   for (int64_t b = 0; b < a.blocks; ++b) {

@@ -49,6 +49,16 @@ void ConfigureTiles(int mr) {
   _tile_loadconfig(&cfg);
 }
 
+// bf16 on more than 16 rows (2 x 2 blocking): tmm0-1 rows 0-15 and tmm2-3 rows 16..mr-1 of 32
+// columns, tmm4-5 those rows' activations, tmm6-7 the weights' two 16-column tiles. Each k step's
+// 4 tile loads feed 4 tdpbf16ps (the 16-row kernel: 5), and each weight tile serves 32 rows.
+inline void ConfigureTiles2x2(int mr) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = mr - 16;
+  _tile_loadconfig(&cfg);
+}
+
 // The accumulators tmm0-3 (a panel's 4 x 16 columns) to zero, and to memory (row stride in bytes).
 inline void ZeroTiles() {
   _tile_zero(0);
@@ -88,6 +98,34 @@ inline void TileStep(const char* x, int64_t ldx, const char* w, int64_t ldw) {
   }
 }
 #undef JAXSERVE_TILE_STEP
+
+// y[0:mr, 0:64] for one panel, 16 < mr <= 32, bf16 (ConfigureTiles2x2(mr) loaded): each 32-column
+// half in turn, over all of k. Every 16 x 16 accumulator sees the same tdpbf16ps in the same k
+// order as in AmxKernel's 16-row tiles, so the results are its bits.
+inline void AmxKernel2x2(const Acts& a, int64_t r0, const uint32_t* wp, float* y, int64_t ldy) {
+  const char* x0 = reinterpret_cast<const char*>(a.words.data() + r0 * a.ldx);
+  const int64_t ldx = a.ldx * 4, ldw = kPanel * 4;
+  const char* x1 = x0 + 16 * ldx;
+  for (int h = 0; h < 2; ++h) {
+    const char* w = reinterpret_cast<const char*>(wp) + h * 128;
+    ZeroTiles();
+    for (int64_t s = 0; s < a.ldx; s += 16) {
+      _tile_loadd(4, x0 + s * 4, ldx);
+      _tile_loadd(6, w + s * ldw, ldw);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, w + s * ldw + 64, ldw);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, x1 + s * 4, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    float* yh = y + h * 32;
+    _tile_stored(0, yh, ldy * 4);
+    _tile_stored(1, yh + 16, ldy * 4);
+    _tile_stored(2, yh + 16 * ldy, ldy * 4);
+    _tile_stored(3, yh + 16 * ldy + 16, ldy * 4);
+  }
+}
 
 // y[0:mr, 0:64] for one panel, mr <= 16, on AMX tiles (ConfigureTiles<F>(mr) loaded), reading the
 // panel's words at wp (w4a8: SplitNibbles' bytes). bf16: float32 sums over k in steps of 32. W8A8:

@@ -39,8 +39,8 @@
 // A row's result never depends on the other rows: every row of a call runs the same path.
 //
 // Where: the activations' preparation csrc/dot_acts.h; the isa 0 / 1 kernels csrc/dot_tile.h, isa
-// 2's csrc/dot_amx.h; the work loop csrc/dot_run.h; the calls' entry points format_matmul.h's; here
-// the formats' checks and the calls' bindings.
+// 2's csrc/dot_amx.h; the work loop csrc/dot_run.h (bf16 on AMX: csrc/dot_amx_run.h); the calls'
+// entry points format_matmul.h's; here the formats' checks and the calls' bindings.
 
 #include <cerrno>
 #include <cstdint>

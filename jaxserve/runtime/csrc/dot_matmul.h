@@ -3,7 +3,9 @@
 // (csrc/dot_tile.h, csrc/dot_amx.h, csrc/dot_run.h) read them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 #include "formats.h"
@@ -40,13 +42,32 @@ constexpr bool kHaveAmx = true;
 constexpr bool kHaveAmx = false;
 #endif
 constexpr int kAmxRows = 16;  // rows of an AMX tile: the activations' row step on isa 2
-constexpr int kAmxChunk = 64;  // rows per work item on isa 2
+constexpr int kAmxChunk = 64;  // rows per work item on isa 2 (the int8 formats; bf16: csrc/dot_amx_run.h)
 constexpr int kAmxMinRowsW8A8 = 16;  // W8A8: a partial tile runs isa 1 (no faster on AMX: bench quant_matmul)
+
+// A vector's allocator on 64-byte (cache line) boundaries. An AMX tile row is 64 bytes: from a
+// buffer malloc leaves 16-byte aligned each one spans two lines, which made the tile loads (and the
+// bf16 kernel) about half as fast (bench quant_matmul; tile rows are K * 2 or 256 bytes apart).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, LineAligned<T>>;
 
 // A call's activations, prepared once for all its rows: bf16 pairs, or w8a8 quads of xq (int8)
 // with each block's scale sx and sum of xq.
 struct Acts {
-  std::vector<uint32_t> words;
+  AlignedVector<uint32_t> words;  // tile rows start on cache lines (K a multiple of 32)
   std::vector<float> sx;
   std::vector<int32_t> xsum;
   int64_t ldx = 0, blocks = 0;  // words and w8a8 blocks per row

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "dot_amx.h"
+#include "dot_amx_run.h"
 #include "dot_matmul.h"
 #include "dot_tile.h"
 #include "parallel.h"
@@ -26,15 +27,20 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
   constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk;
   constexpr int step = I == kAmx ? kAmxRows : kMaxMR<F>;
   static_assert(kAmxChunk % kAmxRows == 0, "AMX row tiles do not straddle chunks");
-  const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()), chunk);
+  // bf16 on AMX: its own work loop (csrc/dot_amx_run.h), on 32-row tiles
+  const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()),
+                         I == kAmx && F == kBFLOAT16 ? 2 * kAmxRows : chunk);
   const int64_t n = panels * kPanel, m = chunks.rows();
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
+#ifdef JAXSERVE_AMX
+  if constexpr (I == kAmx && F == kBFLOAT16) return RunAmxBf16(pool, a, chunks, panels, ws, ups, ys);
+#endif
   ForEachChunkPanel(pool, chunks, panels, [&](int64_t group, int64_t c0, int64_t rows, int64_t panel) {
     const Weight& w = ws[group];
     const Weight* up = ups ? ups + group : nullptr;
     int configured = 0;  // the rows the tiles are configured for (AMX)
     // w4a8 on AMX: the panel's nibbles split into bytes once per work item (gate, then up)
-    thread_local std::vector<uint32_t> split[2];
+    thread_local AlignedVector<uint32_t> split[2];
     const uint32_t* panel_words[2] = {PanelWords<F>(w.w, panel, a.ldx), up ? PanelWords<F>(up->w, panel, a.ldx) : nullptr};
     if constexpr (I == kAmx && Nibbled(F))
       if (rows >= kAmxMinRowsW8A8)
