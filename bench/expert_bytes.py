@@ -1,6 +1,6 @@
 """`jaxserve bench expert_bytes`: the routed experts' bytes per device under tensor and expert
 parallelism, from shapes only (no weights, no devices), through the engine's own code: the stacks
-made by `quant_params.quantize_params` (ShapeDtypeStructs), padded by `sharding.pad_expert_stacks`,
+made by `quant_params.quantize_params` (ShapeDtypeStructs), padded by `expert_padding.pad_expert_stacks`,
 split by `sharded_ops.weight_spec` on an abstract mesh. Before issue 27's packed-experts-under-TP
 change the runner held experts in a weight format as float only at tensor parallel size 1; under
 TP / EP they were float (`--dtype`, bfloat16 on GPU / TPU): the `float` row.
@@ -25,7 +25,7 @@ MiB, GiB = 1 << 20, 1 << 30
 
 def layer_bytes_per_device(cfg, formats: str, tp: int, expert_parallel: bool, dtype=jnp.bfloat16) -> tuple[int, int]:
     """(bytes of one MoE layer's routed experts on one device, the padded intermediate size)."""
-    from jaxserve.model import sharding
+    from jaxserve.model import expert_padding
     from jaxserve.runtime import mesh as meshlib
     from jaxserve.runtime.quant_params import quantize_params
     from jaxserve.runtime.sharded_ops import weight_spec
@@ -39,7 +39,7 @@ def layer_bytes_per_device(cfg, formats: str, tp: int, expert_parallel: bool, dt
         experts = {**quantize_params({"experts": gu}, gate_up)["experts"],
                    **quantize_params({"experts": {"down_proj": experts["down_proj"]}}, down or gate_up)["experts"]}
     one = dataclasses.replace(cfg, num_layers=1, moe_layers=(0,), expert_parallel=expert_parallel)
-    experts = sharding.pad_expert_stacks({"layers_0": {"mlp": {"experts": experts}}}, one, tp)["layers_0"]["mlp"][
+    experts = expert_padding.pad_expert_stacks({"layers_0": {"mlp": {"experts": experts}}}, one, tp)["layers_0"]["mlp"][
         "experts"]
     mesh = jax.sharding.AbstractMesh((1, tp), (meshlib.DATA, meshlib.MODEL))
     total = 0

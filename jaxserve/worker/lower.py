@@ -38,7 +38,7 @@ from jaxserve.args import engine_config
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketKey
 from jaxserve.errors import UserError
-from jaxserve.model import sharding
+from jaxserve.model import expert_padding, sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
 from jaxserve.runtime import compat, deviceless, kv_sizing, memory, mxfp4
@@ -178,7 +178,7 @@ class Lowering:
             f"model: {mc.model_type}, {full.num_layers} layers{cut}, hidden {mc.hidden_size}, {mc.num_heads} q / "
             f"{mc.num_kv_heads} kv heads x {mc.head_dim}, vocab {mc.vocab_size}: "
             f"{_gib(self.total_weight_bytes)} of weights in {r.dtype.name}"
-            + _experts(full, r.model_cfg, sharding.stacked_intermediate(r.params, r.model_cfg)),
+            + _experts(full, r.model_cfg, expert_padding.stacked_intermediate(r.params, r.model_cfg)),
             f"target: {self.platform}, tensor parallel {r.tensor_parallel_size} "
             f"({'abstract mesh' if isinstance(r.mesh, jax.sharding.AbstractMesh) else 'compile-only devices'}), "
             f"KV {r.kv_dtype.name}, {len(r.all_buckets())} buckets",
@@ -224,7 +224,7 @@ def _experts(full: ModelConfig, mc: ModelConfig, stacked: int | None = None) -> 
     packed = ", experts in MXFP4 (4.25 bits per weight)" if mc.expert_format == "mxfp4" else ""
     i, size = full.moe_intermediate_size, stacked or mc.moe_intermediate_size
     unit = "MXFP4 blocks" if stacked is None else "panels / blocks of their format"
-    if size != i:  # model/sharding.py: packed_intermediate (MXFP4), pad_expert_stacks (weight formats)
+    if size != i:  # sharding.packed_intermediate (MXFP4), expert_padding.pad_expert_stacks (weight formats)
         packed += f", intermediate {i} padded to {size} for whole {unit} per device ({size / i:.2f}x; EP: unpadded)"
     return (f"; {len(full.moe_layers)} MoE layers of {mc.num_experts} experts, top {mc.num_experts_per_tok} "
             f"({split}{packed})")
@@ -351,7 +351,7 @@ def prepare(
             num_heads=rc.num_heads, num_kv_heads=rc.num_kv_heads, head_dim=rc.head_dim, vocab_size=rc.vocab_size,
             dtype_bytes=runner.dtype.itemsize, tensor_parallel_size=tp,
             num_experts_per_tok=rc.num_experts_per_tok if rc.is_moe else 0,
-            moe_intermediate_size=sharding.stacked_intermediate(runner.params, rc) or rc.moe_intermediate_size,
+            moe_intermediate_size=expert_padding.stacked_intermediate(runner.params, rc) or rc.moe_intermediate_size,
             expert_parallel=rc.expert_parallel,
             dense_experts=dense_experts)
 

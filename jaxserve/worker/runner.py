@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxserve.core.batch import SAMPLER_FIELDS, BatchBuilder, StepBatch
 from jaxserve.core.buckets import BucketKey
-from jaxserve.model import sharding
+from jaxserve.model import expert_padding, sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
 from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
@@ -203,7 +203,7 @@ class ModelRunner:
         tp = meshlib.tp_size(mesh)
         if quantize:  # routed experts kept in a weight format (runtime/expert_matmul.py), sharded as stored
             params = quant_params.quantize_params(params, self.cfg.quantization)
-        params = sharding.pad_packed_experts(params, mc, self.model_cfg, tp)  # under TP: whole blocks per device
+        params = expert_padding.pad_packed_experts(params, mc, self.model_cfg, tp)  # under TP: whole blocks per device
         if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
             params = sharding.repeat_kv_heads(params, mc, self.kv_repeat)
             self.param_shardings = sharding.quantized_shardings(params, mc, mesh)

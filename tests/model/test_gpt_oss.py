@@ -156,7 +156,7 @@ def test_mxfp4_grouped_experts_match_numpy_at_every_row_count():
     # I = 96 (3 blocks) padded to 128 as TP 4 pads it (model/sharding.py): zero rows and blocks change nothing
     from types import SimpleNamespace
 
-    from jaxserve.model.sharding import pad_packed_experts
+    from jaxserve.model.expert_padding import pad_packed_experts
 
     tree = {"layers_0": {"mlp": {"experts": dict(gate_proj=wg, up_proj=wu, down_proj=wd, gate_bias=bg, up_bias=bu)}}}
     padded = pad_packed_experts(tree, SimpleNamespace(moe_intermediate_size=i, moe_layers=(0,)),

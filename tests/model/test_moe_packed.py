@@ -101,7 +101,7 @@ def moe_config(hidden: int, inter: int):
 def test_stack_intermediate_whole_panels_and_blocks():
     """I per layer padded so each device holds whole gate / up panels (64) and whole down blocks
     (32; a K-quant's 256): Qwen3-30B-A3B's I = 768 at TP 8."""
-    from jaxserve.model.sharding import stack_intermediate
+    from jaxserve.model.expert_padding import stack_intermediate
 
     def experts(gate_up, down):
         shape = jax.ShapeDtypeStruct((2, 64, 64), np.float32)
@@ -127,7 +127,7 @@ def test_pad_expert_stacks_decode_to_zeros(quantization, inter):
 
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.model.sharding import pad_expert_stacks
+    from jaxserve.model.expert_padding import pad_expert_stacks
     from jaxserve.runtime.sharded_ops import weight_spec
 
     rng = np.random.default_rng(1)
@@ -164,7 +164,7 @@ def test_pad_expert_stacks_decode_to_zeros(quantization, inter):
 def test_mxfp4a8_split_on_intermediate_axis_is_a_clear_error():
 
     from jaxserve.errors import UserError
-    from jaxserve.model.sharding import pad_expert_stacks
+    from jaxserve.model.expert_padding import pad_expert_stacks
     from jaxserve.runtime import mxfp4
 
     w = jax.ShapeDtypeStruct((2, 1, 8, 256), np.uint8), jax.ShapeDtypeStruct((2, 1, 2, 64), np.uint8)

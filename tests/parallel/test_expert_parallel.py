@@ -92,7 +92,7 @@ def test_packed_experts_under_tp_and_ep(tmp_path, quantization, types, kinds, ep
     float32 rounding only (1e-5 of the logit scale).
     EP 2: two whole experts per device, half the stacks' bytes. TP 2: Q6_K down's K = 256 is one
     super-block, which two devices cannot share, so the GGUF's I is padded to 512 (zero blocks;
-    model/sharding.py `stack_intermediate`): each device holds one super-block of K and 4 of the 8
+    model/expert_padding.py `stack_intermediate`): each device holds one super-block of K and 4 of the 8
     gate / up panels; w8a8's 4 panels split 2 / 2 unpadded, down's per-channel scales replicated."""
     path = tmp_path / "moe.gguf"
     _synthetic_moe(path, types, vocab=128)  # 2 panels: w8a8's embedding splits over 2 devices
