@@ -118,6 +118,10 @@ inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, flo
   v16 ex = Exp(x - mx);
   ex = vis ? ex : v16{};
   std::memcpy(pr, &ex, sizeof(ex));
+  if (mx == *m) {  // the running max held (most tiles once a row's max is seen): exp(0) = 1, nothing rescales
+    *l += HSum(ex);
+    return;
+  }
   const float corr = std::exp(*m - mx);
   *m = mx;
   *l = *l * corr + HSum(ex);
