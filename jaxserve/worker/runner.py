@@ -33,17 +33,17 @@ import numpy as np
 
 from jaxserve.core.batch import SAMPLER_FIELDS, BatchBuilder, StepBatch
 from jaxserve.core.buckets import BucketKey
-from jaxserve.model import expert_padding, sharding
+from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
-from jaxserve.runtime import compat, fallback, quant_params, sharded_ops
+from jaxserve.runtime import compat, fallback, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
 from jaxserve.runtime.kv_sizing import kv_block_shape, kv_storage_dtype
 from jaxserve.runtime.sampler import sample
 from jaxserve.startup_trace import mark
-from jaxserve.worker import step_cache, xla_cache
+from jaxserve.worker import placement, step_cache, xla_cache
 from jaxserve.worker.bucket_step import BucketStep, StepResult, fetch_result, unpack_batch
 from pallas_kernels import kv_quant
 
@@ -94,7 +94,8 @@ class ModelRunner:
         # With tp > num_kv_heads each kv head is repeated so every device holds one (see mesh.py).
         self.model_cfg = model_cfg = sharding.sharded_config(model_cfg, tp)
         self.kv_repeat = sharding.kv_replication(self.source_config, tp)
-        self.params = self._place_params(params)
+        self.params, self.param_shardings = placement.place_params(
+            params, self.source_config, model_cfg, self.mesh, cfg.quantization, self.dtype, self.kv_repeat)
         self._replicated = meshlib.replicated(self.mesh)
         if self.backend.native_linear:
             self.params = self.backend.prepare_params(self.params, model_cfg.tie_word_embeddings)
@@ -194,28 +195,6 @@ class ModelRunner:
     def peak_step_bytes(self) -> int:
         """Peak temporary bytes of the largest bucket's executable (XLA's memory analysis)."""
         return compat.peak_temp_bytes(self.executable(max(self.all_buckets())))
-
-    def _place_params(self, params) -> dict:
-        mc, mesh = self.source_config, self.mesh
-        quantize = self.cfg.quantization not in (None, "gguf")
-        if quantize and hasattr(params, "restore"):  # a lazy checkpoint: quantized once restored
-            params = params.restore(sharding.checkpoint_shardings(params.shapes(), mc, mesh), self.dtype)
-        tp = meshlib.tp_size(mesh)
-        if quantize:  # routed experts kept in a weight format (runtime/expert_matmul.py), sharded as stored
-            params = quant_params.quantize_params(params, self.cfg.quantization)
-        params = expert_padding.pad_packed_experts(params, mc, self.model_cfg, tp)  # under TP: whole blocks per device
-        if quant_params.has_quantized(params):  # each part sharded like its float kernel (mesh.py), floats in dtype
-            params = sharding.repeat_kv_heads(params, mc, self.kv_repeat)
-            self.param_shardings = sharding.quantized_shardings(params, mc, mesh)
-            return quant_params.place_params(params, self.dtype, self.param_shardings)
-        if hasattr(params, "restore"):  # lazy checkpoint: restore straight into the target layout
-            shapes = params.shapes()
-            params = params.restore(sharding.checkpoint_shardings(shapes, mc, mesh), self.dtype)
-        else:
-            shapes = meshlib.shape_tree(params)
-            params = meshlib.place_host_params(params, sharding.checkpoint_shardings(shapes, mc, mesh), self.dtype)
-        self.param_shardings = sharding.param_shardings(sharding.expanded_shapes(shapes, mc, self.kv_repeat), mc, mesh)
-        return sharding.expand_kv_heads(params, mc, self.kv_repeat, self.param_shardings)
 
     @property
     def tensor_parallel_size(self) -> int:
