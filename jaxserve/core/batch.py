@@ -32,8 +32,8 @@ import numpy as np
 
 from .buckets import (ADJUST_MIN_TOKENS, SINGLE_SEQ_MIN_TOKENS, BucketKey, context_widths, covering_bucket,
                       next_pow2, token_buckets)
+from .request import PENDING
 
-PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on the host
 MAX_LOGPROBS = 20  # top-N logprobs every executable can return (OpenAI's and vLLM's limit)
 MAX_EXTRA_ADJUSTMENTS = 512  # logit_bias + stop-token bans per request, on top of its tokens
 SMALL_ADJUSTMENTS = 512  # the narrow adjustment width: bias, bans, structured rows

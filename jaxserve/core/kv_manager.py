@@ -125,11 +125,13 @@ class KVManager:
         return n
 
     def commit(self, req: Request) -> None:
-        """Cache the request's newly full blocks whose K/V is written (after a step)."""
+        """Cache the request's newly full blocks whose K/V is written or being written by a
+        dispatched step (later steps run after it), of known tokens only: a block holding a PENDING
+        placeholder waits until its token lands (its key needs the token)."""
         if not self.caching:
             return
         start = self._committed[req.request_id]
-        end = req.num_computed_tokens // self.block_size
+        end = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         if end <= start:
             return
         ids = self.cache.insert(self.keys(req), req.block_ids, start, end)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+PENDING = -1  # token id placeholder: sampled by the step in flight, not yet on the host
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -80,6 +82,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens before the trailing PENDING placeholders (with one step in flight, at most two)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] == PENDING:
+            n -= 1
+        return n
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
