@@ -77,7 +77,7 @@ def test_seq_cap_limits_batch():
 
 
 def test_chunked_prefill_and_decode_mix():
-    sched = Scheduler(cfg(max_num_batched_tokens=32, prefix_cache="off"))
+    sched = Scheduler(cfg(max_num_batched_tokens=32, prefix_cache="off", burst_prefill_first=False))
     long = Request("long", list(range(100)), 3)
     sched.add_request(long)
     rng = random.Random(0)
@@ -95,14 +95,33 @@ def test_chunked_prefill_and_decode_mix():
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 31
 
 
-def test_prefill_first_puts_new_prompts_first():
-    sched = Scheduler(cfg(prefill_first=True, max_num_batched_tokens=16, prefix_cache="off"))
+def test_a_burst_is_prefilled_first_and_its_decodes_take_the_budget_left():
+    # 2 decoding, 3 prompts arrive (a burst: 3 waiting for their first token >= 2 decoding): the
+    # chunks fill the steps and every decode waits, once, until the burst's chunks leave room
+    sched = Scheduler(cfg(max_num_batched_tokens=32, prefix_cache="off"))
     rng = random.Random(0)
-    sched.add_request(Request("a", [1] * 5, 10))
+    for r in (Request("a", list(range(10)), 20), Request("b", list(range(10, 20)), 20)):
+        sched.add_request(r)
+    assert step(sched, rng).num_prefill_tokens == 20
+    assert step(sched, rng).num_decode_tokens == 2
+    for i in range(3):
+        sched.add_request(Request(f"p{i}", list(range(100 * i, 100 * i + 30)), 5))
+    rows = [(o.num_prefill_tokens, o.num_decode_tokens) for o in (step(sched, rng) for _ in range(4))]
+    # 90 prompt tokens: 32 + 32 prefill-only steps (p0's first token came in the first: it waits
+    # too), then the last 26 beside 6 of the 4 decodes' budget... 32 - 26 = 6 rows: all 4 decode
+    assert rows[:2] == [(32, 0), (32, 0)]
+    assert rows[2] == (26, 4) and rows[3] == (0, 5) and not sched.burst
+
+
+def test_a_prompt_arriving_beside_more_decodes_is_no_burst():
+    sched = Scheduler(cfg(max_num_batched_tokens=32, prefix_cache="off"))
+    rng = random.Random(0)
+    for i in range(3):
+        sched.add_request(Request(f"d{i}", list(range(10 * i, 10 * i + 10)), 20))
     step(sched, rng)
-    sched.add_request(Request("b", [2] * 40, 10))
-    out = step(sched, rng)
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 16)]
+    sched.add_request(Request("long", list(range(100, 200)), 5))
+    out = step(sched, rng)  # decode-first: 3 decodes, then 29 tokens of the prompt
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (3, 29) and not sched.burst
 
 
 def test_preemption_is_counted_and_requests_keep_their_place():

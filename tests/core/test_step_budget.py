@@ -80,8 +80,12 @@ def test_a_burst_of_arrivals_is_not_capped():
     step(sched, rng)
     for i in range(4):  # more prompts waiting than decodes: TTFT first, whole budget
         sched.add_request(Request(f"b{i}", list(range(100 * i, 100 * i + 40)), max_tokens=50))
-    out = step(sched, rng)
-    assert out.prefill_cap is None and out.num_prefill_tokens == 63
+    out = step(sched, rng)  # and the prompts go first: the decode takes what they leave (nothing)
+    assert out.prefill_cap is None and out.num_prefill_tokens == 64 and out.num_decode_tokens == 0
+    sched.config.burst_prefill_first = False
+    out = step(sched, rng)  # still in the burst (uncapped), decode-first
+    assert out.prefill_cap is None and out.scheduled[0].request.request_id == "a"
+    assert out.num_decode_tokens >= 1 and out.num_prefill_tokens == 64 - out.num_decode_tokens
 
 
 def test_uncapped_scheduler_is_unchanged():
