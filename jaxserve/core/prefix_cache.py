@@ -4,7 +4,10 @@ Locking contract (all caches): a cached block is *referenced* while `pool.ref_cn
 request's block table holds it. The cache may only evict cached blocks whose ref_cnt is 0. The
 `KVManager` is the only caller: it tells the cache about every 0->1 (`on_ref`) and 1->0 (`on_unref`)
 transition of a cached block, and puts the block ids that `evict` returns back into the pool.
-Only full blocks whose K/V is written are ever inserted, so a block being written is never shared.
+Only full blocks of known tokens whose K/V is written, or is being written by a dispatched step, are
+ever inserted: steps run on the device in dispatch order, so a step that reuses a block reads it
+written (scheduler.py `dispatched`); a block holding a token still being sampled is inserted when
+the token lands.
 """
 
 from __future__ import annotations
