@@ -3,7 +3,10 @@ machine has whose quality stays that of float32, chosen from what the checkpoint
 the CPU's dot-product instructions are.
 
     GGUF whose layers' matrices are Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks, on a CPU with
-        VNNI (avx512_vnni, avx_vnni) or AMX-int8         -> "gguf": the blocks as stored, decoded
+        bfloat16 dot products, its weights in bfloat16
+        at most a quarter of the machine's memory        -> "bfloat16": the blocks expanded to
+                                                            bfloat16 at load
+        else VNNI (avx512_vnni, avx_vnni) or AMX-int8    -> "gguf": the blocks as stored, decoded
                                                             in the native kernel, float32 activations
     bfloat16 checkpoint (safetensors, or a BF16 GGUF), on a CPU
         with bfloat16 dot products (avx512_bf16, amx_bf16) -> "bfloat16": bfloat16 weights and
@@ -14,8 +17,14 @@ It applies only where the user gave neither `--quantization` nor `--dtype`, on C
 (tensor parallel 1) and the native CPU kernels (the formats above are theirs). "none" (also a
 `--quantization` value) means no quantization: weights in the compute dtype, float32 on CPU, the
 exact path. Measured on the shipped model (bench/RESULTS.md "Default weight format"): gguf reads
-the file's values exactly, same perplexity as float32, faster at 1 and 32 streams; w4a8 was faster
-still but not kept (it parted from float32's greedy answers on near-ties and cost ~1% perplexity).
+the file's values exactly, same perplexity as float32, faster at 1 and 32 streams; bfloat16 is
+faster still where the CPU has bfloat16 dot products (level at 1 stream, 1.6-1.7x at 32: its
+prefill runs on AMX tiles / vdpbf16ps, the blocks' on float32 FMAs) within 1% of float32's
+perplexity (-0.2%; greedy parts from float32 only on near-ties), so by the issue's rule (the fastest
+at 1 and 32 streams within 1% perplexity) it is the default there, while its weights (2 bytes a
+parameter, ~3x the 4-bit blocks') fit: at most a quarter of the memory. Larger GGUFs keep their
+blocks (`--quantization bfloat16` expands them anyway). w4a8 was faster still but not kept (it
+parted from float32's greedy answers on near-ties and cost ~1% perplexity).
 
 A gpt-oss checkpoint's MXFP4 experts run as stored in every case (decoded in the native kernel,
 float32 activations: exact); `--quantization mxfp4a8` (int8 activations on them, faster, not exact)
@@ -28,6 +37,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +52,7 @@ KEPT_BLOCKS = frozenset(weight_formats.GGUF_KEPT_TYPES)
 FLOAT_TYPES = {"F32": "float32", "F64": "float32", "F16": "float16", "BF16": "bfloat16"}
 INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")  # Linux's /proc/cpuinfo names
 BF16_DOT = ("avx512_bf16", "amx_bf16")
+BF16_MEMORY_SHARE = 4  # a GGUF is expanded to bfloat16 by default while that takes <= 1/4 of memory
 EXACT = "exact float32: --quantization none or --dtype float32"
 
 
@@ -52,6 +64,7 @@ class Checkpoint:
     dtype: str | None = None  # the stored float dtype of its weights: float32 / bfloat16 / float16
     block_types: frozenset[str] = field(default_factory=frozenset)  # GGUF: its layers' quantized matrices' types
     quantized: bool = False  # safetensors: config.json declares a quantization_config (fp8, mxfp4, ...)
+    num_params: int = 0  # GGUF: elements of all its tensors (0: not read)
 
 
 def inspect_checkpoint(path: Path) -> Checkpoint:
@@ -67,7 +80,8 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
         # a float file's dtype: that of its layers' matrices, where they agree (small float
         # matrices beside quantized ones, a router say, do not make a quantized file a float one)
         dtype = floats.pop() if len(floats) == 1 and not blocks else None
-        return Checkpoint("gguf", dtype, blocks)
+        num_params = sum(math.prod(i.shape) for i in g.tensors.values())
+        return Checkpoint("gguf", dtype, blocks, num_params=num_params)
     if path.is_dir() and (path / "jaxserve_orbax.json").is_file():
         return Checkpoint("orbax")
     if path.is_dir() and (path / "config.json").is_file():
@@ -86,9 +100,19 @@ def _has(features, flags) -> list[str]:
     return [f for f in flags if f in features]
 
 
-def default_quantization(checkpoint: Checkpoint, cpu_features, platform: str) -> tuple[str, str]:
-    """(the `--quantization` value to run, why) for a checkpoint on this platform and CPU, when the
-    user named none: "gguf", "bfloat16" or "none" (see the module docstring)."""
+def physical_memory() -> int:
+    """This machine's memory in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_quantization(checkpoint: Checkpoint, cpu_features, platform: str,
+                         memory_bytes: int = 0) -> tuple[str, str]:
+    """(the `--quantization` value to run, why) for a checkpoint on this platform and CPU (with
+    `memory_bytes` of memory; 0: unknown), when the user named none: "gguf", "bfloat16" or "none"
+    (see the module docstring)."""
     if platform != "cpu":
         return "none", f"no weight format is chosen by default on {platform}"
     if checkpoint.kind == "gguf" and checkpoint.block_types:
@@ -96,6 +120,13 @@ def default_quantization(checkpoint: Checkpoint, cpu_features, platform: str) ->
         if not checkpoint.block_types <= KEPT_BLOCKS:
             other = "/".join(sorted(checkpoint.block_types - KEPT_BLOCKS))
             return "none", f"the GGUF's {other} blocks have no kernel of their own: dequantized to float32"
+        bf16 = _has(cpu_features, BF16_DOT)
+        need = 2 * checkpoint.num_params
+        if bf16 and need and need * BF16_MEMORY_SHARE <= memory_bytes:
+            return "bfloat16", (f"--quantization bfloat16 (default on this CPU, which has {', '.join(bf16)}): the "
+                                f"GGUF's {types} blocks expanded to bfloat16 ({need / 2**20:,.0f} MiB), bfloat16 "
+                                "matmul inputs, float32 sums; --quantization gguf keeps the blocks as stored "
+                                "(~3x less memory)")
         dot = _has(cpu_features, INT8_DOT)
         if not dot:
             return "none", (f"the GGUF's {types} blocks dequantized to float32: this CPU has no int8 dot "
@@ -129,7 +160,7 @@ def choose(config, checkpoint: Callable[[], Checkpoint], platform: str, cpu_feat
         why_not = f"attention backend {config.attention_backend}"
     elif config.kv_cache_dtype == "float16":
         why_not = "float16 KV cache (the native kernels take float32, bfloat16, int8 or fp8)"
-    quantization, why = default_quantization(checkpoint(), cpu_features, platform)
+    quantization, why = default_quantization(checkpoint(), cpu_features, platform, physical_memory())
     if quantization != "none" and why_not is None and (err := native_kernels()) is not None:
         why_not = f"native CPU kernels unavailable: {err}"
     if quantization != "none" and why_not is not None:

@@ -5,8 +5,10 @@ the default model on this machine getting the chosen format and its log line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 
 import pytest
 
@@ -14,6 +16,7 @@ from jaxserve import default_format as df
 from jaxserve.config import EngineConfig
 from jaxserve.default_format import Checkpoint, choose, default_quantization, inspect_checkpoint
 from jaxserve.errors import UserError
+from jaxserve.model.gguf_loader import GGUFFile
 
 AMX = frozenset({"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "avx_vnni"})
 ZEN5 = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})  # AVX-512 with both dot products, no AMX
@@ -37,12 +40,22 @@ UNKNOWN = Checkpoint("safetensors", None)
 ORBAX = Checkpoint("orbax")
 
 
+SMALL_Q4_1 = Checkpoint("gguf", block_types=frozenset({"Q4_1"}), num_params=135_000_000)  # the shipped model's size
+LARGE_Q4_K_M = Checkpoint("gguf", block_types=frozenset({"Q4_K", "Q6_K"}), num_params=8_000_000_000)
+GIB = 2**30
+
+
 @pytest.mark.parametrize("checkpoint,features,want", [
-    # a GGUF of kept blocks: as stored where the CPU has int8 dot products (VNNI or AMX-int8)
+    # a GGUF of kept blocks whose size is not known: as stored where the CPU has int8 dot products
     (Q4_1, AMX, "gguf"), (Q4_1, ZEN5, "gguf"), (Q4_1, VNNI_ONLY, "gguf"), (Q4_1, AMX_INT8_ONLY, "gguf"),
     (Q4_K_M, AMX, "gguf"), (Q8_0, ZEN5, "gguf"),
     (Q4_1, AVX2, "none"), (Q4_1, BF16_ONLY, "none"), (Q4_1, AMX_BF16_ONLY, "none"), (Q4_1, frozenset(), "none"),
     (Q5_K, AMX, "none"),
+    # ... whose bfloat16 weights take at most a quarter of memory (16 GiB here): bfloat16 where the
+    # CPU has bfloat16 dot products; larger ones keep their blocks
+    (SMALL_Q4_1, AMX, "bfloat16"), (SMALL_Q4_1, ZEN5, "bfloat16"), (SMALL_Q4_1, BF16_ONLY, "bfloat16"),
+    (SMALL_Q4_1, AMX_BF16_ONLY, "bfloat16"), (SMALL_Q4_1, VNNI_ONLY, "gguf"), (SMALL_Q4_1, AVX2, "none"),
+    (LARGE_Q4_K_M, AMX, "gguf"), (LARGE_Q4_K_M, ZEN5, "gguf"), (LARGE_Q4_K_M, BF16_ONLY, "none"),
     # a bfloat16 checkpoint: bfloat16 matmul inputs where the CPU has bfloat16 dot products
     (BF16, AMX, "bfloat16"), (BF16, ZEN5, "bfloat16"), (BF16, BF16_ONLY, "bfloat16"),
     (BF16, AMX_BF16_ONLY, "bfloat16"), (BF16_GGUF, ZEN5, "bfloat16"),
@@ -52,9 +65,18 @@ ORBAX = Checkpoint("orbax")
     (F32_GGUF, AMX, "none"), (Checkpoint("other"), AMX, "none"),
 ])
 def test_rule_on_cpu(checkpoint, features, want):
-    quantization, why = default_quantization(checkpoint, features, "cpu")
+    quantization, why = default_quantization(checkpoint, features, "cpu", 16 * GIB)
     assert quantization == want, why
     assert why
+
+
+def test_a_gguf_is_expanded_to_bfloat16_only_while_it_takes_a_quarter_of_memory():
+    need = 2 * SMALL_Q4_1.num_params
+    assert default_quantization(SMALL_Q4_1, AMX, "cpu", 4 * need)[0] == "bfloat16"
+    assert default_quantization(SMALL_Q4_1, AMX, "cpu", 4 * need - 1)[0] == "gguf"
+    assert default_quantization(SMALL_Q4_1, AMX, "cpu", 0)[0] == "gguf"  # memory unknown: blocks as stored
+    why = default_quantization(SMALL_Q4_1, AMX, "cpu", 16 * GIB)[1]
+    assert "Q4_1 blocks expanded to bfloat16 (257 MiB)" in why and "--quantization gguf" in why
 
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
@@ -154,7 +176,9 @@ def test_inspect_gguf_reads_the_layers_block_types(tmp_path, matrix_type, types,
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, matrix_type, hidden=256, inter=256, types=types)
-    assert inspect_checkpoint(path) == want
+    got = inspect_checkpoint(path)
+    assert got.num_params == sum(math.prod(t.shape) for t in GGUFFile(path).tensors.values()) > 0
+    assert dataclasses.replace(got, num_params=0) == want
 
 
 def test_kept_blocks_are_the_loaders():
@@ -184,8 +208,9 @@ def test_cli_takes_none_and_refuses_bad_values_in_one_line(capsys):
 
 @pytest.mark.slow
 def test_default_model_runs_this_machines_format_and_says_so(caplog):
-    """The shipped Q4_1 GGUF with the defaults: the format the rule picks for this CPU (gguf where
-    it has VNNI or AMX-int8: its Q4_1 / Q8_0 blocks kept), and one INFO line saying so."""
+    """The shipped Q4_1 GGUF with the defaults: the format the rule picks for this CPU (bfloat16
+    where it has bfloat16 dot products, else gguf where it has VNNI or AMX-int8: its Q4_1 / Q8_0
+    blocks kept), and one INFO line saying so."""
     import jax
 
     from jaxserve import LLM, SamplingParams
@@ -195,17 +220,19 @@ def test_default_model_runs_this_machines_format_and_says_so(caplog):
 
     if cpu_kernels.available() is not None:
         pytest.skip(f"native CPU kernels unavailable: {cpu_kernels.available()}")
-    want, _ = default_quantization(inspect_checkpoint(default_model_path()), cpu_features(), "cpu")
-    assert want == ("gguf" if cpu_features() & set(df.INT8_DOT) else "none")
+    want, _ = default_quantization(inspect_checkpoint(default_model_path()), cpu_features(), "cpu",
+                                   df.physical_memory())
+    assert want == ("bfloat16" if cpu_features() & set(df.BF16_DOT) else
+                    "gguf" if cpu_features() & set(df.INT8_DOT) else "none")
     with caplog.at_level(logging.INFO, logger="jaxserve"):
         llm = LLM(precompile=False, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32, num_blocks=32)
     assert llm.engine.quantization == want
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Weights:")]
     assert len(lines) == 1, lines
-    assert ("--quantization gguf" in lines[0] and "--quantization none or --dtype float32" in lines[0]) \
-        if want == "gguf" else lines[0].startswith("Weights: float32")
+    assert (f"--quantization {want}" in lines[0] and "--quantization none or --dtype float32" in lines[0]) \
+        if want != "none" else lines[0].startswith("Weights: float32")
     leaves = jax.tree.leaves(llm.engine.runner.params, is_leaf=weight_formats.is_quantized)
     kinds = {type(w).__name__ for w in leaves if weight_formats.is_quantized(w)}
-    assert kinds == ({"Q4Weight", "Q8Weight"} if want == "gguf" else set())
+    assert kinds == {"gguf": {"Q4Weight", "Q8Weight"}, "bfloat16": {"Bf16Weight"}, "none": set()}[want], kinds
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -62,7 +62,14 @@ def _without_vocabulary(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_greedy_tokens_match_transformers_gguf_loader(default_llm, tmp_path, monkeypatch):
+NEW_TOKENS = 24
+NEAR_TIE = 0.05  # tests/test_default_numerics.py's: a top-2 margin below it is a near-tie
+
+
+@pytest.fixture(scope="module")
+def reference(default_llm, tmp_path_factory):
+    """transformers' float32 forward of the same GGUF (its own loader): per prompt, the prompt ids,
+    the greedy tokens and each step's top-2 logit margin."""
     import functools
 
     import gguf
@@ -71,28 +78,63 @@ def test_greedy_tokens_match_transformers_gguf_loader(default_llm, tmp_path, mon
 
     # transformers builds gguf's (immutable) tensor-name map once per submodule, ~400 times at
     # ~60 ms each: built once here, the same map every time.
-    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
-
-    from jaxserve import SamplingParams
-
-    # The default model is a bfloat16 checkpoint (Q4_1 GGUF) computed in float32: its KV cache is
-    # bfloat16 by default, and greedy tokens still match transformers' float32 forward.
-    assert str(default_llm.engine.runner.kv_dtype) == "bfloat16"
-    path = _without_vocabulary(default_llm.engine.loaded.path, tmp_path / "model.gguf")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    path = _without_vocabulary(default_llm.engine.loaded.path, tmp_path_factory.mktemp("ref") / "model.gguf")
     ref_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    outs = default_llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-                                use_tqdm=False)
+    mp.undo()
+    tok = default_llm.get_tokenizer()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one-row decode of a small model: 4x faster than 2 threads beside jax's
+    out = []
     try:
-        for prompt, out in zip(PROMPTS, outs):
-            ids = out.prompt_token_ids
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
             with torch.no_grad():
-                ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                         pad_token_id=0)[0, len(ids):].tolist()
-            assert out.outputs[0].token_ids == ref, prompt
+                gen = ref_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                         eos_token_id=None, pad_token_id=0, output_scores=True,
+                                         return_dict_in_generate=True)
+            margins = [float(torch.topk(sc[0], 2).values.diff().abs()[0]) for sc in gen.scores]
+            out.append((ids, gen.sequences[0, len(ids):].tolist(), margins))
     finally:
         torch.set_num_threads(threads)
+    return out
+
+
+def _greedy(llm):
+    from jaxserve import SamplingParams
+
+    return llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+
+
+def test_greedy_tokens_match_transformers_gguf_loader(default_llm, reference):
+    # The default model is a bfloat16 checkpoint (Q4_1 GGUF); computed in float32 with its default
+    # bfloat16 KV cache, greedy tokens match transformers' float32 forward exactly.
+    assert str(default_llm.engine.runner.kv_dtype) == "bfloat16"
+    for prompt, out, (ids, want, _) in zip(PROMPTS, _greedy(default_llm), reference):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == want, prompt
+
+
+def test_default_settings_match_the_reference_outside_near_ties(reference):
+    """The shipped model with no settings at all: the format this machine picks by default
+    (jaxserve/default_format.py: bfloat16 where the CPU has bfloat16 dot products) parts from the
+    float32 reference only where its top-2 margin is a near-tie."""
+    from jaxserve import LLM
+
+    llm = LLM(precompile=False, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
+              kv_cache_memory=64 << 20)
+    exact, far = 0, []
+    for prompt, out, (_, want, margins) in zip(PROMPTS, _greedy(llm), reference):
+        got = out.outputs[0].token_ids
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if at is None:
+            exact += 1
+        elif margins[at] >= NEAR_TIE:
+            far.append((prompt, at, round(margins[at], 3)))
+    assert not far, f"{llm.engine.quantization}: greedy parted from the float32 reference outside near-ties: {far}"
+    assert exact >= len(PROMPTS) // 2
 
 
 def test_chat_answers_paris(default_llm):
