@@ -8,10 +8,13 @@ and, where the backend runs native linear layers, is one FFI call per projection
 the experts with rows, each expert's rows times its slice of the stacked weight, decoded in registers
 (or on the dot-product instructions) exactly as the dense linear layer of that format, so a row's
 result is that of `quant.linear` on the same expert's weight, bit for bit; the gate and up
-projections run as one gated call (silu(x Wg) * (x Wu)). Elsewhere (the xla backend, accelerators)
-the tiled product of runtime/moe.py multiplies each tile by its expert's weight as `quant.linear`
-does there (dequantized inside the step; the dot formats' activations quantized as their kernel
-does).
+projections run as one gated call (silu(x Wg) * (x Wu)). Under `packed_moe`'s native row moves
+(route, gather, combine: csrc/moe_rows.cc) that gated call takes the layer's unsorted tokens and the
+row order and reads row r as x[order[r] // k] while it prepares its activations (csrc/x_rows.h), so
+no gathered copy of the rows is made for it; the down projection reads the gated rows as sorted.
+Elsewhere (the xla backend, accelerators) the tiled product of runtime/moe.py multiplies each tile
+by its expert's weight as `quant.linear` does there (dequantized inside the step; the dot formats'
+activations quantized as their kernel does).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ def _tile_product(x, rhs: ExpertStack, i):
 
 
 def native_grouped(lhs, rhs: ExpertStack, group_sizes, up: ExpertStack | None = None,
-                   isa: cpu_kernels.DotIsa | None = None):
+                   isa: cpu_kernels.DotIsa | None = None, order=None):
     """The native grouped call: lhs f32[M, K] rows sorted by expert, rhs [E, K, N] stacked,
     group_sizes i32[E] -> f32[M, N] (rows past sum(group_sizes): zero); with `up` (same format),
-    silu(lhs @ rhs_e) * (lhs @ up_e)."""
+    silu(lhs @ rhs_e) * (lhs @ up_e). With `order` i32[M] (a permutation of 0..M-1), lhs is the
+    unsorted tokens f32[T, K] (M a multiple of T) and sorted row r is lhs[order[r] // (M // T)], read
+    in place: the product of native_gather(lhs, order) bit for bit."""
     format = format_of(rhs.w)
     ops = format.operands(rhs.w)
     ups = format.operands(up.w) if up is not None else (jnp.zeros((0,), jnp.uint8),) * 3
@@ -47,9 +52,11 @@ def native_grouped(lhs, rhs: ExpertStack, group_sizes, up: ExpertStack | None = 
     if format.kernel == DOT_MATMUL:
         isa = cpu_kernels.choose_isa("auto") if isa is None else isa
         attrs["isa"] = np.int32(isa[format.name])
-    out = jax.ShapeDtypeStruct((lhs.shape[0], rhs.w[0].shape[1] * PANEL), jnp.float32)
+    m = lhs.shape[0] if order is None else order.shape[0]
+    order = jnp.zeros((0,), jnp.int32) if order is None else order.astype(jnp.int32)  # i32[0]: lhs as sorted
+    out = jax.ShapeDtypeStruct((m, rhs.w[0].shape[1] * PANEL), jnp.float32)
     return jax.ffi.ffi_call(TARGETS[format.kernel], out, vmap_method="sequential")(
-        lhs.astype(jnp.float32), *ops, *ups, group_sizes.astype(jnp.int32), **attrs)
+        lhs.astype(jnp.float32), *ops, *ups, group_sizes.astype(jnp.int32), order, **attrs)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, native: bool = False, isa: cpu_kernels.DotIsa | None = None):
@@ -62,10 +69,15 @@ def grouped_matmul(lhs, rhs, group_sizes, native: bool = False, isa: cpu_kernels
     return blocked_ragged_dot(lhs, rhs, group_sizes, product=_tile_product)
 
 
-def grouped_gated(lhs, w_gate, w_up, group_sizes, native: bool = False, isa: cpu_kernels.DotIsa | None = None):
-    """silu(lhs @ Wg_e) * (lhs @ Wu_e) per expert group: one native call where `native`."""
+def grouped_gated(lhs, w_gate, w_up, group_sizes, order=None, native: bool = False,
+                  isa: cpu_kernels.DotIsa | None = None):
+    """silu(lhs @ Wg_e) * (lhs @ Wu_e) per expert group: one native call where `native`. With `order`
+    (`grouped_experts`' native rows only): lhs is the unsorted tokens, read in sorted order by that
+    call (`native_grouped`), or gathered first (native_gather) where the product is not one call."""
     if native and isinstance(w_gate, ExpertStack) and isinstance(w_up, ExpertStack) and type(w_gate.w) is type(w_up.w):
-        return native_grouped(lhs, w_gate, group_sizes, up=w_up, isa=isa)
+        return native_grouped(lhs, w_gate, group_sizes, up=w_up, isa=isa, order=order)
+    if order is not None:
+        lhs = native_gather(lhs, order)
     g = grouped_matmul(lhs, w_gate, group_sizes, native, isa)
     return jax.nn.silu(g) * grouped_matmul(lhs, w_up, group_sizes, native, isa)
 

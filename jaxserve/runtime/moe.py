@@ -194,7 +194,9 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     in place of XLA's sort, gathers and einsum (runtime/expert_matmul.py's native ones, for float32
     and a matmul whose rows past sum(sizes) are zero): route(group, e) = (order, sizes) below,
     gather(x, order) = x[order // k], combine(y, order, w) = the einsum below of y in (token, slot)
-    order. -> [T, H] in x's dtype."""
+    order; with `rows`, `gated` takes the unsorted x and the order, gated(x, w_gate, w_up, sizes,
+    order) = gated(gather(x, order), w_gate, w_up, sizes) (the native call reads the rows in place:
+    no gathered copy). -> [T, H] in x's dtype."""
     t, k = ids.shape
     e = w_gate.shape[0]
     local = ids - expert_offset
@@ -212,10 +214,10 @@ def grouped_experts(x, ids, weights, w_gate, w_up, w_down, num_rows=None, expert
     if num_experts and getattr(matmul, "func", matmul) is pallas_ragged_dot:  # a partial (tests: interpret)
         dot = functools.partial(dot, group_rows=-(-t * k // num_experts))
     dtype = x.dtype if packed else w_gate.dtype
-    xs = rows[1](x, order) if rows else x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
     if gated is not None and act is silu_gate and biases is None:
-        h = gated(xs, w_gate, w_up, sizes)
+        h = gated(x, w_gate, w_up, sizes, order) if rows else gated(x[order // k].astype(dtype), w_gate, w_up, sizes)
     else:
+        xs = rows[1](x, order) if rows else x[order // k].astype(dtype)  # [T*k, H] rows grouped by expert
         g, u = dot(xs, w_gate, sizes), dot(xs, w_up, sizes)
         if biases is not None:
             row_expert = jnp.minimum(group[order], e - 1)

@@ -3,7 +3,9 @@ native_route / native_gather / native_combine): the layer's rows reach the exper
 gathers, each token's sum over its slots a float32 FMA chain from 0 in slot order (what XLA's
 einsum computes at its default optimization; the suite's -O0, conftest.py, leaves mul and add
 apart, so the einsum is checked against to within rounding only), for routed-away slots, padded
-tokens and experts of another device; a malformed order is refused."""
+tokens and experts of another device; the gated grouped call given the order reads the tokens' rows
+in sorted order itself, byte for byte the gather then the call, in every format on each instruction
+path; a malformed order is refused."""
 
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import numpy as np
 import pytest
 
 from jaxserve.runtime import cpu_kernels
-from jaxserve.runtime.expert_matmul import grouped_gated, grouped_matmul, native_combine, native_gather, native_route
+from jaxserve.runtime.cpu_isa import DOT_PATHS
+from jaxserve.runtime.expert_matmul import (grouped_gated, grouped_matmul, native_combine, native_gather,
+                                            native_grouped, native_route)
 from jaxserve.runtime.moe import grouped_experts
-from jaxserve.runtime.weight_formats import ExpertStack, stack_experts
+from jaxserve.runtime.weight_formats import FORMATS, ExpertStack, stack_experts
 from jaxserve.runtime.weight_formats import quantize as quantize_weight
 
 pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None, reason="native CPU kernels unavailable")
@@ -92,3 +96,45 @@ def test_combine_matches_einsum_and_refuses_a_bad_order():
     assert native_combine(jnp.zeros((0, 8), jnp.float32), none, jnp.zeros((0, K), jnp.float32)).shape == (0, 8)
     with pytest.raises(Exception, match="permutation"):
         native_combine(y, order.at[0].set(order[1]), w).block_until_ready()
+
+
+# Every format; the dot-product formats on each instruction path this machine has (auto: AMX where
+# there, else as avx512; portable: the vector code any CPU runs).
+PATHS = [(f.name, cap) for f in FORMATS
+         for cap in (("auto", "avx512", "portable") if f.name in DOT_PATHS else ("auto",))]
+
+
+@pytest.mark.parametrize("name,cap", PATHS)
+def test_gated_call_reads_rows_in_order(name, cap):
+    """native_grouped's `order`: the gated call over the unsorted tokens, reading sorted row r as
+    x[order[r] // k], gives the bytes of native_gather then the call over the sorted rows: top 1 and
+    top 3, one token and 13, an expert no token chose, a padded token routed to no expert (its rows
+    past the groups: zero)."""
+    rng = np.random.default_rng(4)
+    g, u = (stacked(rng.standard_normal((E, H, I)).astype(np.float32) * H ** -0.5, name) for _ in range(2))
+    isa = cpu_kernels.choose_isa(cap)
+    gathered = jax.jit(lambda x, o, s, g, u: grouped_gated(native_gather(x, o), g, u, s, native=True, isa=isa))
+    ordered = jax.jit(lambda x, o, s, g, u: grouped_gated(x, g, u, s, o, native=True, isa=isa))
+    for t, k in ((1, 1), (1, K), (T, 1), (T, K)):
+        x = jnp.asarray(rng.standard_normal((t, H)), jnp.float32)
+        ids = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(t)])  # expert E - 1: no rows
+        if t > 1:
+            ids[-1] = E  # a padded token: no expert's
+        order, sizes = native_route(jnp.asarray(ids.reshape(-1), jnp.int32), E)
+        want = np.asarray(gathered(x, order, sizes, g, u))
+        got = np.asarray(ordered(x, order, sizes, g, u))
+        assert got.shape == want.shape == (t * k, I)
+        assert got.tobytes() == want.tobytes(), f"{t} tokens, top {k}"
+        assert want[:int(sizes.sum())].any() and not want[int(sizes.sum()):].any()
+
+
+def test_grouped_call_refuses_a_bad_order():
+    rng = np.random.default_rng(5)
+    g = stacked(rng.standard_normal((E, H, I)).astype(np.float32), "q8_0")
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    order = jnp.asarray(rng.permutation(T * K), jnp.int32)
+    sizes = jnp.full((E,), 2, jnp.int32)
+    native_grouped(x, g, sizes, up=g, order=order).block_until_ready()
+    for bad in (order.at[0].set(order[1]), order.at[0].set(T * K), order[:-1]):  # a repeat, out of range, M % T
+        with pytest.raises(Exception, match="permutation"):
+            native_grouped(x, g, sizes, up=g, order=bad).block_until_ready()

@@ -1,5 +1,7 @@
 // The dot-product matmul's activations (csrc/dot_matmul.cc), prepared once per call for all its
 // rows: bfloat16 pairs, or int8 quads quantized in blocks of 32 along k with each block's scale and sum.
+// The rows are read through an XRows (csrc/x_rows.h): a grouped call's row order is applied here,
+// and the kernels read the prepared rows in sorted order.
 #pragma once
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include "dot_matmul.h"
 #include "parallel.h"
 #include "vec.h"
+#include "x_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve::dot_matmul {
@@ -54,16 +57,17 @@ inline void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_
   }
 }
 
-// All m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
-inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const float* x, int64_t m, int64_t k_len, Acts& a) {
+// x's first m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
+inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_t m, Acts& a) {
   constexpr int64_t kRows = 16;
+  const int64_t k_len = x.k_len;
   a.ldx = k_len / (f == kBFLOAT16 ? 2 : 4);
   a.blocks = f == kBFLOAT16 ? 0 : k_len / kBlock;
   a.words.resize(m * a.ldx);
   a.sx.resize(m * a.blocks);
   a.xsum.resize(m * a.blocks);
   ParallelFor(pool, (m + kRows - 1) / kRows, [&](int64_t i) {
-    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x + r * k_len, k_len, a, r);
+    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x(r), k_len, a, r);
   });
 }
 

@@ -4,7 +4,8 @@
 //   jaxserve_dot_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
 //   jaxserve_dot_matmul_grouped: the same over row groups, each times its own weight: a mixture-of-
 //       experts layer's experts, stacked [E, ...] (each operand with a leading axis of E), rows sorted
-//       by expert, sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0
+//       by expert, sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0;
+//       with an order i32[M], x's rows read in sorted order as they are prepared (format_matmul.h)
 //
 // W is held in the 64-column panels of csrc/matmul.cc with consecutive k values interleaved, so one
 // 32-bit lane holds what one dot-product step of one column needs (attribute `format`: an id of
@@ -55,6 +56,7 @@
 #include "format_matmul.h"
 #include "formats.h"
 #include "operand_shape.h"
+#include "x_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve::dot_matmul {
@@ -100,22 +102,22 @@ struct Dot {
             static_cast<const uint8_t*>(s)};
   }
 
-  // x's rows as groups (group_rows: rows per group, in order; one group: a plain matmul) times ws (and ups).
-  static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* ws, const Weight* ups,
+  // x's rows as groups (group_rows: rows per group, in order; one group: a plain matmul) times ws
+  // (and ups), into y's m_padded rows.
+  static ffi::Error Run(ffi::ThreadPool& pool, const XRows& x, int64_t m_padded, const Weight* ws, const Weight* ups,
                         int64_t panels, const std::vector<int64_t>& group_rows, float* y, Format f, int32_t isa) {
-    const auto xd = x.dimensions();
     int64_t m = 0;
     for (int64_t r : group_rows) m += r;
     if ((isa == kDot && !(f == kBFLOAT16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
       return ffi::Error::InvalidArgument("dot matmul: an isa asked of a library built without its instructions");
-    if (isa == kAmx && xd[1] % 32 != 0) isa = kDot;  // a tile takes 32 k at a time (per shape, not batch)
+    if (isa == kAmx && x.k_len % 32 != 0) isa = kDot;  // a tile takes 32 k at a time (per shape, not batch)
     thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
-    Prepare(pool, f, x.typed_data(), m, xd[1], acts);
+    Prepare(pool, f, x, m, acts);
 #ifdef JAXSERVE_AMX
-    if (isa == kAmx) Multiply<kAmx>(pool, f, acts, group_rows, xd[0], panels, ws, ups, y);
+    if (isa == kAmx) Multiply<kAmx>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y);
 #endif
-    if (isa == kDot) Multiply<kDot>(pool, f, acts, group_rows, xd[0], panels, ws, ups, y);
-    if (isa == kPortable) Multiply<kPortable>(pool, f, acts, group_rows, xd[0], panels, ws, ups, y);
+    if (isa == kDot) Multiply<kDot>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y);
+    if (isa == kPortable) Multiply<kPortable>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y);
     return ffi::Error::Success();
   }
 };
@@ -142,10 +144,11 @@ extern "C" int JaxserveAmxPermit() {
 }
 
 using jaxserve::FormatMatmulBinding;
+using jaxserve::GroupedBinding;
 using jaxserve::dot_matmul::Calls;
 
 // Operands: x, each weight's w, its scale (w8a8), d (w4a8, q8a8) or exponents (mxfp4a8), its m
 // (w4a8, q8a8; else empty); attributes `format` (formats.h's dot_matmul::Format) and `isa`.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, Calls::Plain, FormatMatmulBinding<1>().Attr<int32_t>("isa"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, Calls::Gated, FormatMatmulBinding<2>().Attr<int32_t>("isa"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGrouped, Calls::Grouped, FormatMatmulBinding<2>().Attr<int32_t>("isa"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGrouped, Calls::Grouped, GroupedBinding().Attr<int32_t>("isa"));

@@ -6,14 +6,17 @@
 //   grouped: the same over row groups, each times its own weight: a mixture-of-experts layer's
 //       experts, stacked [E, ...] (each operand with a leading axis of E), rows sorted by expert,
 //       sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0.
-//       Gated where the up operands are given (up's w not empty).
+//       Gated where the up operands are given (up's w not empty). Operand order i32[M] (or i32[0]:
+//       none): x is then the layer's tokens x[T, K] and sorted row r is x[order[r] / k], k = M / T,
+//       read in place (csrc/x_rows.h; order: a permutation of 0..M-1), y[M, N].
 //
 // A weight is three operands (w or q; its scale or d; m, or empty: K's file says which, per
 // format); attribute `format` is an id of formats.h (K's enum Format), then K's own attributes
 // Attrs (dot_matmul: `isa`). K provides: Format, Weight, kName ("dot matmul"), Known (formats.h's),
 // kFormats, Valid(attrs...), Check(f, k_len, w, s, m) (the weight's panel count, or -1 unless
-// well-formed for x[., K]), Of(w, s, m, f, experts, e) (expert e's weight) and Run(pool, x, ws,
-// ups, panels, group_rows, y, f, attrs...) (the groups' rows times ws[g], gated with ups[g]).
+// well-formed for x[., K]), Of(w, s, m, f, experts, e) (expert e's weight) and Run(pool, x, m, ws,
+// ups, panels, group_rows, y, f, attrs...) (x's rows, an XRows, as groups times ws[g], gated with
+// ups[g]; y's m rows past the groups' 0).
 #pragma once
 
 #include <algorithm>
@@ -24,6 +27,7 @@
 
 #include "operand_shape.h"
 #include "parallel.h"
+#include "x_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve {
@@ -41,7 +45,8 @@ struct FormatMatmul {
     const int64_t panels = Valid(x, rows, attrs...) ? K::Check(Format(format), x.dimensions()[1], w, s, m) : -1;
     if (panels < 0) return Invalid("", "a weight of its format (quant.py), rows[1]");
     const typename K::Weight wt = K::Of(w, s, m, Format(format), 1, 0);
-    return K::Run(pool, x, &wt, nullptr, panels, OneGroup(x, rows), y->typed_data(), Format(format), attrs...);
+    return K::Run(pool, Rows(x), x.dimensions()[0], &wt, nullptr, panels, OneGroup(x, rows), y->typed_data(),
+                  Format(format), attrs...);
   }
 
   static ffi::Error Gated(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
@@ -53,13 +58,13 @@ struct FormatMatmul {
     if (panels < 0 || K::Check(f, x.dimensions()[1], wu, su, mu) != panels)
       return Invalid("gated ", "two weights of its format alike, rows[1]");
     const typename K::Weight g = K::Of(wg, sg, mg, f, 1, 0), u = K::Of(wu, su, mu, f, 1, 0);
-    return K::Run(pool, x, &g, &u, panels, OneGroup(x, rows), y->typed_data(), f, attrs...);
+    return K::Run(pool, Rows(x), x.dimensions()[0], &g, &u, panels, OneGroup(x, rows), y->typed_data(), f, attrs...);
   }
 
   static ffi::Error Grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer wg, ffi::AnyBuffer sg,
                             ffi::AnyBuffer mg, ffi::AnyBuffer wu, ffi::AnyBuffer su, ffi::AnyBuffer mu,
-                            ffi::Buffer<ffi::S32> sizes, ffi::ResultBuffer<ffi::F32> y, int32_t format,
-                            Attrs... attrs) {
+                            ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> order, ffi::ResultBuffer<ffi::F32> y,
+                            int32_t format, Attrs... attrs) {
     if (!K::Known(format)) return UnknownFormat("grouped ", format);
     const Format f = Format(format);
     const int64_t experts = sizes.element_count(), gated = wu.element_count() > 0;
@@ -72,21 +77,32 @@ struct FormatMatmul {
     const int64_t panels = valid ? stacked(wg, sg, mg) : -1;
     if (panels < 0 || (gated && stacked(wu, su, mu) != panels))
       return Invalid("grouped ", "stacked weights [E, ...] of its format (runtime/expert_matmul.py), sizes i32[E]");
+    const int64_t tokens = x.dimensions()[0], m = order.element_count() ? order.element_count() : tokens;
+    if ((order.element_count() && (tokens < 1 || m % tokens || !Permutation(order.typed_data(), m))) ||
+        y->dimensions().size() != 2 || y->dimensions()[0] != m)
+      return ffi::Error::InvalidArgument(std::string("grouped ") + K::kName + ": expected x[T, K], order i32[M] a " +
+                                         "permutation of 0..M-1, M a multiple of T, and y[M, N] (or order i32[0]: " +
+                                         "x's rows as sorted, M = T)");
+    const XRows xs = order.element_count() ? XRows{x.typed_data(), x.dimensions()[1], order.typed_data(), m / tokens}
+                                           : Rows(x);
     std::vector<typename K::Weight> ws, ups;
     std::vector<int64_t> rows(experts);
-    int64_t left = x.dimensions()[0];  // negative sizes as 0; all groups within x's rows
+    int64_t left = m;  // negative sizes as 0; all groups within the call's rows
     for (int64_t e = 0; e < experts; ++e) {
       left -= rows[e] = std::clamp<int64_t>(sizes.typed_data()[e], 0, left);
       ws.push_back(K::Of(wg, sg, mg, f, experts, e));
       if (gated) ups.push_back(K::Of(wu, su, mu, f, experts, e));
     }
-    return K::Run(pool, x, ws.data(), gated ? ups.data() : nullptr, panels, rows, y->typed_data(), f, attrs...);
+    return K::Run(pool, xs, m, ws.data(), gated ? ups.data() : nullptr, panels, rows, y->typed_data(), f, attrs...);
   }
 
  private:
   static bool Valid(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rows, Attrs... attrs) {
     return x.dimensions().size() == 2 && K::Valid(attrs...) && rows.element_count() == 1;
   }
+
+  // x's rows as given.
+  static XRows Rows(ffi::Buffer<ffi::F32> x) { return {x.typed_data(), x.dimensions()[1]}; }
 
   // One group: a call's first `rows` rows (clamped to x's).
   static std::vector<int64_t> OneGroup(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rows) {
@@ -105,28 +121,33 @@ struct FormatMatmul {
   }
 };
 
-// Binding b, then `Weights` weights' three operands each, rows (or sizes) i32, y f32[M, N] and
-// attribute `format`.
-template <int Weights, typename B>
+// Binding b, then `Weights` weights' three operands each, rows[1] (grouped: sizes[E] and order[M]
+// or [0]) i32, y f32[M, N] and attribute `format`.
+template <int Weights, bool Grouped, typename B>
 auto WithWeights(B b) {
-  if constexpr (Weights == 0) {
+  if constexpr (Weights > 0) {
+    return WithWeights<Weights - 1, Grouped>(std::move(b)
+                                                 .template Arg<ffi::AnyBuffer>()    // w (or q)
+                                                 .template Arg<ffi::AnyBuffer>()    // its scale, d or exponents
+                                                 .template Arg<ffi::AnyBuffer>());  // its m (either may be empty)
+  } else if constexpr (Grouped) {
+    return WithWeights<0, false>(std::move(b).template Arg<ffi::Buffer<ffi::S32>>());  // sizes[E]; then order
+  } else {
     return std::move(b)
-        .template Arg<ffi::Buffer<ffi::S32>>()  // rows[1], or sizes[E]
+        .template Arg<ffi::Buffer<ffi::S32>>()  // rows[1] (grouped: order)
         .template Ret<ffi::Buffer<ffi::F32>>()  // y[M, N]
         .template Attr<int32_t>("format");
-  } else {
-    return WithWeights<Weights - 1>(std::move(b)
-                                        .template Arg<ffi::AnyBuffer>()    // w (or q)
-                                        .template Arg<ffi::AnyBuffer>()    // its scale, d or exponents; or empty
-                                        .template Arg<ffi::AnyBuffer>());  // its m; or empty
   }
 }
 
-// The calls' bindings, before K's own attributes: the pool, x f32[M, K], then WithWeights' (Plain:
-// one weight; Gated and Grouped: two, the gate's then the up weight's).
+// The calls' bindings, before K's own attributes: the pool, x f32[M, K] (grouped with an order:
+// [T, K]), then WithWeights' (Plain: one weight; Gated and Grouped: two, the gate's then the up
+// weight's).
 template <int Weights>
 auto FormatMatmulBinding() {
-  return WithWeights<Weights>(BindPoolF32());
+  return WithWeights<Weights, false>(BindPoolF32());
 }
+// Grouped's (gate and up weights, sizes, order).
+inline auto GroupedBinding() { return WithWeights<2, true>(BindPoolF32()); }
 
 }  // namespace jaxserve

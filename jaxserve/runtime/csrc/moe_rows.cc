@@ -4,7 +4,9 @@
 //   jaxserve_moe_route:   order i32[M], sizes i32[E] from group i32[M] (each row's expert; E or
 //       more, or negative: no expert's): argsort(group, stable) with the expert-less rows last, and
 //       the rows per expert (a counting sort: XLA:CPU's argsort takes ~50 us at M = 256)
-//   jaxserve_moe_gather:  xs[M, H] = x[order[r] / k]       (x f32[T, H], order i32[M], k = M / T)
+//   jaxserve_moe_gather:  xs[M, H] = x[order[r] / k]       (x f32[T, H], order i32[M], k = M / T):
+//       for the products that read sorted rows; the gated grouped matmul takes the order itself and
+//       reads x's rows in place (csrc/format_matmul.h, csrc/x_rows.h)
 //   jaxserve_moe_combine: out[T, H], out[t] = sum_j w[t, j] y[r(t, j)] over j = 0..k-1 in order,
 //       r(t, j) the row with order[r] = t k + j (y f32[M, H], order i32[M], w f32[T, k])
 //
@@ -22,21 +24,14 @@
 #include <immintrin.h>
 
 #include "parallel.h"
+#include "x_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Whether order is M distinct values in [0, M) (a permutation), checked before any row moves.
-bool Permutation(const int32_t* order, int64_t m) {
-  std::vector<bool> seen(m);
-  for (int64_t r = 0; r < m; ++r) {
-    if (order[r] < 0 || order[r] >= m || seen[order[r]]) return false;
-    seen[order[r]] = true;
-  }
-  return true;
-}
+using jaxserve::Permutation;  // checked before any row moves
 
 ffi::Error Route(ffi::Buffer<ffi::S32> group, ffi::ResultBuffer<ffi::S32> order, ffi::ResultBuffer<ffi::S32> sizes) {
   const int64_t m = group.element_count(), e = sizes->element_count();
@@ -58,14 +53,13 @@ ffi::Error Gather(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (d.size() == 2 && m == 0) return ffi::Error::Success();  // no tokens (T = 0): nothing to move
   if (d.size() != 2 || d[0] < 1 || m % d[0] != 0 || !Permutation(order.typed_data(), m))
     return ffi::Error::InvalidArgument("moe gather: expected x[T, H], order a permutation of 0..T*k-1");
-  const int64_t k = m / d[0], h = d[1];
-  const float* xp = x.typed_data();
-  const int32_t* op = order.typed_data();
+  const int64_t h = d[1];
+  const jaxserve::XRows rows{x.typed_data(), h, order.typed_data(), m / d[0]};
   float* yp = out->typed_data();
   constexpr int64_t kRows = 16;  // rows per work item (a row: a few KiB)
   jaxserve::ParallelFor(pool, (m + kRows - 1) / kRows, [&](int64_t i) {
     for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r)
-      std::memcpy(yp + r * h, xp + op[r] / k * h, h * sizeof(float));
+      std::memcpy(yp + r * h, rows(r), h * sizeof(float));
   });
   return ffi::Error::Success();
 }

@@ -19,6 +19,7 @@
 #include "quant_decode.h"
 #include "row_tiles.h"
 #include "vec.h"
+#include "x_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve::quant_matmul {
@@ -62,19 +63,21 @@ void Decode(const Panel& p, int64_t k0, int64_t k1, float* out) {
   }, [] {});
 }
 
-// y[0:MR, 0:64] = c + x[0:MR, k0:k1] @ panel[k0:k1] (c: rows ldc apart, or zero where null), times
-// `scale` per column where given (int8); x rows K apart, y rows ldy apart. The sums go on in k
-// order from the c they are given, so k ranges run one after another sum as one whole-K call.
+// y[0:MR, 0:64] = c + x[r0:r0 + MR, k0:k1] @ panel[k0:k1] (c: rows ldc apart, or zero where null),
+// times `scale` per column where given (int8); y rows ldy apart. The sums go on in k order from the
+// c they are given, so k ranges run one after another sum as one whole-K call.
 template <Format F, int MR>
-void Kernel(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_t k_len, const float* c0, int64_t ldc,
+void Kernel(const XRows& xs, int64_t r0, const Panel& p, int64_t k0, int64_t k1, const float* c0, int64_t ldc,
             const float* scale, float* y, int64_t ldy) {
+  const float* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = xs(r0 + r);
   v16 c[MR][kNV] = {};
   if (c0)
     for (int r = 0; r < MR; ++r)
       for (int v = 0; v < kNV; ++v) c[r][v] = Load<v16>(c0 + r * ldc + v * kW);
   ForEachRow<F>(p, k0, k1, [&](int64_t k, const v16* w) {
     for (int r = 0; r < MR; ++r) {
-      const float a = x[r * k_len + k];
+      const float a = x[r][k];
       for (int v = 0; v < kNV; ++v) c[r][v] += a * w[v];
     }
   }, [&] {  // k's products summed before k + 1's, not the two added together first
@@ -91,15 +94,15 @@ void Kernel(const float* x, const Panel& p, int64_t k0, int64_t k1, int64_t k_le
 }
 
 template <Format F>
-void Tile(int64_t mr, const float* x, const Panel& p, int64_t k0, int64_t k1, int64_t k_len, const float* c0,
+void Tile(int64_t mr, const XRows& xs, int64_t r0, const Panel& p, int64_t k0, int64_t k1, const float* c0,
           int64_t ldc, const float* scale, float* y, int64_t ldy) {
   switch (mr) {
-    case 1: return Kernel<F, 1>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
-    case 2: return Kernel<F, 2>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
-    case 3: return Kernel<F, 3>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
-    case 4: return Kernel<F, 4>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
-    case 5: return Kernel<F, 5>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
-    case 6: return Kernel<F, 6>(x, p, k0, k1, k_len, c0, ldc, scale, y, ldy);
+    case 1: return Kernel<F, 1>(xs, r0, p, k0, k1, c0, ldc, scale, y, ldy);
+    case 2: return Kernel<F, 2>(xs, r0, p, k0, k1, c0, ldc, scale, y, ldy);
+    case 3: return Kernel<F, 3>(xs, r0, p, k0, k1, c0, ldc, scale, y, ldy);
+    case 4: return Kernel<F, 4>(xs, r0, p, k0, k1, c0, ldc, scale, y, ldy);
+    case 5: return Kernel<F, 5>(xs, r0, p, k0, k1, c0, ldc, scale, y, ldy);
+    case 6: return Kernel<F, 6>(xs, r0, p, k0, k1, c0, ldc, scale, y, ldy);
     default: return;
   }
 }
@@ -115,8 +118,9 @@ constexpr int64_t kSlab = 128;
 // order (each tile's sums carried from slab to slab in `acc`), decoded 1 / 8 as often as per tile.
 // Rows r0..r0+rows-1 of y's panel columns (y rows n apart; gated: silu(g) * u).
 template <Format F>
-void SharedDecode(const float* xs, int64_t r0, int64_t rows, int64_t k_len, const Panel* ps, const float* const* scales,
-                  int weights, float* y, int64_t n) {
+void SharedDecode(const XRows& xs, int64_t r0, int64_t rows, const Panel* ps, const float* const* scales, int weights,
+                  float* y, int64_t n) {
+  const int64_t k_len = xs.k_len;
   thread_local std::vector<float> buf, acc;
   buf.resize(kSlab * kPanel);
   acc.resize(weights * rows * kPanel);
@@ -130,8 +134,8 @@ void SharedDecode(const float* xs, int64_t r0, int64_t rows, int64_t k_len, cons
       float* c = weights == 1 ? y + r0 * n : acc.data() + u * rows * kPanel;
       const int64_t ldc = weights == 1 ? n : kPanel;
       for (int64_t r = 0; r < rows; r += kMR)
-        Tile<kDecoded>(std::min<int64_t>(kMR, rows - r), xs + (r0 + r) * k_len, decoded, k0, k1, k_len,
-                       k0 ? c + r * ldc : nullptr, ldc, k1 == k_len ? scales[u] : nullptr, c + r * ldc, ldc);
+        Tile<kDecoded>(std::min<int64_t>(kMR, rows - r), xs, r0 + r, decoded, k0, k1, k0 ? c + r * ldc : nullptr,
+                       ldc, k1 == k_len ? scales[u] : nullptr, c + r * ldc, ldc);
     }
   }
   if (weights == 2) SiluMul(acc.data(), acc.data() + rows * kPanel, rows, y + r0 * n, n);
@@ -140,34 +144,34 @@ void SharedDecode(const float* xs, int64_t r0, int64_t rows, int64_t k_len, cons
 // ys = xs @ W, or silu(xs @ W) * (xs @ W_up) where `ups`, over `chunks`' row groups: group g's rows
 // times ws[g] (and ups[g]); the rows after the groups' (to m_padded) come out zero.
 template <Format F>
-void Run(xla::ffi::ThreadPool& pool, const float* xs, const RowChunks& chunks, int64_t m_padded, int64_t k_len,
-         int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
-  const int64_t n = panels * kPanel, m = chunks.rows();
+void Run(xla::ffi::ThreadPool& pool, const XRows& xs, const RowChunks& chunks, int64_t m_padded, int64_t panels,
+         const Weight* ws, const Weight* ups, float* ys) {
+  const int64_t n = panels * kPanel, m = chunks.rows(), k_len = xs.k_len;
   std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
   ForEachChunkPanel(pool, chunks, panels, [&](int64_t group, int64_t r0, int64_t rows, int64_t panel) {
     const Weight& w = ws[group];
     const Weight* w_up = ups ? ups + group : nullptr;
     const Panel ps[2] = {w.At(panel, k_len, F), w_up ? w_up->At(panel, k_len, F) : Panel{}};
     const float* scales[2] = {w.Scale(panel, F), w_up ? w_up->Scale(panel, F) : nullptr};
-    if (rows > kMR) return SharedDecode<F>(xs, r0, rows, k_len, ps, scales, w_up ? 2 : 1, ys + panel * kPanel, n);
+    if (rows > kMR) return SharedDecode<F>(xs, r0, rows, ps, scales, w_up ? 2 : 1, ys + panel * kPanel, n);
     RowTiles<kMR>(r0, rows, w_up != nullptr, ys + panel * kPanel, n,
                   [&](int64_t mr, int64_t r, bool up, float* y, int64_t ldy) {
-                    Tile<F>(mr, xs + r * k_len, ps[up], 0, k_len, k_len, nullptr, 0, scales[up], y, ldy);
+                    Tile<F>(mr, xs, r, ps[up], 0, k_len, nullptr, 0, scales[up], y, ldy);
                   });
   });
 }
 
 // Run<F> for format f.
-inline void Multiply(xla::ffi::ThreadPool& pool, Format f, const float* xs, const RowChunks& chunks, int64_t m_padded,
-              int64_t k_len, int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
+inline void Multiply(xla::ffi::ThreadPool& pool, Format f, const XRows& xs, const RowChunks& chunks, int64_t m_padded,
+                     int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
   switch (f) {
-    case kINT8: return Run<kINT8>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
-    case kQ8_0: return Run<kQ8_0>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
-    case kQ4_1: return Run<kQ4_1>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
-    case kFP8: return Run<kFP8>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
-    case kQ4_K: return Run<kQ4_K>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
-    case kQ6_K: return Run<kQ6_K>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
-    case kMXFP4: return Run<kMXFP4>(pool, xs, chunks, m_padded, k_len, panels, ws, ups, ys);
+    case kINT8: return Run<kINT8>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
+    case kQ8_0: return Run<kQ8_0>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
+    case kQ4_1: return Run<kQ4_1>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
+    case kFP8: return Run<kFP8>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
+    case kQ4_K: return Run<kQ4_K>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
+    case kQ6_K: return Run<kQ6_K>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
+    case kMXFP4: return Run<kMXFP4>(pool, xs, chunks, m_padded, panels, ws, ups, ys);
   }
 }
 

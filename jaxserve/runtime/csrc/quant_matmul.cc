@@ -4,7 +4,8 @@
 //   jaxserve_quant_matmul_gated: y[M, N] = silu(x @ W_gate) * (x @ W_up)
 //   jaxserve_quant_matmul_grouped: the same over row groups, each times its own weight: a mixture-of-
 //       experts layer's experts, stacked [E, ...] (each operand with a leading axis of E), rows sorted
-//       by expert, sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0
+//       by expert, sizes i32[E] rows per expert (runtime/expert_matmul.py); rows past the groups' are 0;
+//       with an order i32[M], the kernel's tiles read x's rows in sorted order in place (format_matmul.h)
 //
 // W is held in the 64-column panels of csrc/matmul.cc, quantized (attribute `format`: an id of
 // formats.h, generated from runtime/weight_formats.py's records):
@@ -35,6 +36,7 @@
 #include "operand_shape.h"
 #include "parallel.h"
 #include "quant_kernel.h"
+#include "x_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve::quant_matmul {
@@ -95,10 +97,10 @@ struct Quant {
     return {static_cast<const uint8_t*>(Part(q, experts, e)), Part(d, experts, e),
             f == kQ4_1 || f == kQ4_K || f == kQ6_K ? static_cast<const _Float16*>(Part(m, experts, e)) : nullptr};
   }
-  static ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> x, const Weight* ws, const Weight* ups,
+  static ffi::Error Run(ffi::ThreadPool& pool, const XRows& x, int64_t m_padded, const Weight* ws, const Weight* ups,
                         int64_t panels, const std::vector<int64_t>& group_rows, float* y, Format f) {
     const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()), kRowChunk);
-    Multiply(pool, f, x.typed_data(), chunks, x.dimensions()[0], x.dimensions()[1], panels, ws, ups, y);
+    Multiply(pool, f, x, chunks, m_padded, panels, ws, ups, y);
     return ffi::Error::Success();
   }
 };
@@ -108,13 +110,14 @@ using Calls = FormatMatmul<Quant>;
 }  // namespace jaxserve::quant_matmul
 
 using jaxserve::FormatMatmulBinding;
+using jaxserve::GroupedBinding;
 using jaxserve::quant_matmul::Calls;
 
 // Operands: x, each weight's q, its scale (int8, fp8) or d, its m (else empty); attribute `format`:
 // formats.h's quant_matmul::Format.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmul, Calls::Plain, FormatMatmulBinding<1>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGated, Calls::Gated, FormatMatmulBinding<2>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGrouped, Calls::Grouped, FormatMatmulBinding<2>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantMatmulGrouped, Calls::Grouped, GroupedBinding());
 
 // The weight formats' table this library was built with (formats.h): the loader checks it against
 // runtime/weight_formats.py's (native_build.format_table).
