@@ -334,12 +334,11 @@ class ResponseBuilder:
                     if self.kind.echo_only:
                         o = self._echo_only(o)
                     index = idx * self.n + o.index
-                    if index in done or not (
-                        o.delta_text
-                        or o.finished
-                        or (o.delta_logprobs and o.logprobs is not None)
-                        or (o.delta_token_ids and self.kind.params.return_token_ids)
-                    ):
+                    # a chunk per step that brought tokens, with empty text where the detokenizer
+                    # (an incomplete UTF-8 sequence) or a possible stop string holds its text back,
+                    # as vLLM streams: the client sees every token's arrival
+                    if index in done or not (o.delta_text or o.finished or o.delta_token_ids
+                                             or (o.delta_logprobs and o.logprobs is not None)):
                         continue
                     text = o.delta_text
                     first = index not in started

@@ -83,6 +83,21 @@ def test_streamed_equals_whole_and_usage_chunk(server, client):
     assert whole.choices[0].text != whole.choices[1].text  # n siblings get different seeds
 
 
+def test_every_token_streams_a_chunk_even_while_its_text_is_held_back(server, client):
+    # As vLLM streams: one chunk per generated token, with empty text while the text is held back
+    # (here: the text's tail could still become the stop string, which never completes), so the
+    # client sees each token arrive
+    kw = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+          "extra_body": {"ignore_eos": True, "logit_bias": NO_SPECIAL}}
+    whole = client.completions.create(**kw).choices[0].text
+    held = whole[len(whole) // 2:]
+    assert held
+    chunks = [ch for ch in client.completions.create(stream=True, stop=[held + "\u0001"], **kw) if ch.choices]
+    assert len(chunks) == 16
+    assert sum(not ch.choices[0].text for ch in chunks) >= 1  # held back, streamed empty
+    assert "".join(ch.choices[0].text for ch in chunks) == whole
+
+
 def test_seed_reproducible(server, client):
     kw = {
         "model": server.model,
