@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,9 @@ def _type_name(ggml_type: int) -> str:
         return f"#{ggml_type}"
 
 
+DEQUANTIZE_BYTES = 1 << 20  # raw bytes dequantized per numpy call
+
+
 def dequantize_raw(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
     """Raw GGUF bytes (rows..., row bytes) of type `ggml_type` -> float32 array of `shape`."""
     name = GGML_TYPES[ggml_type][0]
@@ -212,8 +216,13 @@ def dequantize_raw(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> n
         out = raw.view("<f8").astype(np.float32)
     elif name == "BF16":
         out = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(ggml_type))
+    else:  # gguf's block formulas over groups of rows large enough to leave the GIL (gguf's own
+        # dequantize takes 16 rows a call: Python-bound, and the same values bit for bit)
+        q = gguf.quants._type_traits[gguf.GGMLQuantizationType(ggml_type)]
+        q.init_grid()
+        rows = raw.reshape(-1, raw.shape[-1])
+        step = max(1, DEQUANTIZE_BYTES // max(1, rows.shape[1]))
+        out = np.concatenate([q.dequantize_rows(rows[i:i + step]).reshape(-1) for i in range(0, len(rows), step)])
     return np.ascontiguousarray(out.reshape(shape), dtype=np.float32)
 
 
@@ -252,7 +261,8 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
     for info in g.tensors.values():  # fail before any work on an unsupported type
         if info.ggml_type not in GGML_TYPES:
             g.raw(info)
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, Any] = {}
+    pool = ThreadPoolExecutor(os.cpu_count() or 1)  # the float tensors dequantize on the CPU's cores
     for name, info in g.tensors.items():
         try:
             hf = hf_tensor_name(name, arch)
@@ -274,18 +284,25 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
         if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
             weights[hf] = kept
             continue
-        w = g.dequantize(name)
-        if heads is not None:
-            w = unpermute_qk(w, heads)
-        elif arch in NORM_SHIFT and name.endswith("norm.weight"):
-            w = w - np.float32(1.0)
-        elif name.endswith(".ffn_gate_inp_shexp.weight"):
-            w = w.reshape(1, -1)  # HF's [1, hidden] (llama.cpp may store it 1-D)
-        weights[hf] = w
+        weights[hf] = pool.submit(_float_tensor, g, name, arch, heads)
+    pool.shutdown()
+    weights = {k: w.result() if isinstance(w, Future) else w for k, w in weights.items()}
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
     if missing:
         raise UserError(f"{path}: missing tensors {missing}")
     return cfg, weights
+
+
+def _float_tensor(g: GGUFFile, name: str, arch: str, heads: int | None) -> np.ndarray:
+    """Tensor `name` dequantized to float32 in HF's layout."""
+    w = g.dequantize(name)
+    if heads is not None:
+        return unpermute_qk(w, heads)
+    if arch in NORM_SHIFT and name.endswith("norm.weight"):
+        return w - np.float32(1.0)
+    if name.endswith(".ffn_gate_inp_shexp.weight"):
+        return w.reshape(1, -1)  # HF's [1, hidden] (llama.cpp may store it 1-D)
+    return w
 
 
 def _whole_experts(g: GGUFFile, info: TensorInfo, cfg: dict):

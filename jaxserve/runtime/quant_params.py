@@ -5,6 +5,9 @@ at load time, or as shapes only for lowering; placed on devices; and measured.""
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,7 +91,11 @@ def quantize_params(params: dict, quantization: str, experts: bool = True) -> di
         w = quantize(kernel, kind)
         return type(w)(*map(jnp.asarray, w)) if on_device else w
 
-    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_quantized)
+    # the leaves convert on the CPU's cores (numpy's work on large arrays runs without the GIL)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        futures = jax.tree_util.tree_map_with_path(lambda p, leaf: pool.submit(convert, p, leaf), params,
+                                                   is_leaf=is_quantized)
+        return jax.tree_util.tree_map(Future.result, futures, is_leaf=lambda x: isinstance(x, Future))
 
 
 def _mxfp4a8(params: dict, experts: bool) -> dict:
