@@ -15,8 +15,9 @@ the prefill tokens that keep a step within the target: (target - a) / c, at leas
 else `auto_factor` x a (a mixed step may cost that many decode-only steps), so it follows the
 model, the batch and the machine's load. Until the fit has steps with two different prefill sizes
 it assumes a = 0 (c = mean gap / mean tokens: a smaller, safe cap once any mixed step was seen).
-The scheduler applies the cap only while decodes outnumber the requests waiting for their first
-token (scheduler.py): in a burst of arrivals, chunking would double TTFT for the ITL it saves.
+The scheduler applies the cap only outside a burst of arrivals (from when as many requests wait for
+their first token as decode until all that had arrived then have it; scheduler.py): in a burst,
+chunking would double TTFT for the ITL it saves, and the burst's prefill goes first instead.
 """
 
 from __future__ import annotations
