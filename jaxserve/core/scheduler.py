@@ -23,6 +23,7 @@ Admission (`admission`):
 from __future__ import annotations
 
 from .batch import PENDING
+from .burst import Burst
 from .errors import UserError
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
@@ -52,7 +53,7 @@ class Scheduler:
         # the most prefill tokens a step with decode rows may carry (None: max_num_batched_tokens);
         # the engine sets it each step from measured step times (core/step_budget.py)
         self.prefill_cap: int | None = None
-        self._burst_end: int | None = None  # a burst's requests: arrival order below this (schedule())
+        self.burst = Burst()  # a burst of arrivals being prefilled (burst.py)
         self._order: dict[str, int] = {}  # arrival order, for victims and fcfs ties
         self._next_order = 0
         self._watermark_blocks = int(config.watermark * (config.num_blocks - 1))
@@ -129,17 +130,10 @@ class Scheduler:
         out = SchedulerOutput(step=self.step)
         tokens = self.config.max_num_batched_tokens
         # prefill tokens next to decodes: capped (prefill_cap, set by the engine's step budget) so a
-        # step that carries decode rows stays short. Not in a burst of arrivals: each extra chunk
-        # delays all of them by a step, which costs more TTFT than the decodes' ITL gains (measured:
-        # bench/RESULTS.md, tail latency). A burst starts when as many requests wait for their first
-        # token as decode, and lasts until all that had arrived then have it. In it, with
-        # burst_prefill_first, the prefill chunks go first and the decodes take the budget left: a
-        # stream then waits once, for the burst, instead of at each chunk step (P99 inter-token
-        # latency: one chunk step), and the burst ends sooner. A prompt arriving next to more
-        # decodes starts no burst: it is chunked beside them.
+        # step that carries decode rows stays short; not in a burst of arrivals (burst.py)
         decodes = sum(len(r.token_ids) - r.num_computed_tokens == 1 for r in self.running)
-        self._update_burst(decodes)
-        cap = None if self.burst or not decodes else self.prefill_cap
+        self.burst.update(self.running, self.waiting, decodes, self._order, self._next_order)
+        cap = None if self.burst.active or not decodes else self.prefill_cap
         if cap is not None and cap < tokens:
             out.prefill_cap = cap = max(1, cap)
         else:
@@ -149,7 +143,7 @@ class Scheduler:
         if self.config.prefill_first:
             self._schedule_waiting(out, budget)
             self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
-        elif self.burst and self.config.burst_prefill_first:
+        elif self.burst.active and self.config.burst_prefill_first:  # prefill chunks first (burst.py)
             self._schedule_running(out, budget, skip=set(), decodes=False)
             self._schedule_waiting(out, budget)
             self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
@@ -166,23 +160,6 @@ class Scheduler:
         self.num_scheduled_tokens += out.num_batched_tokens
         self.step += 1
         return out
-
-    @property
-    def burst(self) -> bool:
-        return self._burst_end is not None
-
-    def _update_burst(self, decodes: int) -> None:
-        """A burst begins when the requests waiting for their first token are at least as many as
-        those decoding (and some decode), and ends when every request that had arrived then has
-        its first token."""
-        prefilling = [r for r in self.running if len(r.token_ids) - r.num_computed_tokens > 1]
-        if self._burst_end is not None:
-            end, order = self._burst_end, self._order
-            if not any(order[r.request_id] < end for r in prefilling) and \
-                    not any(order[r.request_id] < end for r in self.waiting):
-                self._burst_end = None
-        if self._burst_end is None and decodes and len(prefilling) + len(self.waiting) >= decodes:
-            self._burst_end = self._next_order
 
     def _schedule_running(self, out: SchedulerOutput, budget: list[int], skip: set[str], decodes: bool = True) -> None:
         """The running requests' prefill chunks and decodes (`decodes=False`: their chunks only)."""

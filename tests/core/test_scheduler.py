@@ -110,7 +110,7 @@ def test_a_burst_is_prefilled_first_and_its_decodes_take_the_budget_left():
     # 90 prompt tokens: 32 + 32 prefill-only steps (p0's first token came in the first: it waits
     # too), then the last 26 beside 6 of the 4 decodes' budget... 32 - 26 = 6 rows: all 4 decode
     assert rows[:2] == [(32, 0), (32, 0)]
-    assert rows[2] == (26, 4) and rows[3] == (0, 5) and not sched.burst
+    assert rows[2] == (26, 4) and rows[3] == (0, 5) and not sched.burst.active
 
 
 def test_a_prompt_arriving_beside_more_decodes_is_no_burst():
@@ -121,7 +121,7 @@ def test_a_prompt_arriving_beside_more_decodes_is_no_burst():
     step(sched, rng)
     sched.add_request(Request("long", list(range(100, 200)), 5))
     out = step(sched, rng)  # decode-first: 3 decodes, then 29 tokens of the prompt
-    assert (out.num_decode_tokens, out.num_prefill_tokens) == (3, 29) and not sched.burst
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (3, 29) and not sched.burst.active
 
 
 def test_preemption_is_counted_and_requests_keep_their_place():
