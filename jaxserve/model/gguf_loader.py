@@ -262,30 +262,29 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
         if info.ggml_type not in GGML_TYPES:
             g.raw(info)
     weights: dict[str, Any] = {}
-    pool = ThreadPoolExecutor(os.cpu_count() or 1)  # the float tensors dequantize on the CPU's cores
-    for name, info in g.tensors.items():
-        try:
-            hf = hf_tensor_name(name, arch)
-        except KeyError:
-            raise UserError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}") from None
-        if hf is None:
-            continue
-        if EXPERT in hf:
-            weights |= _split_experts(g, info, hf, cfg, keep_quantized)
-            continue
-        if arch in WHOLE_EXPERTS and name.endswith("_exps.weight"):
-            weights[hf] = _whole_experts(g, info, cfg)
-            continue
-        heads = None
-        if arch in PERMUTED_QK and ".attn_q." in name:
-            heads = cfg["num_attention_heads"]
-        elif arch in PERMUTED_QK and ".attn_k." in name:
-            heads = cfg["num_key_value_heads"]
-        if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
-            weights[hf] = kept
-            continue
-        weights[hf] = pool.submit(_float_tensor, g, name, arch, heads)
-    pool.shutdown()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the float tensors dequantize on the CPU's cores
+        for name, info in g.tensors.items():
+            try:
+                hf = hf_tensor_name(name, arch)
+            except KeyError:
+                raise UserError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}") from None
+            if hf is None:
+                continue
+            if EXPERT in hf:
+                weights |= _split_experts(g, info, hf, cfg, keep_quantized)
+                continue
+            if arch in WHOLE_EXPERTS and name.endswith("_exps.weight"):
+                weights[hf] = _whole_experts(g, info, cfg)
+                continue
+            heads = None
+            if arch in PERMUTED_QK and ".attn_q." in name:
+                heads = cfg["num_attention_heads"]
+            elif arch in PERMUTED_QK and ".attn_k." in name:
+                heads = cfg["num_key_value_heads"]
+            if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
+                weights[hf] = kept
+                continue
+            weights[hf] = pool.submit(_float_tensor, g, name, arch, heads)
     weights = {k: w.result() if isinstance(w, Future) else w for k, w in weights.items()}
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
     if missing:
