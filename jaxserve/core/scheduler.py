@@ -12,7 +12,7 @@ Admission (`admission`):
   Under load the running requests then grow into memory that new admissions took, and the newest
   get preempted, often again and again: a preempted request is re-admitted as soon as its tokens
   fit, and preempted a few steps later.
-- `conservative` (SGLang's new_token_ratio): free + evictable blocks must also cover what the
+- `conservative` (SGLang's new_token_ratio, growth.py): free + evictable blocks must also cover what the
   running requests and the new one are expected to grow: the rest of their prompt plus
   ratio x the output tokens they may still generate. The ratio starts at `init_new_token_ratio`,
   decays each step to a floor (requests often stop before max_tokens), and after a preemption is
@@ -25,17 +25,13 @@ from __future__ import annotations
 from .batch import PENDING
 from .burst import Burst
 from .errors import UserError
+from .growth import NewTokenRatio
 from .kv_manager import KVManager, cdiv
 from .policy import WaitingQueue
 from .request import Request, RequestStatus
 from .scheduler_config import SchedulerConfig
 from .scheduler_output import Landed, ScheduledRequest, SchedulerOutput
 
-# SGLang's defaults for new_token_ratio: the floor is init x 0.14, reached after 600 steps; after a
-# preemption (SGLang: retraction) the estimate assumes every survivor decodes 20 more tokens.
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
-RETRACT_DECODE_STEPS = 20
 
 
 class Scheduler:
@@ -57,11 +53,7 @@ class Scheduler:
         self._order: dict[str, int] = {}  # arrival order, for victims and fcfs ties
         self._next_order = 0
         self._watermark_blocks = int(config.watermark * (config.num_blocks - 1))
-        self.new_token_ratio = config.init_new_token_ratio  # conservative admission's estimate
-        self._min_new_token_ratio = config.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self._new_token_ratio_decay = (
-            config.init_new_token_ratio - self._min_new_token_ratio
-        ) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.growth = NewTokenRatio(config.init_new_token_ratio)  # conservative admission's estimate (growth.py)
 
     # ---- requests in and out ------------------------------------------------------------------
     def check_request(self, req: Request) -> None:
@@ -125,6 +117,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def new_token_ratio(self) -> float:
+        return self.growth.value
+
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self.step)
@@ -156,7 +152,7 @@ class Scheduler:
         for s in out.scheduled:
             if s.request.first_scheduled_step < 0:
                 s.request.first_scheduled_step = self.step
-        self._update_new_token_ratio(out)
+        self.growth.update(bool(out.preempted), self.running)
         self.num_scheduled_tokens += out.num_batched_tokens
         self.step += 1
         return out
@@ -209,7 +205,7 @@ class Scheduler:
         bs, conservative = self.config.block_size, self.config.admission == "conservative"
         reserve = self._watermark_blocks
         if conservative:
-            reserve += self._expected_growth(self.running)
+            reserve += self.growth.expected_growth(self.running, bs, self.config.max_model_len)
         admitted: list[Request] = []
         for req in self.waiting.ordered(self.running, self.step):
             if budget[0] <= 0 or budget[2] <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -222,7 +218,8 @@ class Scheduler:
             num_new = self._fit_rows(req, cached, min(req.num_tokens - cached, budget[0], budget[2]), budget)
             if num_new <= 0:
                 break
-            grow = self._expected_growth([req], held=cdiv(cached + num_new, bs)) if conservative else 0
+            grow = self.growth.expected_growth([req], bs, self.config.max_model_len,
+                                               held=cdiv(cached + num_new, bs)) if conservative else 0
             # the first request into an empty batch goes in on its prompt alone: none waits forever
             own = grow if self.running else 0
             if not self.kv.allocate(req, num_new, hits, reserve=reserve + own):
@@ -263,34 +260,6 @@ class Scheduler:
             return 0
         room = self.config.max_model_len - req.num_tokens  # the last draft's position < max_model_len
         return max(0, min(len(req.spec_token_ids), budget[0] - 1, budget[1] - 1, room))
-
-    def _expected_growth(self, reqs: list[Request], held: int | None = None) -> int:
-        """Blocks the requests are expected to need beyond those they hold (or `held`, for one
-        being admitted): the rest of the prompt (chunked prefill) and new_token_ratio x the output
-        tokens each may still generate. A plain loop without calls: it runs over every running
-        request at each step that admits."""
-        ratio, bs, max_len = self.new_token_ratio, self.config.block_size, self.config.max_model_len
-        total = 0
-        for r in reqs:
-            n = len(r.token_ids)
-            rest = min(r.max_tokens - (n - len(r.prompt_token_ids)), max_len - n)
-            grow = -(-(n + int(ratio * rest)) // bs) - (len(r.block_ids) if held is None else held)
-            if grow > 0:
-                total += grow
-        return total
-
-    def _update_new_token_ratio(self, out: SchedulerOutput) -> None:
-        """SGLang's schedule: re-estimate after a preemption, reset when idle, else decay."""
-        if out.preempted and self.running:
-            decoded = sum(r.num_output_tokens for r in self.running)
-            max_new = sum(r.max_tokens for r in self.running)
-            ratio = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (max_new + 1)
-            self.new_token_ratio = min(1.0, ratio)
-        elif not self.running:
-            self.new_token_ratio = self.config.init_new_token_ratio
-        else:
-            decayed = self.new_token_ratio - self._new_token_ratio_decay
-            self.new_token_ratio = max(self._min_new_token_ratio, decayed)
 
     def _victim_key(self, req: Request) -> tuple:
         prio = req.priority if self.config.policy == "priority" else 0

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler import RETRACT_DECODE_STEPS, Scheduler
+from jaxserve.core.growth import RETRACT_DECODE_STEPS
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_config import ADMISSIONS, SchedulerConfig
 
 from .util import run, step
