@@ -131,6 +131,8 @@ class KVManager:
         if not self.caching:
             return
         start = self._committed[req.request_id]
+        if req.num_computed_tokens // self.block_size <= start:
+            return  # no newly full block (most calls: a decode step inside a block)
         end = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         if end <= start:
             return
