@@ -25,7 +25,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority | lpm
     prefill_first: bool = False  # False: running requests (decodes) are scheduled first
     # in a burst of arrivals (as many requests wait for their first token as decode), prefill chunks
-    # first and decodes take what budget is left (scheduler.py)
+    # first and decodes take what budget is left (burst.py)
     burst_prefill_first: bool = True
     lpm_max_wait_steps: int = 32  # lpm aging: after this many passed-over steps, serve in fcfs order
     lpm_max_queue: int = 128  # lpm falls back to fcfs above this many waiting requests
