@@ -68,8 +68,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxserve.runtime import cpu_kernels
     from jaxserve.runtime.attention import get_backend
 
+    if "cpu" in args.backends.split(",") and (why := cpu_kernels.available()) is not None:
+        raise SystemExit(f"the native kernels cannot be built here ({why}); try --backends xla")
     hq, hkv, d, bs = 9, 3, 64, 16
     results = []
     for backend in args.backends.split(","):
