@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench import common
-from bench.serve import launched_server
+from bench.launch import launched_server
 
 SLOW_MS = 100.0  # issue 18's bound for one /health answer
 

@@ -19,7 +19,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,16 +27,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import conversations
+from bench.launch import free_port
 from bench import sim_replicas as sr
 from jaxserve.server.replicas import smg_command
 
 COUNTERS = ("vllm:prefix_cache_hits", "vllm:prompt_tokens")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def counters(url: str) -> dict[str, float]:

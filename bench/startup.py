@@ -121,7 +121,7 @@ def run_generate(model: str | None, extra_args: str, cache_dir: str) -> dict:
 def run_serve(model: str | None, server_args: str, cache_dir: str, timeout: float) -> dict:
     import httpx
 
-    from bench.serve import free_port
+    from bench.launch import free_port
 
     port = free_port()
     trace = _trace_file()

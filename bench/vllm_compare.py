@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import common, serve
+from bench import common, launch, serve
 
 # jaxserve variants: the server flags that make each one (`jaxserve serve` + these)
 JAXSERVE_FLAGS = {
@@ -68,7 +68,7 @@ PROBE = "The capital of France is"
 def launched_vllm(args):
     """vLLM's OpenAI server from --vllm-python on a free port; yields (base URL, info); stops its
     whole process group (the API server and its engine-core children) afterwards."""
-    port = serve.free_port()
+    port = launch.free_port()
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.export_dir),
            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
            *shlex.split(args.vllm_args)]
@@ -109,7 +109,7 @@ def launched(engine: str, args):
         return launched_vllm(args)
     ns = argparse.Namespace(model=args.model, server_args=f"{JAXSERVE_FLAGS[engine]} {args.jaxserve_args}",
                             server_log=None, launch_timeout=args.launch_timeout)
-    return serve.launched_server(ns)
+    return launch.launched_server(ns)
 
 
 async def probe(url: str, max_tokens: int = 24) -> str:

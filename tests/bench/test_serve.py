@@ -3,18 +3,18 @@ import math
 
 import pytest
 
-from bench import serve
+from bench import launch, serve, serve_stats
 
 
 def test_parse_slo_and_goodput():
-    assert serve.parse_slo(["ttft:500ms", "tpot:50ms", "e2e:2s"]) == {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
+    assert serve_stats.parse_slo(["ttft:500ms", "tpot:50ms", "e2e:2s"]) == {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
     with pytest.raises(ValueError):
-        serve.parse_slo(["foo:1s"])
-    fast = serve.RequestResult(ok=True, output_tokens=11, ttft=0.1, e2e=0.6, itl=[0.05] * 10)
-    slow = serve.RequestResult(ok=True, output_tokens=11, ttft=0.9, e2e=1.4)
+        serve_stats.parse_slo(["foo:1s"])
+    fast = serve_stats.RequestResult(ok=True, output_tokens=11, ttft=0.1, e2e=0.6, itl=[0.05] * 10)
+    slow = serve_stats.RequestResult(ok=True, output_tokens=11, ttft=0.9, e2e=1.4)
     assert fast.tpot == pytest.approx(0.05)
-    slo = serve.parse_slo(["ttft:500ms", "tpot:60ms"])
-    s = serve.summarize([fast, slow, serve.RequestResult(error="x")], 2.0, slo)
+    slo = serve_stats.parse_slo(["ttft:500ms", "tpot:60ms"])
+    s = serve_stats.summarize([fast, slow, serve_stats.RequestResult(error="x")], 2.0, slo)
     assert s["completed"] == 2 and s["failed"] == 1 and s["goodput_req_s"] == pytest.approx(0.5)
     assert s["output_tok_s"] == pytest.approx(11) and s["ttft_ms"]["median"] == pytest.approx(500)
 
@@ -58,7 +58,7 @@ def test_poisson_rate_and_jsonl(bench_server, tmp_path):
 def test_unreachable_server_counts_failures(tiny_model, tmp_path):
     ds = tmp_path / "d.jsonl"
     ds.write_text('{"prompt": [5, 6, 7], "max_tokens": 3}\n')
-    port = serve.free_port()
+    port = launch.free_port()
     assert serve.main(["--base-url", f"http://127.0.0.1:{port}", "--served-model-name", "m", "--dataset", str(ds),
                        "--num-requests", "2", "--warmup", "0", "--concurrency", "2"]) == 1
 
