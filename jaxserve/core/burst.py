@@ -14,7 +14,7 @@ the longest gap a stream sees grows to the burst's length (bench/RESULTS.md, tai
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from .request import Request
 
@@ -27,12 +27,11 @@ class Burst:
     def active(self) -> bool:
         return self.end is not None
 
-    def update(self, running: Iterable[Request], waiting: Iterable[Request], decodes: int,
+    def update(self, running: Iterable[Request], waiting: Collection[Request], decodes: int,
                order: dict[str, int], next_order: int) -> None:
         """At the start of a step: `decodes` of the running requests decode; `order` is every
         request's arrival order, `next_order` the next arrival's."""
         prefilling = [r for r in running if len(r.token_ids) - r.num_computed_tokens > 1]
-        waiting = list(waiting)
         if self.end is not None and not any(order[r.request_id] < self.end for r in (*prefilling, *waiting)):
             self.end = None
         if self.end is None and decodes and len(prefilling) + len(waiting) >= decodes:

@@ -130,10 +130,10 @@ class KVManager:
         placeholder waits until its token lands (its key needs the token)."""
         if not self.caching:
             return
-        start = self._committed[req.request_id]
-        if req.num_computed_tokens // self.block_size <= start:
+        start, full = self._committed[req.request_id], req.num_computed_tokens // self.block_size
+        if full <= start:
             return  # no newly full block (most calls: a decode step inside a block)
-        end = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
+        end = min(full, req.num_known_tokens // self.block_size)  # not past a PENDING placeholder
         if end <= start:
             return
         ids = self.cache.insert(self.keys(req), req.block_ids, start, end)

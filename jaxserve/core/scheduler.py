@@ -33,7 +33,6 @@ from .scheduler_config import SchedulerConfig
 from .scheduler_output import Landed, ScheduledRequest, SchedulerOutput
 
 
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
