@@ -24,6 +24,8 @@ CASES = {
     "decode 32 rows, context 150-450": ([1] * 32, "decode"),
     "prefill 2 x 256 rows after a 256-token prefix": ([256, 256], [512, 512]),
     "prefill 448 rows (2 x 224, fresh) + 64 decodes": ([224, 224] + [1] * 64, "mixed"),
+    # a step of a burst of 200-token prompts (bench vllm_tails' random): a prompt's tail, two whole, a head
+    "prefill 512 rows of 200-token prompts": ([88, 200, 200, 24], [200, 200, 200, 24]),
 }
 
 

@@ -51,13 +51,15 @@ def bench_serve(args, url: str, model: str, dataset: str, num_prompts: int, out:
            *DATASETS[dataset], "--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency),
            "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", str(seed),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
+           "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
+           "--disable-tqdm"]
     if args.goodput:
         cmd += ["--goodput", *args.goodput.split()]
     print("client:", shlex.join(cmd[:2] + ["<shim>"] + cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if args.quiet else None)
     result = json.loads(out.read_text())
-    return {k: result.get(k) for k in KEEP}
+    # per request, in the client's order: where in a run the tail comes from
+    return {**{k: result.get(k) for k in KEEP}, "ttfts_s": [round(t, 4) for t in result.get("ttfts", [])]}
 
 
 def run_engine(engine: str, rnd: int, args) -> list[dict]:

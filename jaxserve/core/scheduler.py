@@ -138,10 +138,11 @@ class Scheduler:
         if self.config.prefill_first:
             self._schedule_waiting(out, budget)
             self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
-        elif self.burst.active and self.config.burst_prefill_first:  # prefill chunks first (burst.py)
+        elif self.burst.active and self.config.burst_prefill_first:  # prefill chunks alone (burst.py)
             self._schedule_running(out, budget, skip=set(), decodes=False)
             self._schedule_waiting(out, budget)
-            self._schedule_running(out, budget, skip={s.request.request_id for s in out.scheduled})
+            if not out.scheduled:  # no chunk could go (memory, sequence cap): the decodes run
+                self._schedule_running(out, budget, skip=set())
         else:
             self._schedule_running(out, budget, skip=set())
             self._schedule_waiting(out, budget)

@@ -101,7 +101,9 @@ class Attention(nn.Module):
     index: int = 0
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows, keep=None, keep_rows=None):
+        """keep / keep_rows (DecoderLayer): K/V written and attended for every row, the output
+        projected for the kept rows alone."""
         c = self.cfg
         dense = lambda k, n, name, bias: Linear(k, n, bias, self.dtype, self.ops, name=name)  # noqa: E731
         t, q_dim, kv_dim = x.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -119,7 +121,10 @@ class Attention(nn.Module):
             q, k, v, kv[0], kv[1], md, sm_scale=c.sm_scale, sliding_window=c.layer_window(self.index),
             soft_cap=c.attn_soft_cap, **kw,
         )
-        out = dense(q_dim, c.hidden_size, "o_proj", c.o_proj_bias)(o.reshape(t, q_dim), rows)
+        o = o.reshape(t, q_dim)
+        if keep is not None:
+            o, rows = o[keep], keep_rows
+        out = dense(q_dim, c.hidden_size, "o_proj", c.o_proj_bias)(o, rows)
         return out, (k_pages, v_pages)
 
 

@@ -96,9 +96,9 @@ def test_chunked_prefill_and_decode_mix():
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 31
 
 
-def test_a_burst_is_prefilled_first_and_its_decodes_take_the_budget_left():
+def test_a_burst_is_prefilled_alone_and_its_decodes_wait_for_its_last_chunk():
     # 2 decoding, 3 prompts arrive (a burst: 3 waiting for their first token >= 2 decoding): the
-    # chunks fill the steps and every decode waits, once, until the burst's chunks leave room
+    # chunks fill the steps and every decode waits, once, until the burst's chunks are all done
     sched = Scheduler(cfg(max_num_batched_tokens=32, prefix_cache="off"))
     rng = random.Random(0)
     for r in (Request("a", list(range(10)), 20), Request("b", list(range(10, 20)), 20)):
@@ -109,9 +109,9 @@ def test_a_burst_is_prefilled_first_and_its_decodes_take_the_budget_left():
         sched.add_request(Request(f"p{i}", list(range(100 * i, 100 * i + 30)), 5))
     rows = [(o.num_prefill_tokens, o.num_decode_tokens) for o in (step(sched, rng) for _ in range(4))]
     # 90 prompt tokens: 32 + 32 prefill-only steps (p0's first token came in the first: it waits
-    # too), then the last 26 beside 6 of the 4 decodes' budget... 32 - 26 = 6 rows: all 4 decode
+    # too), then the last 26 alone though 6 tokens of budget are left, then the 5 decodes
     assert rows[:2] == [(32, 0), (32, 0)]
-    assert rows[2] == (26, 4) and rows[3] == (0, 5) and not sched.burst.active
+    assert rows[2] == (26, 0) and rows[3] == (0, 5) and not sched.burst.active
 
 
 def test_a_prompt_arriving_beside_more_decodes_is_no_burst():
