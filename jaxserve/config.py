@@ -65,9 +65,9 @@ class EngineConfig:
                                 "(--no-prefill-first / --decode-first: running requests first)",
                                 aliases=("!--decode-first",))
     burst_prefill_first: bool = _knob(_sched("burst_prefill_first"), "in a burst of arrivals (as many requests "
-                                      "waiting for their first token as decoding) prefill first, the decodes take "
-                                      "the budget left: each stream waits once for the burst instead of at every "
-                                      "chunk step")
+                                      "waiting for their first token as decoding) a step carries prefill chunks alone, "
+                                      "the decodes run once none is left: each stream waits once for the burst "
+                                      "instead of at every chunk step")
     admission: str = _knob(_sched("admission"), "optimistic (vLLM): admit while the prompt fits; conservative "
                            "(SGLang): also reserve blocks for running requests' expected output", choices=ADMISSIONS)
     lpm_max_wait_steps: int = _knob(_sched("lpm_max_wait_steps"), "lpm aging: steps a request may be passed over")
