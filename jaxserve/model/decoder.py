@@ -6,9 +6,9 @@ attends through `ops.attention`; its MLP is dense or the MoE block, as the confi
 (`ModelConfig.is_moe_layer`). Only the rows in `logits_indices` reach the LM head, so the last
 layer, once its K/V are written for every row, runs its attention output projection, residual and
 MLP on those rows alone (llama.cpp's output-row pruning): a prefill chunk's other rows feed nothing
-after that layer (~3% of a 512-token prefill step on SmolLM2-135M's 30 layers; every row computes
-alone, so the kept rows' values do not change). Every backend-specific operation comes in as a
-callable of `ModelOps` (runtime/backend.py).
+after that layer (~3% of a 512-token prefill step on SmolLM2-135M's 30 layers; the native CPU
+kernels compute every row alone, so there the kept rows' values do not change). Every
+backend-specific operation comes in as a callable of `ModelOps` (runtime/backend.py).
 """
 
 from __future__ import annotations
