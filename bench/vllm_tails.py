@@ -4,7 +4,9 @@ Each engine (bench/vllm_compare.py's launchers: `jaxserve serve` variants and vL
 its own venv) is started alone on a free 127.0.0.1 port, warmed by one throwaway run, then driven by
 `vllm bench serve` (vLLM's benchmark client, run with --vllm-python) on each dataset: greedy,
 ignore_eos, a fixed number of prompts at a fixed concurrency, with SLO goodput. Engines alternate per
-round (round 1: A B, round 2: B A), and the 1-minute load average is recorded around every run.
+round (round 1: A B, round 2: B A). The 1-minute load average and the vCPUs' placement (bench/core_link.py:
+a cache line's round trip between CPUs 0 and 1, ~50 ns near, ~350 ns far, and the far placement makes
+a prefill burst ~30% slower) are recorded around every run: compare runs of the same placement.
 
 Datasets (vLLM's own generators, token lengths by the export's tokenizer):
   random   `--dataset-name random`, 200-token prompts, 128 out (issue 26's "random 200/128")
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import common, vllm_compare
+from bench import common, core_link, vllm_compare
 
 DATASETS = {
     "random": ["--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "128",
@@ -72,22 +74,27 @@ def run_engine(engine: str, rnd: int, args) -> list[dict]:
             bench_serve(args, url, model, "random", min(args.num_prompts, 2 * args.concurrency),
                         Path(tmp) / "warmup.json", args.seed + 1)
             for dataset in args.datasets.split(","):
-                load0 = os.getloadavg()[0]
+                load0, link0 = os.getloadavg()[0], core_link.round_trip_ns()
                 figures = bench_serve(args, url, model, dataset, args.num_prompts, Path(tmp) / f"{dataset}.json",
                                       args.seed)
                 records.append({"engine": engine, "round": rnd, "dataset": dataset, "server": info,
-                                "load1_before": load0, "load1_after": os.getloadavg()[0], **figures})
-                print(f"{engine} {dataset}: {({k: figures[k] for k in KEEP})}", flush=True)  # the TTFT list: JSON only
+                                "load1_before": load0, "load1_after": os.getloadavg()[0],
+                                "core_link_ns_before": link0, "core_link_ns_after": core_link.round_trip_ns(),
+                                **figures})
+                link = (records[-1]["core_link_ns_before"], records[-1]["core_link_ns_after"])
+                print(f"{engine} {dataset}: {({k: figures[k] for k in KEEP})} core link ns {link}",
+                      flush=True)  # the TTFT list: JSON only
     return records
 
 
 def print_table(records: list[dict]) -> None:
     rows = [(r["round"], r["dataset"], r["engine"], r["output_throughput"], r["median_ttft_ms"] / 1e3,
              r["p99_ttft_ms"] / 1e3, r["median_itl_ms"], r["p99_itl_ms"], r["median_tpot_ms"],
-             r["request_goodput"], r["failed"], f"{r['load1_before']:.1f}-{r['load1_after']:.1f}")
+             r["request_goodput"], r["failed"], f"{r['load1_before']:.1f}-{r['load1_after']:.1f}",
+             "/".join(core_link.placement(r.get(k)) for k in ("core_link_ns_before", "core_link_ns_after")))
             for r in sorted(records, key=lambda r: (r["round"], r["dataset"]))]
     print(common.table(rows, ("round", "dataset", "engine", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
-                              "ITL p99 ms", "TPOT p50 ms", "goodput req/s", "failed", "load 1m"),
+                              "ITL p99 ms", "TPOT p50 ms", "goodput req/s", "failed", "load 1m", "vCPUs"),
                        "vllm bench serve: jaxserve next to vLLM"))
 
 
