@@ -96,7 +96,7 @@ void Run(ffi::ThreadPool& pool, const Call& c) {
     const float* x = c.x + r0 * c.k_len;
     float* y = c.y + r0 * n + panel * kPanel;
     Rows(x, c.w + panel * wsize, c.w_up ? c.w_up + panel * wsize : nullptr, y, rows, c.k_len, n);
-  });
+  }, /*uniform=*/true);
 }
 
 // w's panel count if it is x[M, K]'s packed weight [N / 64, K, 64], else -1.

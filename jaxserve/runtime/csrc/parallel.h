@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <sched.h>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -18,26 +19,84 @@ namespace jaxserve {
 // Calls fn(i) once for each i in [0, n), on the caller and up to pool.num_threads() - 1 pool
 // tasks, and returns when all are done. The state is owned jointly, so a pool task that starts
 // after the call returned finds no work left and touches nothing of the caller's.
+// Items claimed one at a time suit items of unequal cost (attention's, sorted costliest first).
+// `uniform` items (a matmul's tiles, rows to convert) are claimed a share of what is left at a time
+// (guided self-scheduling): a few claims per thread and call instead of one per item. Each claim and
+// each count of finished items moves a cache line between the cores, and on a VM whose two vCPUs sit
+// far apart (bench/core_link.py: ~350 ns a round trip) those moves were a visible part of a step.
 template <typename F>
-void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn) {
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn, bool uniform = false) {
   struct State {
-    explicit State(F f, int64_t count) : fn(std::move(f)), n(count) {}
+    State(F f, int64_t count, int64_t divisor) : fn(std::move(f)), n(count), div(divisor) {}
     F fn;
-    int64_t n;
-    std::atomic<int64_t> next{0}, done{0};
+    int64_t n, div;  // div: a claim takes 1 / div of the items left (0: one item)
+    alignas(64) std::atomic<int64_t> next{0};  // claims and the caller's wait: separate lines
+    alignas(64) std::atomic<int64_t> done{0};
     void Drain() {
-      for (int64_t i; (i = next.fetch_add(1)) < n;) {
-        fn(i);
-        done.fetch_add(1, std::memory_order_release);
+      int64_t mine = 0;
+      for (int64_t i = next.load(std::memory_order_relaxed); i < n;) {
+        int64_t take = 1;
+        if (div == 0) {
+          i = next.fetch_add(1, std::memory_order_relaxed);
+        } else {
+          take = std::max<int64_t>(1, (n - i) / div);
+          if (!next.compare_exchange_weak(i, i + take, std::memory_order_relaxed)) continue;
+        }
+        if (i >= n) break;
+        take = std::min(take, n - i);
+        for (int64_t j = i; j < i + take; ++j) fn(j);
+        mine += take;
+        i = next.load(std::memory_order_relaxed);
       }
+      if (mine) done.fetch_add(mine, std::memory_order_release);
     }
   };
   if (n <= 0) return;
-  auto st = std::make_shared<State>(std::move(fn), n);
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  auto st = std::make_shared<State>(std::move(fn), n, uniform ? 2 * (helpers + 1) : 0);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st] { st->Drain(); });
   st->Drain();
   while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// Calls fn(s, w, j) for each item j < items(s, w) of each share s < w, w = min(threads, max_shares)
+// participants (the caller and pool tasks). Each participant first drains the share numbered after
+// the CPU it runs on (sched_getcpu() % w), so the same core takes the same share call after call and
+// the rows it wrote stay in its caches; then it takes what is left of the others' (a participant
+// descheduled mid-call delays nobody). On a VM whose vCPUs sit far apart (bench/core_link.py: ~350 ns
+// a cache line's round trip), a prefill burst with the items dealt to whichever thread asked next ran
+// ~30% slower than with the vCPUs near: every matmul read rows the other core had written.
+template <typename Items, typename F>
+void ParallelShares(xla::ffi::ThreadPool& pool, int64_t max_shares, Items items, F fn) {
+  struct alignas(64) Share {
+    std::atomic<int64_t> next{0};
+    int64_t count = 0;
+  };
+  struct State {
+    State(F f, int64_t shares) : fn(std::move(f)), w(shares), share(new Share[shares]) {}
+    F fn;
+    int64_t w, total = 0;
+    std::unique_ptr<Share[]> share;
+    alignas(64) std::atomic<int64_t> done{0};
+    void Drain() {
+      const int cpu = sched_getcpu();
+      const int64_t first = cpu < 0 ? 0 : cpu % w;
+      int64_t mine = 0;
+      for (int64_t k = 0; k < w; ++k) {
+        const int64_t s = (first + k) % w;
+        for (int64_t j; (j = share[s].next.fetch_add(1, std::memory_order_relaxed)) < share[s].count; ++mine)
+          fn(s, w, j);
+      }
+      if (mine) done.fetch_add(mine, std::memory_order_release);
+    }
+  };
+  const int64_t w = std::min<int64_t>(pool.num_threads(), max_shares);
+  if (w <= 0) return;
+  auto st = std::make_shared<State>(std::move(fn), w);
+  for (int64_t s = 0; s < w; ++s) st->total += st->share[s].count = items(s, w);
+  for (int64_t i = 0; i < w - 1; ++i) pool.Schedule([st] { st->Drain(); });
+  st->Drain();
+  while (st->done.load(std::memory_order_acquire) < st->total) std::this_thread::yield();
 }
 
 // A matmul's rows as groups, each multiplied by its own weight: group g is rows [start(g),
@@ -75,14 +134,27 @@ class RowChunks {
 // from memory once and stay in cache while its row chunks pass (the rows, a few hundred KiB, stay
 // in L2 across panels); panels fastest read every weight again per row chunk. fn(group, first row,
 // rows, panel) for each.
+// With at least as many row chunks as threads (prefill), each thread's share is a range of row
+// chunks (ParallelShares), the same rows call after call; with fewer (decode), the items go to
+// whichever thread asks next.
 template <typename F>
 void ForEachChunkPanel(xla::ffi::ThreadPool& pool, const RowChunks& chunks, int64_t panels, F fn) {
   const int64_t n = chunks.size();
-  ParallelFor(pool, panels * n, [&](int64_t i) {
+  const auto item = [&](int64_t chunk, int64_t panel) {
     int64_t group, r0, rows;
-    chunks.At(i % n, group, r0, rows);
-    fn(group, r0, rows, i / n);
-  });
+    chunks.At(chunk, group, r0, rows);
+    fn(group, r0, rows, panel);
+  };
+  if (n < pool.num_threads()) {
+    ParallelFor(pool, panels * n, [&](int64_t i) { item(i % n, i / n); }, /*uniform=*/true);
+    return;
+  }
+  // share s: chunks [n s / w, n (s + 1) / w), each panel's in turn
+  ParallelShares(pool, n, [&](int64_t s, int64_t w) { return panels * (n * (s + 1) / w - n * s / w); },
+                 [&](int64_t s, int64_t w, int64_t j) {
+                   const int64_t c0 = n * s / w, len = n * (s + 1) / w - c0;
+                   item(c0 + j % len, j / len);
+                 });
 }
 
 // The start of the kernels' FFI bindings: their handlers take XLA's intra-op thread pool (for
