@@ -12,7 +12,7 @@ The probe is a few lines of C++ (two threads pinned to CPUs 0 and 1 hand a count
 built once with the compiler the CPU kernels use and kept under the cache directory. It runs ~20 ms,
 outside any measured run.
 
-    python -m bench.core_link         # prints the round trip now, five times a second apart
+    jaxserve bench core_link [N]      # prints the round trip now, N times (5) a second apart
 """
 
 from __future__ import annotations
@@ -100,8 +100,15 @@ def placement(ns: float | None, near_ns: float = 150.0) -> str:
     return "?" if ns is None else "near" if ns < near_ns else "far"
 
 
-if __name__ == "__main__":
-    for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 5):
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for i in range(int(argv[0]) if argv else 5):
+        if i:
+            time.sleep(1)
         ns = round_trip_ns()
         print(f"{ns} ns ({placement(ns)})", flush=True)
-        time.sleep(1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -18,3 +18,9 @@ def test_round_trip_is_measured():
     ns = core_link.round_trip_ns()
     # a line's round trip between two cores: tens to a few thousand ns, never zero
     assert ns is not None and 5 < ns < 1e5
+
+
+def test_cli_prints_a_placement(capsys):
+    assert core_link.main(["1"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.endswith(("(near)", "(far)", "(?)")), line
