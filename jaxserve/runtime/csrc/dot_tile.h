@@ -32,8 +32,8 @@ inline const uint32_t* PanelWords(const uint32_t* w, int64_t panel, int64_t k_wo
 template <Format F, Isa I, int MR>
 struct Tile {
   using Acc = std::conditional_t<F == kBFLOAT16, v16, i32x16>;
-  Acc c[MR][kNV];  // each path sets it before its sums (zeroing it here was a memset a call, ~6% of a
-                   // prefill step: the compiler kept the array in memory for it)
+  Acc c[MR][kNV];  // each path sets it before its sums (zeroing it here cost a 1.5 KB memset a call:
+                   // the compiler kept the array in memory for it)
 
   // k steps s0..s1 (w4a8: steps of two quads, one row of nibbles, the low ones first).
   void Run(const uint32_t* x, const uint32_t* w, int64_t s0, int64_t s1, int64_t ldx) {

@@ -22,8 +22,8 @@ namespace jaxserve {
 // Items claimed one at a time suit items of unequal cost (attention's, sorted costliest first).
 // `uniform` items (a matmul's tiles, rows to convert) are claimed a share of what is left at a time
 // (guided self-scheduling): a few claims per thread and call instead of one per item. Each claim and
-// each count of finished items moves a cache line between the cores, and on a VM whose two vCPUs sit
-// far apart (bench/core_link.py: ~350 ns a round trip) those moves were a visible part of a step.
+// each count of finished items moves a cache line between the cores, ~350 ns on a VM whose two vCPUs
+// sit far apart (bench/core_link.py).
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn, bool uniform = false) {
   struct State {
@@ -64,8 +64,9 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn, bool uniform = fal
 // the CPU it runs on (sched_getcpu() % w), so the same core takes the same share call after call and
 // the rows it wrote stay in its caches; then it takes what is left of the others' (a participant
 // descheduled mid-call delays nobody). On a VM whose vCPUs sit far apart (bench/core_link.py: ~350 ns
-// a cache line's round trip), a prefill burst with the items dealt to whichever thread asked next ran
-// ~30% slower than with the vCPUs near: every matmul read rows the other core had written.
+// a cache line's round trip) a prefill burst runs ~30% slower than with them near, mostly in reads of
+// lines the other core wrote; with a matmul's rows dealt to whichever thread asked next, half its
+// rows were such lines (shares: -3% near, -5% far on that burst).
 template <typename Items, typename F>
 void ParallelShares(xla::ffi::ThreadPool& pool, int64_t max_shares, Items items, F fn) {
   struct alignas(64) Share {
