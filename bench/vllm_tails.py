@@ -77,12 +77,11 @@ def run_engine(engine: str, rnd: int, args) -> list[dict]:
                 load0, link0 = os.getloadavg()[0], core_link.round_trip_ns()
                 figures = bench_serve(args, url, model, dataset, args.num_prompts, Path(tmp) / f"{dataset}.json",
                                       args.seed)
+                load1, link1 = os.getloadavg()[0], core_link.round_trip_ns()
                 records.append({"engine": engine, "round": rnd, "dataset": dataset, "server": info,
-                                "load1_before": load0, "load1_after": os.getloadavg()[0],
-                                "core_link_ns_before": link0, "core_link_ns_after": core_link.round_trip_ns(),
-                                **figures})
-                link = (records[-1]["core_link_ns_before"], records[-1]["core_link_ns_after"])
-                print(f"{engine} {dataset}: {({k: figures[k] for k in KEEP})} core link ns {link}",
+                                "load1_before": load0, "load1_after": load1,
+                                "core_link_ns_before": link0, "core_link_ns_after": link1, **figures})
+                print(f"{engine} {dataset}: {({k: figures[k] for k in KEEP})} core link ns {(link0, link1)}",
                       flush=True)  # the TTFT list: JSON only
     return records
 

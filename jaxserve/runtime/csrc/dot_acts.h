@@ -68,12 +68,9 @@ inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_
   a.xsum.resize(m * a.blocks);
   // Row blocks in shares by CPU, as the matmul's row chunks (ParallelShares): a core converts about
   // the rows it then multiplies.
-  const int64_t blocks = (m + kRows - 1) / kRows;
-  ParallelShares(pool, blocks, [&](int64_t s, int64_t w) { return blocks * (s + 1) / w - blocks * s / w; },
-                 [&](int64_t s, int64_t w, int64_t j) {
-                   const int64_t i = blocks * s / w + j;
-                   for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x(r), k_len, a, r);
-                 });
+  ParallelShares(pool, (m + kRows - 1) / kRows, 1, [&](int64_t i, int64_t) {
+    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x(r), k_len, a, r);
+  });
 }
 
 }  // namespace jaxserve::dot_matmul

@@ -16,9 +16,18 @@
 
 namespace jaxserve {
 
+// Runs st->Drain() on the caller and `helpers` pool tasks, and returns once st->done reaches
+// `total`. The state is owned jointly, so a pool task that starts after the call returned finds no
+// work left and touches nothing of the caller's.
+template <typename State>
+void DrainOnThreads(xla::ffi::ThreadPool& pool, std::shared_ptr<State> st, int64_t helpers, int64_t total) {
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st] { st->Drain(); });
+  st->Drain();
+  while (st->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
 // Calls fn(i) once for each i in [0, n), on the caller and up to pool.num_threads() - 1 pool
-// tasks, and returns when all are done. The state is owned jointly, so a pool task that starts
-// after the call returned finds no work left and touches nothing of the caller's.
+// tasks (DrainOnThreads), and returns when all are done.
 // Items claimed one at a time suit items of unequal cost (attention's, sorted costliest first).
 // `uniform` items (a matmul's tiles, rows to convert) are claimed a share of what is left at a time
 // (guided self-scheduling): a few claims per thread and call instead of one per item. Each claim and
@@ -53,51 +62,47 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn, bool uniform = fal
   };
   if (n <= 0) return;
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  auto st = std::make_shared<State>(std::move(fn), n, uniform ? 2 * (helpers + 1) : 0);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([st] { st->Drain(); });
-  st->Drain();
-  while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  DrainOnThreads(pool, std::make_shared<State>(std::move(fn), n, uniform ? 2 * (helpers + 1) : 0), helpers, n);
 }
 
-// Calls fn(s, w, j) for each item j < items(s, w) of each share s < w, w = min(threads, max_shares)
-// participants (the caller and pool tasks). Each participant first drains the share numbered after
-// the CPU it runs on (sched_getcpu() % w), so the same core takes the same share call after call and
-// the rows it wrote stay in its caches; then it takes what is left of the others' (a participant
-// descheduled mid-call delays nobody). On a VM whose vCPUs sit far apart (bench/core_link.py: ~350 ns
-// a cache line's round trip) a prefill burst runs ~30% slower than with them near, mostly in reads of
-// lines the other core wrote; with a matmul's rows dealt to whichever thread asked next, half its
-// rows were such lines (shares: -3% near, -5% far on that burst).
-template <typename Items, typename F>
-void ParallelShares(xla::ffi::ThreadPool& pool, int64_t max_shares, Items items, F fn) {
+// Calls fn(u, k) for each unit u < units and k < per_unit, the units split evenly into w =
+// min(threads, units) contiguous shares, one per participant (the caller and pool tasks); within a
+// share k is the outer loop. Each participant first drains the share numbered after the CPU it runs
+// on (sched_getcpu() % w), so the same core takes the same units call after call and the rows it
+// wrote stay in its caches; then it takes what is left of the others' (a participant descheduled
+// mid-call delays nobody). On a VM whose vCPUs sit far apart (bench/core_link.py: ~350 ns a cache
+// line's round trip) a prefill burst runs ~30% slower than with them near, mostly in reads of lines
+// the other core wrote; with a matmul's rows dealt to whichever thread asked next, half its rows were
+// such lines (shares: -3% near, -5% far on that burst).
+template <typename F>
+void ParallelShares(xla::ffi::ThreadPool& pool, int64_t units, int64_t per_unit, F fn) {
   struct alignas(64) Share {
     std::atomic<int64_t> next{0};
-    int64_t count = 0;
+    int64_t first = 0, len = 0;  // its units
   };
   struct State {
-    State(F f, int64_t shares) : fn(std::move(f)), w(shares), share(new Share[shares]) {}
+    State(F f, int64_t shares, int64_t per) : fn(std::move(f)), w(shares), per_unit(per), share(new Share[shares]) {}
     F fn;
-    int64_t w, total = 0;
+    int64_t w, per_unit;
     std::unique_ptr<Share[]> share;
     alignas(64) std::atomic<int64_t> done{0};
     void Drain() {
       const int cpu = sched_getcpu();
-      const int64_t first = cpu < 0 ? 0 : cpu % w;
+      const int64_t start = cpu < 0 ? 0 : cpu % w;
       int64_t mine = 0;
       for (int64_t k = 0; k < w; ++k) {
-        const int64_t s = (first + k) % w;
-        for (int64_t j; (j = share[s].next.fetch_add(1, std::memory_order_relaxed)) < share[s].count; ++mine)
-          fn(s, w, j);
+        Share& sh = share[(start + k) % w];
+        for (int64_t j; (j = sh.next.fetch_add(1, std::memory_order_relaxed)) < sh.len * per_unit; ++mine)
+          fn(sh.first + j % sh.len, j / sh.len);
       }
       if (mine) done.fetch_add(mine, std::memory_order_release);
     }
   };
-  const int64_t w = std::min<int64_t>(pool.num_threads(), max_shares);
-  if (w <= 0) return;
-  auto st = std::make_shared<State>(std::move(fn), w);
-  for (int64_t s = 0; s < w; ++s) st->total += st->share[s].count = items(s, w);
-  for (int64_t i = 0; i < w - 1; ++i) pool.Schedule([st] { st->Drain(); });
-  st->Drain();
-  while (st->done.load(std::memory_order_acquire) < st->total) std::this_thread::yield();
+  const int64_t w = std::min<int64_t>(pool.num_threads(), units);
+  if (w <= 0 || per_unit <= 0) return;
+  auto st = std::make_shared<State>(std::move(fn), w, per_unit);
+  for (int64_t s = 0; s < w; ++s) st->share[s].first = units * s / w, st->share[s].len = units * (s + 1) / w - units * s / w;
+  DrainOnThreads(pool, st, w - 1, units * per_unit);
 }
 
 // A matmul's rows as groups, each multiplied by its own weight: group g is rows [start(g),
@@ -150,12 +155,7 @@ void ForEachChunkPanel(xla::ffi::ThreadPool& pool, const RowChunks& chunks, int6
     ParallelFor(pool, panels * n, [&](int64_t i) { item(i % n, i / n); }, /*uniform=*/true);
     return;
   }
-  // share s: chunks [n s / w, n (s + 1) / w), each panel's in turn
-  ParallelShares(pool, n, [&](int64_t s, int64_t w) { return panels * (n * (s + 1) / w - n * s / w); },
-                 [&](int64_t s, int64_t w, int64_t j) {
-                   const int64_t c0 = n * s / w, len = n * (s + 1) / w - c0;
-                   item(c0 + j % len, j / len);
-                 });
+  ParallelShares(pool, n, panels, item);  // a share: a range of chunks, each panel's in turn
 }
 
 // The start of the kernels' FFI bindings: their handlers take XLA's intra-op thread pool (for
