@@ -36,17 +36,25 @@ class DecoderLayer(nn.Module):
         (None: all); the layer's output then has those rows alone."""
         c = self.cfg
         norm = lambda name: RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name=name)  # noqa: E731
+        moe = c.is_moe_layer(self.index)
+        # A sublayer's input norm goes into its linear layers' rows and the residual add into its last
+        # one's output (runtime/row_fusion.py), except where other ops read them: Gemma norms each
+        # sublayer's output before its add, and an MoE block routes on the normed rows.
         h, kv = Attention(c, self.dtype, self.ops, self.index, name="self_attn")(
-            norm("input_layernorm")(x), cos, sin, kv, md, rows, keep, keep_rows
-        )
+            x, cos, sin, kv, md, rows, keep, keep_rows, norm=norm("input_layernorm")(x, apply=False),
+            residual=None if c.gemma_norms else x)
         if keep is not None:
             x, rows = x[keep], keep_rows
-        mlp = (MoE if c.is_moe_layer(self.index) else MLP)(c, self.dtype, self.ops, name="mlp")
-        if c.gemma_norms:  # Gemma: every sublayer's output normed before the residual add
+        mlp = (MoE if moe else MLP)(c, self.dtype, self.ops, name="mlp")
+        if c.gemma_norms:
             x = x + norm("post_attention_layernorm")(h)
-            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x), rows)), kv
-        x = x + h
-        return x + mlp(norm("post_attention_layernorm")(x), rows), kv
+            pre = norm("pre_feedforward_layernorm")
+            y = mlp(pre(x), rows) if moe else mlp(x, rows, pre(x, apply=False))
+            return x + norm("post_feedforward_layernorm")(y), kv
+        x = h  # x + attention
+        if moe:
+            return x + mlp(norm("post_attention_layernorm")(x), rows), kv
+        return mlp(x, rows, norm("post_attention_layernorm")(x, apply=False), residual=x), kv
 
 
 class CausalLM(nn.Module):

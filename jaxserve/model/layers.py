@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import ModelOps
+from jaxserve.runtime.row_fusion import RowNorm
 
 
 def real_tokens(md: AttentionMetadata):
@@ -67,10 +68,15 @@ class Linear(nn.Module):
         if self.use_bias:
             self.bias = self.param("bias", nn.initializers.zeros, (n,), self.dtype)
 
-    def __call__(self, x, num_rows=None):
-        """num_rows (i32[1]): the real (non-padding) rows of x, all that a native kernel computes."""
-        y = self.ops.linear(x.astype(self.dtype), self.kernel, num_rows).astype(self.dtype)
-        return y + self.bias if self.use_bias else y
+    def __call__(self, x, num_rows=None, norm: RowNorm | None = None, residual=None):
+        """num_rows (i32[1]): the real (non-padding) rows of x, all that a native kernel computes;
+        norm: x's rows normed first; residual: added to the output (runtime/row_fusion.py: the op
+        fuses them where it can; after the bias, which it does not take)."""
+        fused = None if self.use_bias else residual
+        y = self.ops.linear(x.astype(self.dtype), self.kernel, num_rows, norm=norm, residual=fused).astype(self.dtype)
+        if self.use_bias:
+            y = y + self.bias
+        return y if residual is None or fused is not None else residual + y
 
 
 class Embed(nn.Module):
@@ -101,15 +107,18 @@ class Attention(nn.Module):
     index: int = 0
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows, keep=None, keep_rows=None):
+    def __call__(self, x, cos, sin, kv, md: AttentionMetadata, rows, keep=None, keep_rows=None,
+                 norm: RowNorm | None = None, residual=None):
         """keep / keep_rows (DecoderLayer): K/V written and attended for every row, the output
-        projected for the kept rows alone."""
+        projected for the kept rows alone. norm: x's rows normed first (by the q/k/v projections);
+        residual: added to the output (its kept rows)."""
         c = self.cfg
         dense = lambda k, n, name, bias: Linear(k, n, bias, self.dtype, self.ops, name=name)  # noqa: E731
         t, q_dim, kv_dim = x.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q = dense(c.hidden_size, q_dim, "q_proj", c.attention_bias)(x, rows).reshape(t, c.num_heads, c.head_dim)
-        k = dense(c.hidden_size, kv_dim, "k_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
-        v = dense(c.hidden_size, kv_dim, "v_proj", c.attention_bias)(x, rows).reshape(t, c.num_kv_heads, c.head_dim)
+        proj = lambda n, name: dense(c.hidden_size, n, name, c.attention_bias)(x, rows, norm)  # noqa: E731
+        q = proj(q_dim, "q_proj").reshape(t, c.num_heads, c.head_dim)
+        k = proj(kv_dim, "k_proj").reshape(t, c.num_kv_heads, c.head_dim)
+        v = proj(kv_dim, "v_proj").reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="k_norm")(k)
@@ -124,7 +133,8 @@ class Attention(nn.Module):
         o = o.reshape(t, q_dim)
         if keep is not None:
             o, rows = o[keep], keep_rows
-        out = dense(q_dim, c.hidden_size, "o_proj", c.o_proj_bias)(o, rows)
+            residual = None if residual is None else residual[keep]
+        out = dense(q_dim, c.hidden_size, "o_proj", c.o_proj_bias)(o, rows, residual=residual)
         return out, (k_pages, v_pages)
 
 
@@ -136,12 +146,13 @@ class RMSNorm(nn.Module):
     offset: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, apply: bool = True):
+        """x's rows normed; apply=False: the norm itself (a RowNorm) for the linear layers that take
+        x next, to apply as they read it (runtime/row_fusion.py)."""
         init = nn.initializers.zeros if self.offset else nn.initializers.ones
         w = self.param("weight", init, (x.shape[-1],), self.dtype).astype(jnp.float32)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * (1.0 + w if self.offset else w)).astype(self.dtype)
+        norm = RowNorm(1.0 + w if self.offset else w, self.eps)
+        return norm(x).astype(self.dtype) if apply else norm
 
 
 class MLP(nn.Module):
@@ -154,12 +165,13 @@ class MLP(nn.Module):
     intermediate_size: int = 0
 
     @nn.compact
-    def __call__(self, x, num_rows=None):
+    def __call__(self, x, num_rows=None, norm: RowNorm | None = None, residual=None):
+        """norm: x's rows normed first; residual: added to the output (runtime/row_fusion.py)."""
         dense = lambda k, n, name: Linear(k, n, False, self.dtype, self.ops, name=name)  # noqa: E731
         h, i = self.cfg.hidden_size, self.intermediate_size or self.cfg.intermediate_size
         gate, up = dense(h, i, "gate_proj"), dense(h, i, "up_proj")
         if self.cfg.hidden_act == "gelu_tanh":
-            act = jax.nn.gelu(gate(x, num_rows), approximate=True) * up(x, num_rows)
+            act = jax.nn.gelu(gate(x, num_rows, norm), approximate=True) * up(x, num_rows, norm)
         else:
-            act = self.ops.gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows).astype(self.dtype)
-        return dense(i, h, "down_proj")(act, num_rows)
+            act = self.ops.gated(x.astype(self.dtype), gate.kernel, up.kernel, num_rows, norm=norm).astype(self.dtype)
+        return dense(i, h, "down_proj")(act, num_rows, residual=residual)

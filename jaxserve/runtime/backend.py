@@ -27,6 +27,7 @@ from jaxserve.runtime.attention import layer_attention
 from jaxserve.runtime.moe import blocked_ragged_dot, gpu_ragged_dot, grouped_experts, pallas_ragged_dot
 from jaxserve.runtime.mxfp4 import Mxfp4Panels, Mxfp4Weight
 from jaxserve.runtime.panels import PANEL
+from jaxserve.runtime.row_fusion import unfused
 from jaxserve.runtime.weight_formats import ExpertStack
 from jaxserve.runtime.sampler import greedy_argmax
 from pallas_kernels import kv_quant
@@ -64,11 +65,14 @@ def _embed_lookup(table, ids):
 
 @dataclass(frozen=True)
 class ModelOps:
-    """What the model calls. `linear(x, w, num_rows)`: num_rows (i32[1]) are the step's real
-    rows, all that a native kernel computes; `lm_head(x, table, num_rows)` is a tied embedding's
-    transpose product; `attention(q, k, v, k_pages, v_pages, md, **kw) -> (out, k_pages, v_pages)`
-    writes this step's K/V and attends; `moe(x, ids, weights, w_gate, w_up, w_down, num_rows)` runs
-    the routed experts (runtime/moe.py), wrapped per device under tensor / expert parallelism."""
+    """What the model calls. `linear(x, w, num_rows, norm=None, residual=None)`: num_rows (i32[1])
+    are the step's real rows, all that a native kernel computes; `norm` (a RowNorm) applied to x's
+    rows first and `residual` added to the product (runtime/row_fusion.py: fused into the native
+    dot-product matmul's rows, else XLA ops); `gated(x, w_gate, w_up, num_rows, norm=None)`;
+    `lm_head(x, table, num_rows)` is a tied embedding's transpose product; `attention(q, k, v,
+    k_pages, v_pages, md, **kw) -> (out, k_pages, v_pages)` writes this step's K/V and attends;
+    `moe(x, ids, weights, w_gate, w_up, w_down, num_rows)` runs the routed experts (runtime/moe.py),
+    wrapped per device under tensor / expert parallelism."""
 
     linear: Callable
     gated: Callable  # silu(x @ W_gate) * (x @ W_up)
@@ -159,7 +163,7 @@ class Backend:
             matmul = gpu_ragged_dot
         moe = functools.partial(grouped_experts, matmul=matmul) if matmul else grouped_experts
         if not self.native_linear:
-            return ModelOps(_dot_linear, _dot_gated(_dot_linear), _embed_lookup,
+            return ModelOps(unfused(_dot_linear), unfused(_dot_gated(_dot_linear)), _embed_lookup,
                             lambda x, table, rows=None: jnp.dot(x, table.T.astype(x.dtype)), attend, moe)
         def linear(x, w, num_rows=None):
             if isinstance(w, PackedWeight):
@@ -176,7 +180,7 @@ class Backend:
                 return cpu_kernels.cpu_matmul(x.astype(jnp.float32), table.panels, num_rows)
             return jnp.dot(x, table.T.astype(x.dtype))
 
-        return ModelOps(linear, gated, _embed_lookup, lm_head, attend, moe)
+        return ModelOps(unfused(linear), unfused(gated), _embed_lookup, lm_head, attend, moe)
 
     def argmax(self) -> Callable:
         if self.native_argmax:

@@ -75,7 +75,9 @@ def test_a_kernel_rejects_an_unknown_id(kernel, name, bad):
     fmt = weight_formats._BY_NAME[name]
     w = jax.device_put(fmt.quantize(np.ones((64, 64), np.float32)))
     x = jnp.ones((2, 64), jnp.float32)
-    attrs = {"format": np.int32(bad)} | ({"isa": np.int32(0)} if kernel == DOT_MATMUL else {})
+    attrs = {"format": np.int32(bad), "eps": np.float32(0)} | ({"isa": np.int32(0)} if kernel == DOT_MATMUL else {})
     call = jax.ffi.ffi_call(f"jaxserve_{kernel}", jax.ShapeDtypeStruct((2, 64), jnp.float32))
+    no_fusion = (jnp.zeros((0,), jnp.float32),) * 2  # norm, residual (format_matmul.h's RowFusion)
     with pytest.raises(Exception, match=rf"unknown weight format id {bad} \(formats.h, .* has 0\.\.\d\)"):
-        np.asarray(jax.jit(lambda x, w: call(x, *fmt.operands(w), jnp.full((1,), 2, jnp.int32), **attrs))(x, w))
+        np.asarray(jax.jit(lambda x, w: call(x, *fmt.operands(w), jnp.full((1,), 2, jnp.int32), *no_fusion,
+                                             **attrs))(x, w))

@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "dot_matmul.h"
+#include "format_matmul.h"
 #include "parallel.h"
 #include "vec.h"
 #include "x_rows.h"
@@ -57,8 +59,27 @@ inline void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_
   }
 }
 
-// x's first m rows, a few rows per work item (prefill's thousands of rows are worth the threads).
-inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_t m, Acts& a) {
+// Row xr RMS-normed into out (format_matmul.h's RowFusion): xr * (1 / sqrt(mean(xr^2) + eps)) *
+// scale, each product in float32 as the model's RMSNorm (model/layers.py) takes them; the mean's sum
+// runs over 16 lanes, so it may differ from XLA's in the last bit.
+inline const float* NormRow(const float* xr, int64_t k_len, const RowFusion& fu, float* out) {
+  v16 sq{};
+  int64_t k = 0;
+  for (; k + kW <= k_len; k += kW) {
+    const v16 v = LoadU(xr + k);
+    sq += v * v;
+  }
+  float ss = 0;
+  for (int i = 0; i < kW; ++i) ss += sq[i];
+  for (; k < k_len; ++k) ss += xr[k] * xr[k];
+  const float r = 1.0f / std::sqrt(ss / float(k_len) + fu.eps);
+  for (k = 0; k < k_len; ++k) out[k] = xr[k] * r * fu.norm[k];
+  return out;
+}
+
+// x's first m rows (RMS-normed first where fu has a norm), a few rows per work item (prefill's
+// thousands of rows are worth the threads).
+inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_t m, const RowFusion& fu, Acts& a) {
   constexpr int64_t kRows = 16;
   const int64_t k_len = x.k_len;
   a.ldx = k_len / (f == kBFLOAT16 ? 2 : 4);
@@ -69,7 +90,10 @@ inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_
   // Row blocks in shares by CPU, as the matmul's row chunks (ParallelShares): a core converts about
   // the rows it then multiplies.
   ParallelShares(pool, (m + kRows - 1) / kRows, 1, [&](int64_t i, int64_t) {
-    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r) PrepareRow(f, x(r), k_len, a, r);
+    thread_local std::vector<float> normed;
+    if (fu.norm) normed.resize(k_len);
+    for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r)
+      PrepareRow(f, fu.norm ? NormRow(x(r), k_len, fu, normed.data()) : x(r), k_len, a, r);
   });
 }
 

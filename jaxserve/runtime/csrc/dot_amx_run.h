@@ -30,7 +30,7 @@ inline int64_t AmxPanelsPerItem(int64_t tiles, int64_t panels, int64_t k_words, 
 // Row tiles fastest within a group of panels: the group's weights (8 panels: 1 KiB per k) stay in L2
 // while the row tiles pass; a tile's activations (32 rows) are read again from L1 or L2 per panel.
 inline void RunAmxBf16(xla::ffi::ThreadPool& pool, const Acts& a, const RowChunks& tiles, int64_t panels,
-                       const Weight* ws, const Weight* ups, float* ys) {
+                       const Weight* ws, const Weight* ups, float* ys, const float* res) {
   const int64_t n = panels * kPanel, t = tiles.size(), per = AmxPanelsPerItem(t, panels, a.ldx, ups != nullptr);
   const int64_t groups = (panels + per - 1) / per;
   ParallelFor(pool, t * groups, [&](int64_t i) {
@@ -49,12 +49,13 @@ inline void RunAmxBf16(xla::ffi::ThreadPool& pool, const Acts& a, const RowChunk
       float* y = ys + r0 * n + p * kPanel;
       if (!up) {
         tile(ws[group], p, y, n);
-        continue;
+      } else {
+        alignas(64) float g[2 * kAmxRows * kPanel], u[2 * kAmxRows * kPanel];
+        tile(ws[group], p, g, kPanel);
+        tile(*up, p, u, kPanel);
+        SiluMul(g, u, mr, y, n);
       }
-      alignas(64) float g[2 * kAmxRows * kPanel], u[2 * kAmxRows * kPanel];
-      tile(ws[group], p, g, kPanel);
-      tile(*up, p, u, kPanel);
-      SiluMul(g, u, mr, y, n);
+      if (res) AddRows(res + r0 * n + p * kPanel, mr, n, y);
     }
     _tile_release();  // the thread's tile state back to init (cheap context switches)
   });

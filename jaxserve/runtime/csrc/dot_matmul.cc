@@ -91,6 +91,7 @@ struct Dot {
   using Weight = dot_matmul::Weight;
   static constexpr char kName[] = "dot matmul";
   static bool Valid(int32_t isa) { return isa == kPortable || isa == kDot || isa == kAmx; }
+  static constexpr bool kFuses = true;  // the norm as the rows are prepared, the residual as tiles are written
   static constexpr auto Known = dot_matmul::Known;
   static constexpr int32_t kFormats = dot_matmul::kFormats;
   static constexpr auto Check = dot_matmul::Check;
@@ -105,19 +106,20 @@ struct Dot {
   // x's rows as groups (group_rows: rows per group, in order; one group: a plain matmul) times ws
   // (and ups), into y's m_padded rows.
   static ffi::Error Run(ffi::ThreadPool& pool, const XRows& x, int64_t m_padded, const Weight* ws, const Weight* ups,
-                        int64_t panels, const std::vector<int64_t>& group_rows, float* y, Format f, int32_t isa) {
+                        int64_t panels, const std::vector<int64_t>& group_rows, const RowFusion& fused, float* y,
+                        Format f, int32_t isa) {
     int64_t m = 0;
     for (int64_t r : group_rows) m += r;
     if ((isa == kDot && !(f == kBFLOAT16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
       return ffi::Error::InvalidArgument("dot matmul: an isa asked of a library built without its instructions");
     if (isa == kAmx && x.k_len % 32 != 0) isa = kDot;  // a tile takes 32 k at a time (per shape, not batch)
     thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
-    Prepare(pool, f, x, m, acts);
+    Prepare(pool, f, x, m, fused, acts);
 #ifdef JAXSERVE_AMX
-    if (isa == kAmx) Multiply<kAmx>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y);
+    if (isa == kAmx) Multiply<kAmx>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y, fused.residual);
 #endif
-    if (isa == kDot) Multiply<kDot>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y);
-    if (isa == kPortable) Multiply<kPortable>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y);
+    if (isa == kDot) Multiply<kDot>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y, fused.residual);
+    if (isa == kPortable) Multiply<kPortable>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y, fused.residual);
     return ffi::Error::Success();
   }
 };
@@ -148,7 +150,8 @@ using jaxserve::GroupedBinding;
 using jaxserve::dot_matmul::Calls;
 
 // Operands: x, each weight's w, its scale (w8a8), d (w4a8, q8a8) or exponents (mxfp4a8), its m
-// (w4a8, q8a8; else empty); attributes `format` (formats.h's dot_matmul::Format) and `isa`.
+// (w4a8, q8a8; else empty), rows, then (plain and gated) norm and residual (format_matmul.h's
+// RowFusion); attributes `format` (formats.h's dot_matmul::Format), (plain and gated) `eps`, `isa`.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmul, Calls::Plain, FormatMatmulBinding<1>().Attr<int32_t>("isa"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGated, Calls::Gated, FormatMatmulBinding<2>().Attr<int32_t>("isa"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDotMatmulGrouped, Calls::Grouped, GroupedBinding().Attr<int32_t>("isa"));

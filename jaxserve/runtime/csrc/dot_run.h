@@ -22,7 +22,7 @@ namespace jaxserve::dot_matmul {
 // Multiply<I> for format F.
 template <Format F, Isa I>
 void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& group_rows, int64_t m_padded,
-         int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
+         int64_t panels, const Weight* ws, const Weight* ups, float* ys, const float* res) {
   // Rows per work item: AMX reads a panel's weights once per 16 rows, from L2 after the first.
   constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk;
   constexpr int step = I == kAmx ? kAmxRows : kMaxMR<F>;
@@ -31,9 +31,12 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
   const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()),
                          I == kAmx && F == kBFLOAT16 ? 2 * kAmxRows : chunk);
   const int64_t n = panels * kPanel, m = chunks.rows();
-  std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
+  if (res)
+    std::memcpy(ys + m * n, res + m * n, (m_padded - m) * n * sizeof(float));
+  else
+    std::memset(ys + m * n, 0, (m_padded - m) * n * sizeof(float));
 #ifdef JAXSERVE_AMX
-  if constexpr (I == kAmx && F == kBFLOAT16) return RunAmxBf16(pool, a, chunks, panels, ws, ups, ys);
+  if constexpr (I == kAmx && F == kBFLOAT16) return RunAmxBf16(pool, a, chunks, panels, ws, ups, ys, res);
 #endif
   ForEachChunkPanel(pool, chunks, panels, [&](int64_t group, int64_t c0, int64_t rows, int64_t panel) {
     const Weight& w = ws[group];
@@ -68,6 +71,7 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
 #endif
       if constexpr (I != kAmx) Rows<F, I>(mr, a, r, wt, panel, y, ldy);
     });
+    if (res) AddRows(res + c0 * n + panel * kPanel, rows, n, ys + c0 * n + panel * kPanel);
 #ifdef JAXSERVE_AMX
     if (configured) _tile_release();  // the thread's tile state back to init (cheap context switches)
 #endif
@@ -75,17 +79,17 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
 }
 
 // ys = x @ W, or silu(x @ W) * (x @ W_up) where `ups`, over row groups (group g: the next
-// group_rows[g] rows, times ws[g] and ups[g]); the rows after the groups' (to m_padded) come out
-// zero. Format f on instruction set I.
+// group_rows[g] rows, times ws[g] and ups[g]), plus res [m_padded, N] where given; the rows after
+// the groups' (to m_padded) come out zero (or res's). Format f on instruction set I.
 template <Isa I>
 void Multiply(xla::ffi::ThreadPool& pool, Format f, const Acts& a, const std::vector<int64_t>& group_rows,
-              int64_t m_padded, int64_t panels, const Weight* ws, const Weight* ups, float* ys) {
+              int64_t m_padded, int64_t panels, const Weight* ws, const Weight* ups, float* ys, const float* res) {
   switch (f) {
-    case kBFLOAT16: return Run<kBFLOAT16, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys);
-    case kW8A8: return Run<kW8A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys);
-    case kW4A8: return Run<kW4A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys);
-    case kQ8A8: return Run<kQ8A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys);
-    case kMXFP4A8: return Run<kMXFP4A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys);
+    case kBFLOAT16: return Run<kBFLOAT16, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys, res);
+    case kW8A8: return Run<kW8A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys, res);
+    case kW4A8: return Run<kW4A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys, res);
+    case kQ8A8: return Run<kQ8A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys, res);
+    case kMXFP4A8: return Run<kMXFP4A8, I>(pool, a, group_rows, m_padded, panels, ws, ups, ys, res);
   }
 }
 

@@ -90,6 +90,7 @@ struct Quant {
   using Weight = quant_matmul::Weight;
   static constexpr char kName[] = "quant matmul";
   static bool Valid() { return true; }
+  static constexpr bool kFuses = false;  // no RowFusion (its tiles read x's rows in place)
   static constexpr auto Known = quant_matmul::Known;
   static constexpr int32_t kFormats = quant_matmul::kFormats;
   static constexpr auto Check = quant_matmul::Check;
@@ -98,7 +99,7 @@ struct Quant {
             f == kQ4_1 || f == kQ4_K || f == kQ6_K ? static_cast<const _Float16*>(Part(m, experts, e)) : nullptr};
   }
   static ffi::Error Run(ffi::ThreadPool& pool, const XRows& x, int64_t m_padded, const Weight* ws, const Weight* ups,
-                        int64_t panels, const std::vector<int64_t>& group_rows, float* y, Format f) {
+                        int64_t panels, const std::vector<int64_t>& group_rows, const RowFusion&, float* y, Format f) {
     const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()), kRowChunk);
     Multiply(pool, f, x, chunks, m_padded, panels, ws, ups, y);
     return ffi::Error::Success();

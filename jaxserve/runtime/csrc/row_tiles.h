@@ -24,6 +24,16 @@ inline void SiluMul(const float* g, const float* u, int64_t rows, float* y, int6
     }
 }
 
+// y[r, 0:64] += res[r, 0:64] for the rows r < rows (both rows ld apart): a residual added to a
+// panel's tile right after it is written (format_matmul.h's RowFusion), while it is in L1.
+inline void AddRows(const float* res, int64_t rows, int64_t ld, float* y) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int v = 0; v < kPanel; v += kW) {
+      const v16 out = Load<v16>(y + j * ld + v) + Load<v16>(res + j * ld + v);
+      std::memcpy(y + j * ld + v, &out, sizeof(out));
+    }
+}
+
 // Rows [r0, r0 + rows) of one panel's columns, Step rows a tile (the last one shorter):
 // tile(mr, r, up, dst, ldd) writes rows r .. r + mr - 1 of x times the weight (up: the up weight)
 // to dst, rows ldd apart. y: the panel's first column of row 0, rows ldy apart.
