@@ -72,11 +72,11 @@ class Linear(nn.Module):
         """num_rows (i32[1]): the real (non-padding) rows of x, all that a native kernel computes;
         norm: x's rows normed first; residual: added to the output (runtime/row_fusion.py: the op
         fuses them where it can; after the bias, which it does not take)."""
-        fused = None if self.use_bias else residual
-        y = self.ops.linear(x.astype(self.dtype), self.kernel, num_rows, norm=norm, residual=fused).astype(self.dtype)
-        if self.use_bias:
-            y = y + self.bias
-        return y if residual is None or fused is not None else residual + y
+        x = x.astype(self.dtype)
+        if not self.use_bias:
+            return self.ops.linear(x, self.kernel, num_rows, norm=norm, residual=residual).astype(self.dtype)
+        y = self.ops.linear(x, self.kernel, num_rows, norm=norm).astype(self.dtype) + self.bias
+        return y if residual is None else residual + y
 
 
 class Embed(nn.Module):
