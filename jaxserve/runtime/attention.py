@@ -18,6 +18,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.runtime.rope_fusion import Rope
+
 # The XLA KV write is one scatter (in place: the pages are donated); the tpu-fused layout has its
 # own Pallas write kernel (pallas_kernels.write_kv).
 from pallas_kernels.kv_quant import gather
@@ -240,7 +242,8 @@ def layer_attention(name: str, platform: str | None = None, decode_only: bool = 
                     kv_layout: str = "paged") -> AttentionFn:
     """What one model layer calls: write this step's K/V into its pages, then attend over them.
     With the ``tpu-fused`` layout ``k_pages`` is the layer's one array and ``v_pages`` None; the
-    Pallas write kernel fills it."""
+    Pallas write kernel fills it. ``rope`` (runtime/rope_fusion.py): q and k come unrotated, and
+    the native CPU calls rotate them as they read them; the other backends apply it first."""
     kernel = get_backend(name, platform, decode_only)
     write = write_kv
     if name == "cpu":
@@ -253,9 +256,14 @@ def layer_attention(name: str, platform: str | None = None, decode_only: bool = 
         interpret = platform != "tpu" and jax.default_backend() == "cpu"
         write = functools.partial(pallas_kernels.write_kv, backend="tpu", interpret=interpret)
 
-    def attend(q, k, v, k_pages, v_pages, md: AttentionMetadata, **kw):
-        k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping)
-        out = kernel(q, k_pages, v_pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs, **kw)
+    fused_rope = name == "cpu"  # its KV write and kernel rotate k and q as they read them
+
+    def attend(q, k, v, k_pages, v_pages, md: AttentionMetadata, rope: Rope | None = None, **kw):
+        if rope is not None and not fused_rope:
+            q, k, rope = rope(q), rope(k), None
+        rot = {} if rope is None else {"rope": rope}
+        k_pages, v_pages = write(k_pages, v_pages, k, v, md.slot_mapping, **rot)
+        out = kernel(q, k_pages, v_pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs, **kw, **rot)
         return out, k_pages, v_pages
 
     return attend

@@ -30,6 +30,7 @@ import numpy as np
 from jaxserve.runtime.compat import ffi
 from jaxserve.runtime.cpu_isa import AMX_BIT, AMX_PATHS, DOT_PATHS, ISA_ENV, cpu_features, isa_cap
 from jaxserve.runtime.native_build import build, format_table
+from jaxserve.runtime.rope_fusion import Rope, native_operands
 from pallas_kernels.kv_quant import QuantPages
 
 TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention", "jaxserve_write_kv": "JaxserveWriteKv",
@@ -167,12 +168,14 @@ def to_cpu_layout(k_pages, v_pages):
 
 def cpu_ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
-    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, sinks=None, **unused,
+    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, sinks=None,
+    rope: Rope | None = None, **unused,
 ):
     """`xla_ragged_paged_attention` over pages written by `cpu_write_kv` (the `cpu-tiled` KV
     layout): float32 q, float32 or bfloat16 pages, or QuantPages (int8/fp8 and their scales). The
     backend checks dtypes once (backend.resolve_backend); this is the call itself. ``sinks``:
-    f32[Hq] per-head sink logits (gpt-oss), or None (an empty operand: no sink term)."""
+    f32[Hq] per-head sink logits (gpt-oss), or None (an empty operand: no sink term). ``rope``: q
+    is rotated by it as the kernel loads it (runtime/rope_fusion.py), or None: q as given."""
     if sinks is None:
         sinks = jnp.zeros((0,), jnp.float32)
     elif sinks.shape != (q.shape[1],):
@@ -183,27 +186,30 @@ def cpu_ragged_paged_attention(
         target, pages = "jaxserve_paged_attention_quant", (k_pages.data, v_pages.data, k_pages.scale, v_pages.scale)
     return ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
         q, *pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
-        sinks.astype(jnp.float32), sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        sinks.astype(jnp.float32), *native_operands(rope), sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     )
 
 
-def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping):
+def cpu_write_kv(k_pages, v_pages, k, v, slot_mapping, rope: Rope | None = None):
     """`write_kv` (rounding to the pages' dtype, or quantizing as kv_quant.quantize does, in the
     native call: no extra XLA ops per layer) into the `cpu-tiled` layout, in place through aliased
-    outputs."""
+    outputs. ``rope``: the K rows are rotated by it first, in the call (runtime/rope_fusion.py)."""
+    tables = native_operands(rope)
     if isinstance(k_pages, QuantPages):
         data = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
         scale = jax.ShapeDtypeStruct(k_pages.scale.shape, jnp.float32)
         kd, vd, kss, vss = ffi.ffi_call(
             "jaxserve_write_kv_quant", (data, data, scale, scale), input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
             vmap_method="sequential")(k_pages.data, v_pages.data, k_pages.scale, v_pages.scale, k.astype(jnp.float32),
-                                      v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
+                                      v.astype(jnp.float32), slot_mapping.astype(jnp.int32), *tables)
         return QuantPages(kd, kss), QuantPages(vd, vss)
     pages = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
     return ffi.ffi_call("jaxserve_write_kv", (pages, pages), input_output_aliases={0: 0, 1: 1},
                             vmap_method="sequential")(k_pages, v_pages, k.astype(jnp.float32),
-                                                      v.astype(jnp.float32), slot_mapping.astype(jnp.int32))
+                                                      v.astype(jnp.float32), slot_mapping.astype(jnp.int32),
+                                                      *tables)
 
 
 PANEL = 64  # columns per packed weight panel (csrc/matmul.cc)

@@ -27,18 +27,20 @@ def shard_attention(attn_fn, mesh: Mesh, layout: str = "paged"):
         return attn_fn
     heads, rep = P(None, MODEL, None), P()
 
-    def sharded(q, k, v, k_pages, v_pages, md, sinks=None, **kw):
+    def sharded(q, k, v, k_pages, v_pages, md, sinks=None, rope=None, **kw):
         pages = page_spec(layout, isinstance(k_pages, QuantPages))
         v_spec = rep if v_pages is None else pages  # tpu-fused: no V array (None)
-        extra = () if sinks is None else (sinks,)  # per-head sinks (gpt-oss) go with their query heads
+        # per-head sinks (gpt-oss) go with their query heads; RoPE tables (per token) to every device
+        extra = {"sinks": (sinks, P(MODEL)), "rope": (rope, rep)}
+        extra = {name: a for name, a in extra.items() if a[0] is not None}
 
         def per_device(*a):
-            return attn_fn(*a[:6], **kw, **({"sinks": a[6]} if extra else {}))
+            return attn_fn(*a[:6], **kw, **dict(zip(extra, a[6:])))
 
         f = jax.shard_map(per_device, mesh=mesh,
-                          in_specs=(heads, heads, heads, pages, v_spec, rep) + (P(MODEL),) * len(extra),
+                          in_specs=(heads, heads, heads, pages, v_spec, rep) + tuple(s for _, s in extra.values()),
                           out_specs=(heads, pages, v_spec), check_vma=False)
-        return f(q, k, v, k_pages, v_pages, md, *extra)
+        return f(q, k, v, k_pages, v_pages, md, *(a for a, _ in extra.values()))
 
     return sharded
 

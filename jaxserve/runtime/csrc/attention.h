@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "page_types.h"
+#include "rope.h"
 #include "vec.h"
 
 namespace jaxserve::attention {
@@ -29,6 +30,17 @@ struct Problem {
   const float* ks = nullptr;  // quantized pages: per-(slot, head) scales, per block [Hkv][bs]
   const float* vs = nullptr;
   const float* sinks = nullptr;  // attention sinks: a logit per query head [Hq], or none
+  Rope rope;  // the layer's RoPE, applied to q as it is loaded (csrc/rope.h), or none
+
+  // Query vector (token t, query head qh), rotated by the call's RoPE, times `mul`, into dst[0, d).
+  void LoadQ(int64_t t, int64_t qh, float mul, float* dst) const {
+    const float* src = q + (t * hq + qh) * d;
+    if (rope.rot == 0) {
+      for (int64_t e = 0; e < d; ++e) dst[e] = src[e] * mul;
+      return;
+    }
+    rope.Apply(t, src, d, mul, dst);
+  }
 
   // What a query vector's accumulator is multiplied by at the end: 1 / (softmax sum), the sum
   // taken with query head qh's sink logit when there are sinks (gpt-oss: the sink takes

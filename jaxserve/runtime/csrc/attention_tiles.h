@@ -21,11 +21,12 @@ template <typename T>
 void GenericItem(const Problem& p, const Item& it) {
   const int64_t bs = p.block_size, d = p.d, g = p.hq / p.hkv;
   const Rows rw = RowsOf(p, it);
-  std::vector<float> acc(d), sc(bs);
+  std::vector<float> acc(d), sc(bs), qv(d);
   const int64_t first_block = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) / bs : 0;
   for (int64_t i = 0; i < rw.n * p.hkv; ++i) {
     const int64_t h = i / rw.n, r = (i % rw.n) / g, j = i % g, pos = rw.first_pos + r;
-    const float* qi = p.q + ((rw.t0 + r) * p.hq + h * g + j) * d;
+    p.LoadQ(rw.t0 + r, h * g + j, 1.0f, qv.data());
+    const float* qi = qv.data();
     float m = kNeg, l = 0.0f;
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int64_t b = first_block; b * bs <= pos; ++b) {
@@ -85,8 +86,7 @@ void TiledItem(const Problem& p, const Item& it) {
     for (int64_t i = 0; i < rw.n; ++i) {
       const int64_t r = i / g, j = i % g, dst = h * nqh + i;
       pos[dst] = rw.first_pos + r;
-      const float* src = p.q + ((rw.t0 + r) * p.hq + h * g + j) * D;
-      for (int e = 0; e < D; ++e) qs[dst * D + e] = src[e] * p.scale;
+      p.LoadQ(rw.t0 + r, h * g + j, p.scale, qs.data() + dst * D);
     }
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
 
@@ -183,9 +183,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
     if (pos[s] >= 0)
       for (int64_t h = 0; h < hkv; ++h)
         for (int64_t j = 0; j < g; ++j) {
-          const float* src = p.q + (t0[s] * p.hq + h * g + j) * D;
-          float* dst = qs.data() + ((s * hkv + h) * Q + j) * D;
-          for (int e = 0; e < D; ++e) dst[e] = src[e] * p.scale;
+          p.LoadQ(t0[s], h * g + j, p.scale, qs.data() + ((s * hkv + h) * Q + j) * D);
         }
 
   for (int64_t base = first_tile; base <= last_tile; base += kW) {

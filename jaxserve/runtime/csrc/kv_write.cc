@@ -1,15 +1,18 @@
 // The KV write for XLA:CPU's ragged paged attention (csrc/paged_attention.cc: the page layout), as
 // XLA FFI custom calls: each new token's K/V copied into its slot of the (aliased, so in place)
 // pages; XLA:CPU's scatter does the same element by element, far slower. Quantized pages: the
-// rows quantized here first (kv_quant.quantize's arithmetic), a scale per token and head.
+// rows quantized here first (kv_quant.quantize's arithmetic), a scale per token and head. Given
+// the layer's RoPE tables, the key rows are rotated first (csrc/rope.h).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "page_types.h"
 #include "parallel.h"
+#include "rope.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -17,31 +20,33 @@ namespace ffi = xla::ffi;
 namespace jaxserve::attention {
 namespace {
 
-// Tokens t0..t1-1 go to consecutive slots c0.. of block blk: for each (head, dim) the run's K
-// values fill consecutive slots (one cache line for a 16-token run), V rows are contiguous.
-// S -> T: float -> float / bfloat16, or quantized bytes as they are; scales are rows of d = 1.
+// Tokens t0..t1-1 (rows k[0..], v[0..] here) go to consecutive slots c0.. of block blk: for each
+// (head, dim) the run's K values fill consecutive slots (one cache line for a 16-token run), V rows
+// are contiguous. S -> T: float -> float / bfloat16, or quantized bytes as they are; scales are
+// rows of d = 1.
 template <typename S, typename T>
-void WriteRun(const S* k, const S* v, int64_t t0, int64_t t1, int64_t blk, int64_t c0, int64_t bs,
-              int64_t hkv, int64_t d, T* ko, T* vo) {
+void WriteRun(const S* k, const S* v, int64_t n, int64_t blk, int64_t c0, int64_t bs, int64_t hkv, int64_t d,
+              T* ko, T* vo) {
   for (int64_t h = 0; h < hkv; ++h) {
     for (int64_t e = 0; e < d; ++e) {
       T* kdst = ko + ((blk * hkv + h) * d + e) * bs + c0;  // K block [Hkv][D][bs]
-      for (int64_t t = t0; t < t1; ++t) Store(k[(t * hkv + h) * d + e], kdst + (t - t0));
+      for (int64_t t = 0; t < n; ++t) Store(k[(t * hkv + h) * d + e], kdst + t);
     }
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       const S* vr = v + (t * hkv + h) * d;
-      T* vdst = vo + ((blk * hkv + h) * bs + c0 + (t - t0)) * d;  // V block [Hkv][bs][D]
+      T* vdst = vo + ((blk * hkv + h) * bs + c0 + t) * d;  // V block [Hkv][bs][D]
       for (int64_t e = 0; e < d; ++e) Store(vr[e], vdst + e);
     }
   }
 }
 
 // Splits the tokens into runs of consecutive slots within one block and writes the runs in
-// parallel. Runs into the same block as the run before (padding tokens all write the null block)
-// stay in one work item, so no two threads write one block.
+// parallel, each on the core whose matmul share computed its rows (RowShare). Runs into the same
+// block as the run before (padding tokens all write the null block) stay in one work item, so no
+// two threads write one block. rope (float rows only): the K rows rotated as they are written.
 template <typename S, typename T>
 void WriteRows(ffi::ThreadPool& pool, const S* k, const S* v, const int32_t* slots, int64_t t_count,
-               int64_t bs, int64_t hkv, int64_t d, T* ko, T* vo) {
+               int64_t bs, int64_t hkv, int64_t d, T* ko, T* vo, const Rope& rope = Rope{}) {
   std::vector<int64_t> run_start, item_start;  // item i covers runs item_start[i] .. item_start[i+1]-1
   for (int64_t t = 0; t < t_count; ++t) {
     const bool extends = t > 0 && slots[t] == slots[t - 1] + 1 && slots[t] % bs != 0;
@@ -51,17 +56,30 @@ void WriteRows(ffi::ThreadPool& pool, const S* k, const S* v, const int32_t* slo
   }
   run_start.push_back(t_count);
   item_start.push_back(run_start.size() - 1);
-  ParallelFor(pool, item_start.size() - 1, [&](int64_t i) {
+  const int64_t items = item_start.size() - 1, w = std::min<int64_t>(pool.num_threads(), items), row = hkv * d;
+  std::vector<int64_t> share(items);
+  for (int64_t i = 0; i < items; ++i) share[i] = RowShare(run_start[item_start[i]], t_count, w);
+  ForEachInShares(pool, share, w, [&](int64_t i) {
     for (int64_t r = item_start[i]; r < item_start[i + 1]; ++r) {
-      const int64_t t0 = run_start[r], t1 = run_start[r + 1];
-      WriteRun(k, v, t0, t1, slots[t0] / bs, slots[t0] % bs, bs, hkv, d, ko, vo);
+      const int64_t t0 = run_start[r], n = run_start[r + 1] - t0;
+      const S* kr = k + t0 * row;
+      if constexpr (std::is_same_v<S, float>) {
+        thread_local std::vector<float> rotated;
+        if (rope.rot) {
+          rotated.resize(n * row);
+          for (int64_t t = 0; t < n; ++t)
+            for (int64_t h = 0; h < hkv; ++h) rope.Apply(t0 + t, kr + t * row + h * d, d, 1.0f, &rotated[t * row + h * d]);
+          kr = rotated.data();
+        }
+      }
+      WriteRun(kr, v + t0 * row, n, slots[t0] / bs, slots[t0] % bs, bs, hkv, d, ko, vo);
     }
   });
 }
 
 ffi::Error WriteKv(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping,
-                   ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::F32> rope_cos,
+                   ffi::Buffer<ffi::F32> rope_sin, ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   const auto pd = k_pages.dimensions();
   const auto kd = k.dimensions();
   if (pd.size() != 4 || kd.size() != 3 || kd[1] != pd[2] || kd[2] != pd[3])
@@ -73,13 +91,15 @@ ffi::Error WriteKv(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer 
   const int32_t* slots = slot_mapping.typed_data();
   for (int64_t t = 0; t < kd[0]; ++t)
     if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
+  Rope rope;
+  if (ffi::Error e = BindRope(rope_cos, rope_sin, kd[0], d, "kv write", &rope); e.failure()) return e;
   // The outputs alias the pages (input_output_aliases): XLA hands us the cache itself.
   if (type == ffi::DataType::BF16)
     WriteRows(pool, k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
-              static_cast<Bf16*>(k_out->untyped_data()), static_cast<Bf16*>(v_out->untyped_data()));
+              static_cast<Bf16*>(k_out->untyped_data()), static_cast<Bf16*>(v_out->untyped_data()), rope);
   else
     WriteRows(pool, k.typed_data(), v.typed_data(), slots, kd[0], bs, hkv, d,
-              static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()));
+              static_cast<float*>(k_out->untyped_data()), static_cast<float*>(v_out->untyped_data()), rope);
   return ffi::Error::Success();
 }
 
@@ -140,7 +160,8 @@ void QuantizeRows(const float* x, int64_t n, int64_t d, uint8_t* q, float* scale
 // go to their slots, the bytes as they are and the scales as rows of one value.
 ffi::Error WriteKvQuant(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                         ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping, ffi::Result<ffi::AnyBuffer> k_out,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::F32> rope_cos,
+                        ffi::Buffer<ffi::F32> rope_sin, ffi::Result<ffi::AnyBuffer> k_out,
                         ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::Buffer<ffi::F32>> ks_out,
                         ffi::Result<ffi::Buffer<ffi::F32>> vs_out) {
   const auto pd = k_pages.dimensions();
@@ -157,12 +178,21 @@ ffi::Error WriteKvQuant(ffi::ThreadPool pool, ffi::AnyBuffer k_pages, ffi::AnyBu
   const int32_t* slots = slot_mapping.typed_data();
   for (int64_t t = 0; t < kd[0]; ++t)
     if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("kv write: slot out of range");
+  Rope rope;
+  if (ffi::Error e = BindRope(rope_cos, rope_sin, kd[0], d, "kv write", &rope); e.failure()) return e;
   const int64_t rows = kd[0] * hkv;
+  const float* kf = k.typed_data();
+  std::vector<float> rotated;
+  if (rope.rot) {  // the K rows rotated before they are quantized
+    rotated.resize(rows * d);
+    for (int64_t r = 0; r < rows; ++r) rope.Apply(r / hkv, kf + r * d, d, 1.0f, &rotated[r * d]);
+    kf = rotated.data();
+  }
   std::vector<uint8_t> kb(rows * d), vb(rows * d);
   std::vector<float> ks(rows), vs(rows);
   const auto quantize = type == ffi::DataType::S8 ? QuantizeRows<int8_t>
                         : type == ffi::DataType::F8E4M3FN ? QuantizeRows<E4m3> : QuantizeRows<E5m2>;
-  quantize(k.typed_data(), rows, d, kb.data(), ks.data());
+  quantize(kf, rows, d, kb.data(), ks.data());
   quantize(v.typed_data(), rows, d, vb.data(), vs.data());
   WriteRows(pool, kb.data(), vb.data(), slots, kd[0], bs, hkv, d, static_cast<uint8_t*>(k_out->untyped_data()),
             static_cast<uint8_t*>(v_out->untyped_data()));
@@ -185,6 +215,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, WriteKv,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // RoPE cos f32[T, R] for k (csrc/rope.h), or f32[0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // RoPE signed sin f32[T, R], or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // k_pages (aliased)
                                   .Ret<ffi::AnyBuffer>());  // v_pages (aliased)
 
@@ -198,6 +230,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKvQuant, WriteKvQuant,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v[T, Hkv, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // RoPE cos f32[T, R] for k, or f32[0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // RoPE signed sin f32[T, R], or f32[0]
                                   .Ret<ffi::AnyBuffer>()  // k_pages data (aliased)
                                   .Ret<ffi::AnyBuffer>()  // v_pages data (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // k scales (aliased)

@@ -64,8 +64,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::AnyBuffer v, const ffi::Buffer<ffi::F32>* k_scale, const ffi::Buffer<ffi::F32>* v_scale,
                      ffi::Buffer<ffi::S32> seq_lens,
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> block_tables,
-                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, float sm_scale,
-                     int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> rope_cos,
+                     ffi::Buffer<ffi::F32> rope_sin, float sm_scale, int64_t sliding_window, float soft_cap,
+                     ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
@@ -90,6 +91,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
     return ffi::Error::InvalidArgument("paged attention: sinks must be f32[Hq] (or f32[0]: none)");
   if (sinks.element_count() != 0) p.sinks = sinks.typed_data();
+  if (ffi::Error e = BindRope(rope_cos, rope_sin, qd[0], qd[2], "paged attention", &p.rope); e.failure()) return e;
   if (p.hq % p.hkv != 0 || kd[3] != p.d)
     return ffi::Error::InvalidArgument("paged attention: head counts or head_dim do not match");
   const int64_t s_cap = seq_lens.dimensions()[0];
@@ -130,27 +132,31 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   std::sort(items.begin(), items.end(),
             [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
-  jaxserve::ParallelFor(pool, items.size(), [&](int64_t i) { fn(p, items[i]); });
+  // Each item's rows on the core whose matmul share wrote them (q) and reads them next (o_proj).
+  const int64_t w = std::min<int64_t>(pool.num_threads(), items.size());
+  std::vector<int64_t> share(items.size());
+  for (size_t i = 0; i < items.size(); ++i) share[i] = RowShare(qsl[items[i].seq] + items[i].row0, valid, w);
+  ForEachInShares(pool, share, w, [&](int64_t i) { fn(p, items[i]); });
   return ffi::Error::Success();
 }
 
 ffi::Error FloatAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t sliding_window, float soft_cap,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> rope_cos, ffi::Buffer<ffi::F32> rope_sin,
+                          float sm_scale, int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Attention(pool, q, k, v, nullptr, nullptr, seq_lens, query_start_loc, block_tables, num_seqs, sinks,
-                   sm_scale, sliding_window, soft_cap, out);
+                   rope_cos, rope_sin, sm_scale, sliding_window, soft_cap, out);
 }
 
 ffi::Error QuantAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                           ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t sliding_window, float soft_cap,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> rope_cos, ffi::Buffer<ffi::F32> rope_sin,
+                          float sm_scale, int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Attention(pool, q, k, v, &k_scale, &v_scale, seq_lens, query_start_loc, block_tables, num_seqs, sinks,
-                   sm_scale, sliding_window, soft_cap, out);
+                   rope_cos, rope_sin, sm_scale, sliding_window, soft_cap, out);
 }
 
 // The attention calls' operands after the pages (and the quantized pages' scales), attributes and
@@ -163,6 +169,8 @@ auto AttentionRest(B pages) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // block_tables
       .template Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
       .template Arg<ffi::Buffer<ffi::F32>>()  // sinks f32[Hq], or f32[0]: none
+      .template Arg<ffi::Buffer<ffi::F32>>()  // RoPE cos f32[T, R] for q (csrc/rope.h), or f32[0]: none
+      .template Arg<ffi::Buffer<ffi::F32>>()  // RoPE signed sin f32[T, R], or f32[0]
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("sliding_window")
       .template Attr<float>("soft_cap")

@@ -65,17 +65,18 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F fn, bool uniform = fal
   DrainOnThreads(pool, std::make_shared<State>(std::move(fn), n, uniform ? 2 * (helpers + 1) : 0), helpers, n);
 }
 
-// Calls fn(u, k) for each unit u < units and k < per_unit, the units split evenly into w =
-// min(threads, units) contiguous shares, one per participant (the caller and pool tasks); within a
-// share k is the outer loop. Each participant first drains the share numbered after the CPU it runs
-// on (sched_getcpu() % w), so the same core takes the same units call after call and the rows it
-// wrote stay in its caches; then it takes what is left of the others' (a participant descheduled
-// mid-call delays nobody). On a VM whose vCPUs sit far apart (bench/core_link.py: ~350 ns a cache
-// line's round trip) a prefill burst runs ~30% slower than with them near, mostly in reads of lines
-// the other core wrote; with a matmul's rows dealt to whichever thread asked next, half its rows were
-// such lines (shares: -3% near, -5% far on that burst).
+// Calls fn(u, k) for each unit u < bounds.back() and k < per_unit, the units in w =
+// bounds.size() - 1 contiguous shares (share s: [bounds[s], bounds[s + 1])), one per participant
+// (the caller and pool tasks; w <= the pool's threads); within a share k is the outer loop. Each
+// participant first drains the share numbered after the CPU it runs on (sched_getcpu() % w), so
+// the same core takes the same units call after call and the rows it wrote stay in its caches; then
+// it takes what is left of the others' (a participant descheduled mid-call delays nobody). On a VM
+// whose vCPUs sit far apart (bench/core_link.py: ~350 ns a cache line's round trip) a prefill burst
+// runs ~30% slower than with them near, mostly in reads of lines the other core wrote; with a
+// matmul's rows dealt to whichever thread asked next, half its rows were such lines (shares: -3%
+// near, -5% far on that burst).
 template <typename F>
-void ParallelShares(xla::ffi::ThreadPool& pool, int64_t units, int64_t per_unit, F fn) {
+void ParallelShares(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& bounds, int64_t per_unit, F fn) {
   struct alignas(64) Share {
     std::atomic<int64_t> next{0};
     int64_t first = 0, len = 0;  // its units
@@ -98,11 +99,44 @@ void ParallelShares(xla::ffi::ThreadPool& pool, int64_t units, int64_t per_unit,
       if (mine) done.fetch_add(mine, std::memory_order_release);
     }
   };
-  const int64_t w = std::min<int64_t>(pool.num_threads(), units);
-  if (w <= 0 || per_unit <= 0) return;
+  const int64_t w = int64_t(bounds.size()) - 1, units = w > 0 ? bounds.back() - bounds.front() : 0;
+  if (units <= 0 || per_unit <= 0) return;
   auto st = std::make_shared<State>(std::move(fn), w, per_unit);
-  for (int64_t s = 0; s < w; ++s) st->share[s].first = units * s / w, st->share[s].len = units * (s + 1) / w - units * s / w;
+  for (int64_t s = 0; s < w; ++s) st->share[s].first = bounds[s], st->share[s].len = bounds[s + 1] - bounds[s];
   DrainOnThreads(pool, st, w - 1, units * per_unit);
+}
+
+// ParallelShares over `units` split evenly into w = min(threads, units) shares.
+template <typename F>
+void ParallelShares(xla::ffi::ThreadPool& pool, int64_t units, int64_t per_unit, F fn) {
+  const int64_t w = std::min<int64_t>(pool.num_threads(), units);
+  std::vector<int64_t> bounds;
+  for (int64_t s = 0; s <= w; ++s) bounds.push_back(units * s / std::max<int64_t>(w, 1));
+  ParallelShares(pool, bounds, per_unit, std::move(fn));
+}
+
+// The share (of w) of row r of a call's m rows, as a prefill matmul's row shares split them
+// (ForEachChunkPanel: evenly, to within a row chunk). The calls between two matmuls (the KV write,
+// attention) deal their items by it, so a row is read on the core that wrote it.
+inline int64_t RowShare(int64_t r, int64_t m, int64_t w) {
+  return std::clamp<int64_t>(r * w / std::max<int64_t>(m, 1), 0, w - 1);
+}
+
+// fn(i) for each of n items of varying cost (attention's, the KV write's runs), item i in row share
+// share[i] < w (RowShare): each participant drains its CPU's share, in the items' order
+// (costliest first), then what is left of the others' (ParallelShares). w <= 1: ParallelFor.
+template <typename F>
+void ForEachInShares(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& share, int64_t w, F fn) {
+  const int64_t n = share.size();
+  if (w <= 1) return ParallelFor(pool, n, fn);
+  std::vector<int64_t> order, bounds{0};
+  order.reserve(n);
+  for (int64_t s = 0; s < w; ++s) {
+    for (int64_t i = 0; i < n; ++i)
+      if (share[i] == s) order.push_back(i);
+    bounds.push_back(order.size());
+  }
+  ParallelShares(pool, bounds, 1, [&](int64_t u, int64_t) { fn(order[u]); });
 }
 
 // A matmul's rows as groups, each multiplied by its own weight: group g is rows [start(g),
