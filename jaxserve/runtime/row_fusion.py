@@ -4,8 +4,9 @@ norm=)`).
 
 The native dot-product matmul (csrc/dot_matmul.cc, format_matmul.h's RowFusion) norms each row as
 it prepares it and adds the residual to each output tile as it writes it, on the core that computed
-the row: a prefill layer is then its native calls and RoPE, with no XLA elementwise pass (each split
-over XLA's threads its own way, so rows crossed between the cores) between them. Every other op
+the row: with RoPE inside the KV write and attention (runtime/rope_fusion.py), a prefill layer is
+then its native calls alone, with no XLA elementwise pass (each split over XLA's threads its own
+way, so rows crossed between the cores) between them. Every other op
 applies them here, as the XLA ops the model ran before (model/layers.py's RMSNorm is `RowNorm`).
 """
 

@@ -27,6 +27,7 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
   constexpr int64_t chunk = I == kAmx ? kAmxChunk : kRowChunk;
   constexpr int step = I == kAmx ? kAmxRows : kMaxMR<F>;
   static_assert(kAmxChunk % kAmxRows == 0, "AMX row tiles do not straddle chunks");
+  static_assert(kRowChunk == kShareChunkRows, "the calls between matmuls follow their row shares (parallel.h)");
   // bf16 on AMX: its own work loop (csrc/dot_amx_run.h), on 32-row tiles
   const RowChunks chunks(group_rows.data(), int64_t(group_rows.size()),
                          I == kAmx && F == kBFLOAT16 ? 2 * kAmxRows : chunk);

@@ -56,7 +56,7 @@ void WriteRows(ffi::ThreadPool& pool, const S* k, const S* v, const int32_t* slo
   }
   run_start.push_back(t_count);
   item_start.push_back(run_start.size() - 1);
-  const int64_t items = item_start.size() - 1, w = std::min<int64_t>(pool.num_threads(), items), row = hkv * d;
+  const int64_t items = item_start.size() - 1, w = RowShares(t_count, pool.num_threads(), items), row = hkv * d;
   std::vector<int64_t> share(items);
   for (int64_t i = 0; i < items; ++i) share[i] = RowShare(run_start[item_start[i]], t_count, w);
   ForEachInShares(pool, share, w, [&](int64_t i) {

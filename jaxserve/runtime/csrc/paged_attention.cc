@@ -6,7 +6,9 @@
 // context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
 // are padding and come out zero. sinks f32[Hq] (gpt-oss), or f32[0] for none: query head h's
 // softmax runs over its scores and the logit sinks[h], which takes probability mass and adds no
-// value (Problem::Normalizer; the one place it enters, once per query vector).
+// value (Problem::Normalizer; the one place it enters, once per query vector). rope_cos / rope_sin
+// f32[T, R] (or f32[0] both: none): the layer's RoPE, applied to each query vector as it is loaded
+// (csrc/rope.h; the KV write rotates the keys).
 //
 // Page layout. The cache arrays keep the engine's nominal shape [num_blocks, block_size, Hkv, D],
 // but this backend owns their contents (it writes them and is the only reader) and lays each
@@ -21,7 +23,8 @@
 //
 // Attention: each work item is (sequence, block of rows, all kv heads); it reads the sequence's
 // pages once and scores the rows' query vectors Q at a time against 16-slot tiles (online softmax,
-// float32 accumulation). Items are spread over XLA's intra-op thread pool.
+// float32 accumulation). Items are spread over XLA's intra-op thread pool, each to the core whose
+// matmul row share computed its rows (parallel.h ForEachInShares), costliest first.
 //
 // The KV write (csrc/kv_write.cc) copies each new token's K/V into its slot of the pages. The
 // problem and work items: csrc/attention.h; the kernels: csrc/attention_tiles.h (vector steps:
@@ -133,7 +136,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
             [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   // Each item's rows on the core whose matmul share wrote them (q) and reads them next (o_proj).
-  const int64_t w = std::min<int64_t>(pool.num_threads(), items.size());
+  const int64_t w = RowShares(valid, pool.num_threads(), items.size());
   std::vector<int64_t> share(items.size());
   for (size_t i = 0; i < items.size(); ++i) share[i] = RowShare(qsl[items[i].seq] + items[i].row0, valid, w);
   ForEachInShares(pool, share, w, [&](int64_t i) { fn(p, items[i]); });

@@ -115,9 +115,16 @@ void ParallelShares(xla::ffi::ThreadPool& pool, int64_t units, int64_t per_unit,
   ParallelShares(pool, bounds, per_unit, std::move(fn));
 }
 
-// The share (of w) of row r of a call's m rows, as a prefill matmul's row shares split them
-// (ForEachChunkPanel: evenly, to within a row chunk). The calls between two matmuls (the KV write,
-// attention) deal their items by it, so a row is read on the core that wrote it.
+// The calls between two matmuls (the KV write, attention) deal their items by the matmuls' row
+// shares, so a row is read on the core that wrote it. RowShares(m, threads, items): how many
+// shares a call of m rows runs in: as a prefill matmul does (ForEachChunkPanel: at least one
+// AVX-512 row chunk of kShareChunkRows per thread), else 1 (a decode step's few rows: its matmuls
+// and these calls deal items to whichever thread asks). RowShare: the share of row r, as the
+// matmuls split the rows (evenly, to within a row chunk).
+constexpr int64_t kShareChunkRows = 48;  // dot_matmul.h's kRowChunk
+inline int64_t RowShares(int64_t m, int64_t threads, int64_t items) {
+  return (m + kShareChunkRows - 1) / kShareChunkRows >= threads ? std::min(threads, items) : 1;
+}
 inline int64_t RowShare(int64_t r, int64_t m, int64_t w) {
   return std::clamp<int64_t>(r * w / std::max<int64_t>(m, 1), 0, w - 1);
 }
