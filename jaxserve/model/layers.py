@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxserve.model.config import ModelConfig
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import ModelOps
-from jaxserve.runtime.rope_fusion import Rope, apply_rope  # noqa: F401  (apply_rope: re-exported)
+from jaxserve.runtime.rope_fusion import Rope
 from jaxserve.runtime.row_fusion import RowNorm
 
 

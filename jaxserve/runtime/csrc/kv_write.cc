@@ -41,8 +41,8 @@ void WriteRun(const S* k, const S* v, int64_t n, int64_t blk, int64_t c0, int64_
 }
 
 // Splits the tokens into runs of consecutive slots within one block and writes the runs in
-// parallel, each on the core whose matmul share computed its rows (RowShare). Runs into the same
-// block as the run before (padding tokens all write the null block) stay in one work item, so no
+// parallel, each on the core whose matmul share computed its rows (ForEachInRowShares). Runs into
+// the same block as the run before (padding tokens all write the null block) stay in one work item, so no
 // two threads write one block. rope (float rows only): the K rows rotated as they are written.
 template <typename S, typename T>
 void WriteRows(ffi::ThreadPool& pool, const S* k, const S* v, const int32_t* slots, int64_t t_count,
@@ -56,10 +56,10 @@ void WriteRows(ffi::ThreadPool& pool, const S* k, const S* v, const int32_t* slo
   }
   run_start.push_back(t_count);
   item_start.push_back(run_start.size() - 1);
-  const int64_t items = item_start.size() - 1, w = RowShares(t_count, pool.num_threads(), items), row = hkv * d;
-  std::vector<int64_t> share(items);
-  for (int64_t i = 0; i < items; ++i) share[i] = RowShare(run_start[item_start[i]], t_count, w);
-  ForEachInShares(pool, share, w, [&](int64_t i) {
+  const int64_t items = item_start.size() - 1, row = hkv * d;
+  std::vector<int64_t> first_row(items);
+  for (int64_t i = 0; i < items; ++i) first_row[i] = run_start[item_start[i]];
+  ForEachInRowShares(pool, first_row, t_count, [&](int64_t i) {
     for (int64_t r = item_start[i]; r < item_start[i + 1]; ++r) {
       const int64_t t0 = run_start[r], n = run_start[r + 1] - t0;
       const S* kr = k + t0 * row;

@@ -24,7 +24,7 @@
 // Attention: each work item is (sequence, block of rows, all kv heads); it reads the sequence's
 // pages once and scores the rows' query vectors Q at a time against 16-slot tiles (online softmax,
 // float32 accumulation). Items are spread over XLA's intra-op thread pool, each to the core whose
-// matmul row share computed its rows (parallel.h ForEachInShares), costliest first.
+// matmul row share computed its rows (parallel.h ForEachInRowShares), costliest first.
 //
 // The KV write (csrc/kv_write.cc) copies each new token's K/V into its slot of the pages. The
 // problem and work items: csrc/attention.h; the kernels: csrc/attention_tiles.h (vector steps:
@@ -136,10 +136,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
             [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
   // Each item's rows on the core whose matmul share wrote them (q) and reads them next (o_proj).
-  const int64_t w = RowShares(valid, pool.num_threads(), items.size());
-  std::vector<int64_t> share(items.size());
-  for (size_t i = 0; i < items.size(); ++i) share[i] = RowShare(qsl[items[i].seq] + items[i].row0, valid, w);
-  ForEachInShares(pool, share, w, [&](int64_t i) { fn(p, items[i]); });
+  std::vector<int64_t> first_row(items.size());
+  for (size_t i = 0; i < items.size(); ++i) first_row[i] = qsl[items[i].seq] + items[i].row0;
+  ForEachInRowShares(pool, first_row, valid, [&](int64_t i) { fn(p, items[i]); });
   return ffi::Error::Success();
 }
 

@@ -116,31 +116,23 @@ void ParallelShares(xla::ffi::ThreadPool& pool, int64_t units, int64_t per_unit,
 }
 
 // The calls between two matmuls (the KV write, attention) deal their items by the matmuls' row
-// shares, so a row is read on the core that wrote it. RowShares(m, threads, items): how many
-// shares a call of m rows runs in: as a prefill matmul does (ForEachChunkPanel: at least one
-// AVX-512 row chunk of kShareChunkRows per thread), else 1 (a decode step's few rows: its matmuls
-// and these calls deal items to whichever thread asks). RowShare: the share of row r, as the
-// matmuls split the rows (evenly, to within a row chunk).
+// shares, so a row is read on the core that wrote it. fn(i) for each item i whose rows begin at
+// first_row[i] of the call's m: a call of at least one AVX-512 row chunk (kShareChunkRows) per
+// thread, as a prefill matmul runs in shares (ForEachChunkPanel), splits the rows evenly into
+// shares as the matmuls do (to within a row chunk), and each participant drains its CPU's share in
+// the items' order (costliest first), then what is left of the others' (ParallelShares); a decode
+// step's few rows go to whichever thread asks (ParallelFor), as its matmuls' do.
 constexpr int64_t kShareChunkRows = 48;  // dot_matmul.h's kRowChunk
-inline int64_t RowShares(int64_t m, int64_t threads, int64_t items) {
-  return (m + kShareChunkRows - 1) / kShareChunkRows >= threads ? std::min(threads, items) : 1;
-}
-inline int64_t RowShare(int64_t r, int64_t m, int64_t w) {
-  return std::clamp<int64_t>(r * w / std::max<int64_t>(m, 1), 0, w - 1);
-}
-
-// fn(i) for each of n items of varying cost (attention's, the KV write's runs), item i in row share
-// share[i] < w (RowShare): each participant drains its CPU's share, in the items' order
-// (costliest first), then what is left of the others' (ParallelShares). w <= 1: ParallelFor.
 template <typename F>
-void ForEachInShares(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& share, int64_t w, F fn) {
-  const int64_t n = share.size();
+void ForEachInRowShares(xla::ffi::ThreadPool& pool, const std::vector<int64_t>& first_row, int64_t m, F fn) {
+  const int64_t n = first_row.size(), threads = pool.num_threads();
+  const int64_t w = (m + kShareChunkRows - 1) / kShareChunkRows >= threads ? std::min(threads, n) : 1;
   if (w <= 1) return ParallelFor(pool, n, fn);
   std::vector<int64_t> order, bounds{0};
   order.reserve(n);
   for (int64_t s = 0; s < w; ++s) {
     for (int64_t i = 0; i < n; ++i)
-      if (share[i] == s) order.push_back(i);
+      if (std::clamp<int64_t>(first_row[i] * w / m, 0, w - 1) == s) order.push_back(i);
     bounds.push_back(order.size());
   }
   ParallelShares(pool, bounds, 1, [&](int64_t u, int64_t) { fn(order[u]); });
