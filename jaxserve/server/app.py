@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import signal
 import time
@@ -28,6 +27,7 @@ import jaxserve
 from jaxserve.args import engine_config
 from jaxserve.errors import UserError
 from jaxserve.server import protocol as P
+from jaxserve.server.heap import FreezeAfterWarmUp, freeze_heap
 from jaxserve.server.anthropic_messages import AnthropicMessages
 from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
@@ -334,18 +334,6 @@ class _Server(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain_then_exit()))
 
 
-def freeze_startup_heap() -> None:
-    """Exempt everything alive once the server is built from garbage collection.
-
-    Start-up leaves ~300k long-lived objects (JAX, the compiled steps, the tokenizer); a full
-    collection walks all of them with the GIL held, and the objects a burst of requests allocates
-    trigger one: every stream and /health stalled for the whole walk (bench/health_load.py). Frozen,
-    a collection walks only what requests allocated since.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 def serve(args: argparse.Namespace) -> int:
     from jaxserve.engine import LLMEngine
     from jaxserve.worker.warm_up import warm_up
@@ -373,7 +361,8 @@ def serve(args: argparse.Namespace) -> int:
         access_log=False,
     )
     server = _Server(config, app, url, engine.kv_capacity_tokens)
-    freeze_startup_heap()
+    freeze_heap()
+    app.state.engine.on_idle = FreezeAfterWarmUp(warm)
     try:
         server.run()
     finally:

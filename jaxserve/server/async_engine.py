@@ -105,6 +105,7 @@ class AsyncEngine:
         self.stats: dict = engine.get_stats()
         self._heartbeat = time.monotonic()
         self._step_started: float | None = None
+        self.on_idle: Callable[[], None] | None = None  # run by the engine thread when it has no requests
 
     # ---- lifecycle (loop thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -210,6 +211,8 @@ class AsyncEngine:
             while not self._stop:
                 self._heartbeat = time.monotonic()
                 busy = eng.has_unfinished_requests()
+                if not busy and self.on_idle is not None:
+                    self.on_idle()
                 added, ran = self._commands(block=not busy)
                 outputs: list[RequestOutput] = []
                 if eng.has_unfinished_requests():
