@@ -92,6 +92,7 @@ class LLMEngine:
         self._groups: dict[str, Group] = {}
         self._seqs: dict[str, Seq] = {}  # core request id -> seq
         self._inflight: Inflight | None = None  # the dispatched step not yet read
+        self._busy = False  # the last step() left requests unfinished (step: the first after idle)
         self.counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, computed_tokens=0)
         # step gaps -> the prefill cap next to decodes (--itl-target-ms); host and device-wait time per
         # step (bench/host_overhead.py); JAXSERVE_STEP_TRACE's lines
@@ -173,6 +174,7 @@ class LLMEngine:
         """Schedule and dispatch the next step, then process the one before it while the device
         runs (overlap: one step in flight; `async_scheduling=False` processes each step at once)."""
         self.clock.begin()
+        from_idle = not self._busy
         outputs: dict[str, Group] = {}
         self.grammars.admit(self._groups, self.scheduler, outputs)
         if self._inflight is not None and self._inflight.needs_tokens:
@@ -191,7 +193,12 @@ class LLMEngine:
         if self._inflight is not None:
             self._process(self._inflight, outputs)
         self._inflight = new
-        if new is not None and (not self.config.async_scheduling or self.drafter is not None):
+        # The first step after the engine was idle is read back at once, not overlapped with the
+        # next one's scheduling: requests sent together reach an idle engine one by one, and the
+        # step scheduled next to it would carry only those that came in the first few milliseconds
+        # (a lone decode, or a 90-token chunk); read at once, the next step takes every one that
+        # came while the first ran (bench/RESULTS.md, "Tails ... arrivals").
+        if new is not None and (from_idle or not self.config.async_scheduling or self.drafter is not None):
             self._process(new, outputs)
             self._inflight = None
         elif new is not None and all(sr.request.is_finished for sr in new.sched.scheduled):
@@ -200,6 +207,7 @@ class LLMEngine:
             outputs.update(self.outputs.failed)
             self.outputs.failed = {}
         result = [self.outputs.output(g) for g in outputs.values()]
+        self._busy = self.has_unfinished_requests()
         self.clock.end(idle=self._inflight is None)
         return result
 

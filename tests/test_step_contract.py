@@ -114,6 +114,25 @@ def test_dispatch_counters_see_the_overlap(tiny_llm, sync_llm):
             assert busy == 0
 
 
+def test_the_first_step_after_idle_is_read_at_once(tiny_llm):
+    """An idle engine reads its first step back before it schedules the next, so the next takes
+    every request that arrived meanwhile (a burst reaches the engine one request at a time); from
+    the second step on, one step is in flight while the next is scheduled."""
+    engine = tiny_llm.engine
+    assert not engine.has_unfinished_requests()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine.add_request("first", None, params, prompt_token_ids=[5, 6, 7])
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["first"] and outs[0].outputs[0].delta_token_ids
+    assert engine._inflight is None
+    engine.add_request("second", None, params, prompt_token_ids=[9, 10, 11, 12])  # came meanwhile
+    assert engine.step() == []  # overlapped: dispatched (second's prefill: a burst's go first), not read
+    assert "second" in {s.request.request_id for s in engine._inflight.sched.scheduled}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(tiny_llm)
+
+
 def test_a_request_that_stopped_emits_nothing_more(tiny_llm):
     """A stop at step n while step n+1 (which includes the request) is in flight: nothing from
     n+1 reaches the output, and the stop token is the last one."""
