@@ -84,9 +84,10 @@ inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_
   const int64_t k_len = x.k_len;
   a.ldx = k_len / (f == kBFLOAT16 ? 2 : 4);
   a.blocks = f == kBFLOAT16 ? 0 : k_len / kBlock;
-  a.words.resize(m * a.ldx);
-  a.sx.resize(m * a.blocks);
-  a.xsum.resize(m * a.blocks);
+  // Grown, never shrunk: a resize that grows value-initializes (a memset on the caller's core of
+  // lines the other core's share then writes).
+  if (a.words.size() < size_t(m * a.ldx)) a.words.resize(m * a.ldx);
+  if (a.sx.size() < size_t(m * a.blocks)) a.sx.resize(m * a.blocks), a.xsum.resize(m * a.blocks);
   // Row blocks in shares by CPU, as the matmul's row chunks (ParallelShares): a core converts about
   // the rows it then multiplies.
   ParallelShares(pool, (m + kRows - 1) / kRows, 1, [&](int64_t i, int64_t) {

@@ -45,6 +45,8 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -103,6 +105,21 @@ struct Dot {
             static_cast<const uint8_t*>(s)};
   }
 
+  // The caller thread's activations buffer for calls of format f and x[., k_len] (the pool tasks
+  // are done with it when Run returns). One per shape, so row r of a shape's calls lies at the same
+  // place call after call and step after step, where the core whose share it is wrote it last: with
+  // one buffer for all, rows moved with each call's row length (576 or 1536 k), and half of them
+  // landed on lines the other core had written (a cross-core transfer each, ~350 ns on a VM whose
+  // vCPUs sit far apart; bench/core_link.py).
+  static Acts& ActsFor(Format f, int64_t k_len) {
+    thread_local std::vector<std::pair<int64_t, std::unique_ptr<Acts>>> by_shape;
+    const int64_t key = k_len * 8 + int64_t(f);
+    for (auto& [k, a] : by_shape)
+      if (k == key) return *a;
+    by_shape.emplace_back(key, std::make_unique<Acts>());
+    return *by_shape.back().second;
+  }
+
   // x's rows as groups (group_rows: rows per group, in order; one group: a plain matmul) times ws
   // (and ups), into y's m_padded rows.
   static ffi::Error Run(ffi::ThreadPool& pool, const XRows& x, int64_t m_padded, const Weight* ws, const Weight* ups,
@@ -113,7 +130,7 @@ struct Dot {
     if ((isa == kDot && !(f == kBFLOAT16 ? kHaveBf16 : kHaveVnni)) || (isa == kAmx && !kHaveAmx))
       return ffi::Error::InvalidArgument("dot matmul: an isa asked of a library built without its instructions");
     if (isa == kAmx && x.k_len % 32 != 0) isa = kDot;  // a tile takes 32 k at a time (per shape, not batch)
-    thread_local Acts acts;  // the caller's thread: the pool tasks are done with it when Run returns
+    Acts& acts = ActsFor(f, x.k_len);
     Prepare(pool, f, x, m, fused, acts);
 #ifdef JAXSERVE_AMX
     if (isa == kAmx) Multiply<kAmx>(pool, f, acts, group_rows, m_padded, panels, ws, ups, y, fused.residual);

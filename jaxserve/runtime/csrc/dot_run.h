@@ -53,6 +53,10 @@ void Run(xla::ffi::ThreadPool& pool, const Acts& a, const std::vector<int64_t>& 
           SplitNibbles<F>(panel_words[i], a.ldx / 2, split[i].data());
           panel_words[i] = split[i].data();
         }
+    // The item's output lines, asked for with intent to write before its tiles are computed: a
+    // line another core wrote last (XLA reuses buffers) then arrives while the tiles run.
+    for (int64_t r = c0; r < c0 + rows; ++r)
+      for (int64_t b = 0; b < kPanel; b += 16) __builtin_prefetch(ys + r * n + panel * kPanel + b, 1, 3);
     RowTiles<step>(c0, rows, up != nullptr, ys + panel * kPanel, n,
                    [&](int64_t mr, int64_t r, bool is_up, float* y, int64_t ldy) {
       const Weight& wt = is_up ? *up : w;
