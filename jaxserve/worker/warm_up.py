@@ -42,7 +42,6 @@ class BackgroundWarmUp:
         self.runner = runner
         self.thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.done = False  # every bucket compiled (server/heap.py freezes the heap after it)
 
     def start(self, progress=None) -> bool:
         """Compile the largest bucket, then start the thread for the rest; False if none is left."""
@@ -65,9 +64,13 @@ class BackgroundWarmUp:
             self.runner.executable(key)
         self.runner.builder.ready = None  # every bucket compiled
         memory.trim_heap()
-        self.done = True
         log.info("Background warm-up: %d step buckets compiled in %.1f s", len(rest), time.perf_counter() - t0)
         mark("warm-up done")
+
+    @property
+    def done(self) -> bool:
+        """Every bucket compiled (server/heap.py freezes the heap after it)."""
+        return self.runner.builder.ready is None
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:
