@@ -64,11 +64,17 @@ void GenericItem(const Problem& p, const Item& it) {
 }
 
 // The fast path: block_size % 16 == 0 and head_dim D a multiple of 16. Query vectors go Q at a
-// time against 16-slot tiles, so each K/V vector loaded from the cache serves Q of them and the
-// Q accumulations are independent (no FMA latency chains).
+// time against chunks of kChunkTiles<D> 16-slot tiles, so each K/V vector loaded from the cache
+// serves Q of them and the Q accumulations are independent (no FMA latency chains). A vector's
+// online-softmax step (its lane reductions, the rescale of its accumulator when the max moves)
+// covers a whole chunk: once per 64 slots at head_dim 64, not once per 16 (those steps took about
+// half of a prefill item's time).
+template <int D>
+constexpr int kChunkTiles = D == 64 ? 4 : D == 128 ? 2 : 1;  // the chunk's widened tiles: 32 KiB
+
 template <int D, int Q, typename T>
 void TiledItem(const Problem& p, const Item& it) {
-  constexpr int DV = D / kW;
+  constexpr int DV = D / kW, C = kChunkTiles<D>, CW = C * kW;
   const int64_t bs = p.block_size, g = p.hq / p.hkv;
   const Rows rw = RowsOf(p, it);
   const int64_t nqh = (rw.n + Q - 1) / Q * Q;  // vectors per kv head, padded to a multiple of Q
@@ -79,6 +85,7 @@ void TiledItem(const Problem& p, const Item& it) {
   thread_local std::vector<v16> acc;
   thread_local std::vector<float> qs, m, l;
   thread_local std::vector<int64_t> pos;
+  thread_local std::vector<Widened<D, T>> tiles(C);
   acc.assign(nq * DV, v16{});
   qs.assign(nq * D, 0.0f), m.assign(nq, kNeg), l.assign(nq, 0.0f);
   pos.assign(nq, -1);  // -1: padding vector
@@ -89,53 +96,101 @@ void TiledItem(const Problem& p, const Item& it) {
       p.LoadQ(rw.t0 + r, h * g + j, p.scale, qs.data() + dst * D);
     }
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
+  v16 lane;
+  for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
 
-  for (int64_t base = lo / kW * kW; base <= rw.last_pos; base += kW) {
-    const int64_t blk = p.block_tables[it.seq * p.max_blocks + base / bs];
-    if (blk < 0 || blk >= p.num_blocks) continue;
-    const int64_t off = base % bs;
+  for (int64_t base = lo / kW * kW; base <= rw.last_pos; base += CW) {
+    const int nt = static_cast<int>(std::min<int64_t>(C, (rw.last_pos - base) / kW + 1));
+    int64_t blk[C], off[C];
+    bool ok[C];  // a corrupt table entry: the tile is skipped rather than read wild
+    for (int t = 0; t < nt; ++t) {
+      blk[t] = p.block_tables[it.seq * p.max_blocks + (base + t * kW) / bs];
+      ok[t] = blk[t] >= 0 && blk[t] < p.num_blocks;
+      off[t] = (base + t * kW) % bs;
+    }
     for (int64_t h = 0; h < p.hkv; ++h) {
-      const T* kt = p.KAt<T>(blk, h, off, 0);  // kt[e * bs + c]: 16 slots of dim e
-      const T* vt = p.VAt<T>(blk, h, off, 0);  // vt[c * D + e]
-      // bfloat16 pages: the tile is widened once here, not once per group of Q query vectors.
-      const Widened<D, T> tile(kt, vt, bs);
-      const float* kf = tile.k;
-      const float* vf = tile.v;
-      const int64_t ks = tile.k_stride;
+      // bfloat16 pages: each tile is widened once here, not once per group of Q query vectors.
+      for (int t = 0; t < nt; ++t)
+        if (ok[t]) tiles[t].Set(p.KAt<T>(blk[t], h, off[t], 0), p.VAt<T>(blk[t], h, off[t], 0), bs);
       for (int64_t i0 = h * nqh; i0 < (h + 1) * nqh; i0 += Q) {
-        // Visible tile lanes of each vector: [jlo, jhi] (empty when jlo > jhi).
-        int64_t jlo[Q], jhi[Q], ulo = kW, uhi = -1;
+        // Visible chunk slots of each vector: [jlo, jhi] (empty when jlo > jhi).
+        int64_t jlo[Q], jhi[Q], ulo = CW, uhi = -1;
         for (int q = 0; q < Q; ++q) {
-          Visible(p, pos[i0 + q], base, kW, &jlo[q], &jhi[q]);
-          if (pos[i0 + q] < 0) jlo[q] = kW;
+          Visible(p, pos[i0 + q], base, nt * kW, &jlo[q], &jhi[q]);
+          if (pos[i0 + q] < 0) jlo[q] = CW;
           if (jlo[q] <= jhi[q]) ulo = std::min(ulo, jlo[q]), uhi = std::max(uhi, jhi[q]);
         }
         if (ulo > uhi) continue;
+        const int t0 = static_cast<int>(ulo / kW), t1 = static_cast<int>(uhi / kW);
         const float* qf = qs.data() + i0 * D;
-        v16 sc[Q] = {};
-        for (int e = 0; e < D; ++e) {
-          const v16 kv = LoadU(kf + e * ks);
-          for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
+        // Scores, masked to kNeg outside each vector's visible slots, into pr; their lane-wise max.
+        alignas(64) float pr[Q][CW];
+        v16 vmax[Q];
+        for (int q = 0; q < Q; ++q) vmax[q] = v16{} + kNeg;
+        for (int t = t0; t <= t1; ++t) {
+          v16 sc[Q] = {};
+          if (ok[t]) {
+            const float* kf = tiles[t].k;
+            const int64_t ks = tiles[t].k_stride;
+            for (int e = 0; e < D; ++e) {
+              const v16 kv = LoadU(kf + e * ks);
+              for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
+            }
+            ScaleScores<T>(p, blk[t], h, off[t], sc, Q);
+          }
+          const v16 slot = lane + static_cast<float>(t * kW);
+          for (int q = 0; q < Q; ++q) {
+            v16 x = sc[q];
+            if (p.soft_cap > 0.0f)
+              for (int c = 0; c < kW; ++c) x[c] = p.soft_cap * std::tanh(x[c] / p.soft_cap);
+            const auto vis = (slot >= static_cast<float>(jlo[q])) & (slot <= static_cast<float>(jhi[q]));
+            x = vis ? x : v16{} + kNeg;
+            if (!ok[t]) x = v16{} + kNeg;
+            std::memcpy(pr[q] + t * kW, &x, sizeof(x));
+            vmax[q] = vmax[q] > x ? vmax[q] : x;
+          }
         }
-        ScaleScores<T>(p, blk, h, off, sc, Q);
-        float pr[Q][kW];
+        // One online-softmax step per vector over the chunk: scores -> probabilities (zero where
+        // masked), the running max m and sum l updated, the accumulator rescaled if m moved.
         for (int q = 0; q < Q; ++q) {
           const int64_t i = i0 + q;
           if (jlo[q] > jhi[q]) {
-            for (int c = 0; c < kW; ++c) pr[q][c] = 0.0f;
+            std::memset(pr[q] + t0 * kW, 0, (t1 - t0 + 1) * kW * sizeof(float));
             continue;
           }
-          OnlineSoftmax<DV>(p, sc[q], jlo[q], jhi[q], &m[i], &l[i], &acc[i * DV], pr[q]);
-          ScaleProbs<T>(p, blk, h, off, jlo[q], jhi[q], pr[q]);
+          const float mx = std::max(m[i], HMax(vmax[q]));
+          v16 sum{};
+          for (int t = t0; t <= t1; ++t) {
+            const v16 x = LoadU(pr[q] + t * kW);
+            const v16 ex = x == kNeg ? v16{} : Exp(x - mx);
+            std::memcpy(pr[q] + t * kW, &ex, sizeof(ex));
+            sum += ex;
+            if (ok[t]) {
+              const int64_t a = std::max<int64_t>(jlo[q] - t * kW, 0), b = std::min<int64_t>(jhi[q] - t * kW, kW - 1);
+              if (a <= b) ScaleProbs<T>(p, blk[t], h, off[t], a, b, pr[q] + t * kW);
+            }
+          }
+          if (mx != m[i]) {  // the running max moved: what was summed so far is rescaled
+            const float corr = std::exp(m[i] - mx);
+            m[i] = mx;
+            l[i] *= corr;
+            for (int e = 0; e < DV; ++e) acc[i * DV + e] *= corr;
+          }
+          l[i] += HSum(sum);
         }
         // Only slots some vector sees are read: past the context a tile may hold anything.
         v16* av = acc.data() + i0 * DV;
         for (int e = 0; e < DV; ++e) {
           v16 a[Q];
           for (int q = 0; q < Q; ++q) a[q] = av[q * DV + e];
-          for (int64_t c = ulo; c <= uhi; ++c) {
-            const v16 vv = LoadU(vf + c * D + e * kW);
-            for (int q = 0; q < Q; ++q) a[q] += pr[q][c] * vv;
+          for (int t = t0; t <= t1; ++t) {
+            if (!ok[t]) continue;
+            const float* vf = tiles[t].v;
+            const int64_t c0 = std::max<int64_t>(ulo, t * kW), c1 = std::min<int64_t>(uhi, t * kW + kW - 1);
+            for (int64_t c = c0; c <= c1; ++c) {
+              const v16 vv = LoadU(vf + (c - t * kW) * D + e * kW);
+              for (int q = 0; q < Q; ++q) a[q] += pr[q][c] * vv;
+            }
           }
           for (int q = 0; q < Q; ++q) av[q * DV + e] = a[q];
         }

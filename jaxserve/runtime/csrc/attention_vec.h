@@ -129,15 +129,15 @@ inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, flo
 }
 
 // A 16-slot tile of one head as float32: float pages are used in place (K rows bs apart),
-// bfloat16 pages are widened into the object's buffers (K rows 16 apart).
+// bfloat16 pages are widened into the object's buffers (K rows 16 apart). Set points it at a tile.
 template <int D, typename T>
 struct Widened {
   alignas(64) float kbuf[D * kW];
   alignas(64) float vbuf[kW * D];
-  const float* k;
-  const float* v;
-  int64_t k_stride;
-  Widened(const T* kt, const T* vt, int64_t bs) : k(kbuf), v(vbuf), k_stride(kW) {
+  const float* k = kbuf;
+  const float* v = vbuf;
+  int64_t k_stride = kW;
+  void Set(const T* kt, const T* vt, int64_t bs) {
     for (int e = 0; e < D; ++e) {
       const v16 x = LoadU(kt + e * bs);
       std::memcpy(kbuf + e * kW, &x, sizeof(x));
@@ -150,10 +150,10 @@ struct Widened {
 };
 template <int D>
 struct Widened<D, float> {
-  const float* k;
-  const float* v;
-  int64_t k_stride;
-  Widened(const float* kt, const float* vt, int64_t bs) : k(kt), v(vt), k_stride(bs) {}
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t k_stride = 0;
+  void Set(const float* kt, const float* vt, int64_t bs) { k = kt, v = vt, k_stride = bs; }
 };
 
 }  // namespace jaxserve::attention
