@@ -96,8 +96,7 @@ void TiledItem(const Problem& p, const Item& it) {
       p.LoadQ(rw.t0 + r, h * g + j, p.scale, qs.data() + dst * D);
     }
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
-  v16 lane;
-  for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
+  const v16 lane = Lanes();
 
   for (int64_t base = lo / kW * kW; base <= rw.last_pos; base += CW) {
     const int nt = static_cast<int>(std::min<int64_t>(C, (rw.last_pos - base) / kW + 1));
@@ -140,43 +139,23 @@ void TiledItem(const Problem& p, const Item& it) {
           }
           const v16 slot = lane + static_cast<float>(t * kW);
           for (int q = 0; q < Q; ++q) {
-            v16 x = sc[q];
-            if (p.soft_cap > 0.0f)
-              for (int c = 0; c < kW; ++c) x[c] = p.soft_cap * std::tanh(x[c] / p.soft_cap);
-            const auto vis = (slot >= static_cast<float>(jlo[q])) & (slot <= static_cast<float>(jhi[q]));
-            x = vis ? x : v16{} + kNeg;
-            if (!ok[t]) x = v16{} + kNeg;
+            const v16 x = ok[t] ? MaskScores(p, sc[q], slot, jlo[q], jhi[q]) : v16{} + kNeg;
             std::memcpy(pr[q] + t * kW, &x, sizeof(x));
             vmax[q] = vmax[q] > x ? vmax[q] : x;
           }
         }
-        // One online-softmax step per vector over the chunk: scores -> probabilities (zero where
-        // masked), the running max m and sum l updated, the accumulator rescaled if m moved.
+        // One online-softmax step per vector over the chunk's tiles t0..t1.
         for (int q = 0; q < Q; ++q) {
-          const int64_t i = i0 + q;
+          float* pq = pr[q] + t0 * kW;
           if (jlo[q] > jhi[q]) {
-            std::memset(pr[q] + t0 * kW, 0, (t1 - t0 + 1) * kW * sizeof(float));
+            std::memset(pq, 0, (t1 - t0 + 1) * kW * sizeof(float));
             continue;
           }
-          const float mx = std::max(m[i], HMax(vmax[q]));
-          v16 sum{};
+          OnlineSoftmax<DV>(pq, t1 - t0 + 1, vmax[q], &m[i0 + q], &l[i0 + q], &acc[(i0 + q) * DV]);
           for (int t = t0; t <= t1; ++t) {
-            const v16 x = LoadU(pr[q] + t * kW);
-            const v16 ex = x == kNeg ? v16{} : Exp(x - mx);
-            std::memcpy(pr[q] + t * kW, &ex, sizeof(ex));
-            sum += ex;
-            if (ok[t]) {
-              const int64_t a = std::max<int64_t>(jlo[q] - t * kW, 0), b = std::min<int64_t>(jhi[q] - t * kW, kW - 1);
-              if (a <= b) ScaleProbs<T>(p, blk[t], h, off[t], a, b, pr[q] + t * kW);
-            }
+            const int64_t a = std::max<int64_t>(jlo[q] - t * kW, 0), b = std::min<int64_t>(jhi[q] - t * kW, kW - 1);
+            if (ok[t] && a <= b) ScaleProbs<T>(p, blk[t], h, off[t], a, b, pr[q] + t * kW);
           }
-          if (mx != m[i]) {  // the running max moved: what was summed so far is rescaled
-            const float corr = std::exp(m[i] - mx);
-            m[i] = mx;
-            l[i] *= corr;
-            for (int e = 0; e < DV; ++e) acc[i * DV + e] *= corr;
-          }
-          l[i] += HSum(sum);
         }
         // Only slots some vector sees are read: past the context a tile may hold anything.
         v16* av = acc.data() + i0 * DV;
@@ -226,6 +205,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
     lo[s] = p.window > 0 ? std::max<int64_t>(0, pos[s] - p.window + 1) / kW * kW : 0;
     if (pos[s] >= 0) first_tile = std::min(first_tile, lo[s]), last_tile = std::max(last_tile, pos[s]);
   }
+  const v16 lane = Lanes();
   // Per (s, h, q): q vector (scaled), online-softmax state, accumulator.
   const int64_t nv = S * hkv * Q;
   thread_local std::vector<float> qs, m, l;  // the thread's buffers, kept between items
@@ -279,7 +259,9 @@ void DecodeGroup(const Problem& p, const Item& it) {
             std::memset(pr[s][q], 0, sizeof(pr[s][q]));
             continue;
           }
-          OnlineSoftmax<DV>(p, sc[s][q], jlo[s], jhi[s], &m[i], &l[i], &acc[i * DV], pr[s][q]);
+          const v16 x = MaskScores(p, sc[s][q], lane, jlo[s], jhi[s]);
+          std::memcpy(pr[s][q], &x, sizeof(x));
+          OnlineSoftmax<DV>(pr[s][q], 1, x, &m[i], &l[i], &acc[i * DV]);
           ScaleProbs<T>(p, blk[s], h, off, jlo[s], jhi[s], pr[s][q]);
         }
       for (int e = 0; e < DV; ++e) {

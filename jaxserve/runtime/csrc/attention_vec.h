@@ -1,6 +1,6 @@
 // Ragged paged attention's vector steps (csrc/attention_tiles.h's fast path): lane reductions,
-// 16 page elements widened to float32 at a time, the quantized pages' scales, and one online-
-// softmax step over a 16-slot tile.
+// 16 page elements widened to float32 at a time, the quantized pages' scales, the scores' masks,
+// and one online-softmax step over a run of 16-slot tiles.
 #pragma once
 
 #include <algorithm>
@@ -102,29 +102,42 @@ inline void ScaleProbs(const Problem& p, int64_t blk, int64_t h, int64_t off, in
   }
 }
 
-// One online-softmax step of a query vector over a 16-slot tile whose visible lanes are
-// [jlo, jhi]: scores -> probabilities in pr (zero outside), running max m and sum l updated, the
-// accumulator acc[DV] rescaled.
-template <int DV>
-inline void OnlineSoftmax(const Problem& p, v16 x, int64_t jlo, int64_t jhi, float* m, float* l, v16* acc,
-                          float* pr) {
+// Each lane's slot number in a tile (0..15), for the visibility masks.
+inline v16 Lanes() {
   v16 lane;
   for (int c = 0; c < kW; ++c) lane[c] = static_cast<float>(c);
+  return lane;
+}
+
+// A tile's scores x for one query vector, soft-capped where the model caps them, and kNeg outside
+// the visible slots [jlo, jhi] (slot: each lane's slot number, counted as jlo and jhi are).
+inline v16 MaskScores(const Problem& p, v16 x, v16 slot, int64_t jlo, int64_t jhi) {
   if (p.soft_cap > 0.0f)
     for (int c = 0; c < kW; ++c) x[c] = p.soft_cap * std::tanh(x[c] / p.soft_cap);
-  const auto vis = (lane >= static_cast<float>(jlo)) & (lane <= static_cast<float>(jhi));
-  x = vis ? x : v16{} + kNeg;
-  const float mx = std::max(*m, HMax(x));
-  v16 ex = Exp(x - mx);
-  ex = vis ? ex : v16{};
-  std::memcpy(pr, &ex, sizeof(ex));
-  if (mx == *m) {  // the running max held (most tiles once a row's max is seen): exp(0) = 1, nothing rescales
-    *l += HSum(ex);
+  const auto vis = (slot >= static_cast<float>(jlo)) & (slot <= static_cast<float>(jhi));
+  return vis ? x : v16{} + kNeg;
+}
+
+// One online-softmax step of a query vector over n tiles of masked scores in pr (MaskScores),
+// vmax their lane-wise max: pr becomes the probabilities (zero where masked), the running max m and
+// sum l are updated, and the accumulator acc[DV] is rescaled if m moved.
+template <int DV>
+inline void OnlineSoftmax(float* pr, int n, v16 vmax, float* m, float* l, v16* acc) {
+  const float mx = std::max(*m, HMax(vmax));
+  v16 sum{};
+  for (int t = 0; t < n; ++t) {
+    const v16 x = LoadU(pr + t * kW);
+    const v16 ex = x == kNeg ? v16{} : Exp(x - mx);
+    std::memcpy(pr + t * kW, &ex, sizeof(ex));
+    sum += ex;
+  }
+  if (mx == *m) {  // the running max held (most steps once a row's max is seen): nothing rescales
+    *l += HSum(sum);
     return;
   }
   const float corr = std::exp(*m - mx);
   *m = mx;
-  *l = *l * corr + HSum(ex);
+  *l = *l * corr + HSum(sum);
   for (int e = 0; e < DV; ++e) acc[e] *= corr;
 }
 
