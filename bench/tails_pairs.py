@@ -22,18 +22,13 @@ from pathlib import Path
 from bench import common, core_link
 
 # (figure, key in a run's record, higher is better)
-FIGURES = (("P99 TTFT s", "p99_ttft_ms", False), ("P99 ITL ms", "p99_itl_ms", False),
+FIGURES = (("P99 TTFT ms", "p99_ttft_ms", False), ("P99 ITL ms", "p99_itl_ms", False),
            ("out tok/s", "output_throughput", True), ("goodput req/s", "request_goodput", True))
 
 
 def sign_test_p(wins: int, n: int) -> float:
     """One-sided sign test: P(at least `wins` of n fair coin tosses)."""
     return sum(math.comb(n, i) for i in range(wins, n + 1)) / 2 ** n if n else math.nan
-
-
-def value(run: dict, key: str) -> float:
-    v = run[key]
-    return v / 1e3 if key == "p99_ttft_ms" else v
 
 
 def load_pairs(paths: list[str], a: str, b: str) -> list[dict]:
@@ -52,7 +47,7 @@ def summarize(pairs: list[dict], a: str, b: str, datasets: list[str]) -> list[di
     out = []
     for ds in datasets:
         for name, key, higher in FIGURES:
-            diffs = [value(p["runs"][(a, ds)], key) - value(p["runs"][(b, ds)], key)
+            diffs = [p["runs"][(a, ds)][key] - p["runs"][(b, ds)][key]
                      for p in pairs if (a, ds) in p["runs"] and (b, ds) in p["runs"]]
             wins = sum((d >= 0) if higher else (d <= 0) for d in diffs)
             out.append({"dataset": ds, "figure": name, "pairs": len(diffs), "wins": wins,
@@ -88,10 +83,10 @@ def main(argv=None) -> int:
         for ds in datasets:
             ra, rb = pr["runs"].get((a, ds)), pr["runs"].get((b, ds))
             if ra and rb:
-                rows.append((pr["name"], ds, value(ra, "p99_ttft_ms"), value(rb, "p99_ttft_ms"), ra["p99_itl_ms"],
+                rows.append((pr["name"], ds, ra["p99_ttft_ms"], rb["p99_ttft_ms"], ra["p99_itl_ms"],
                              rb["p99_itl_ms"], ra["output_throughput"], rb["output_throughput"], placement(ra),
                              placement(rb)))
-    print(common.table(rows, ("pair", "dataset", f"{a} TTFT p99 s", f"{b} TTFT p99 s", f"{a} ITL p99 ms",
+    print(common.table(rows, ("pair", "dataset", f"{a} TTFT p99 ms", f"{b} TTFT p99 ms", f"{a} ITL p99 ms",
                               f"{b} ITL p99 ms", f"{a} tok/s", f"{b} tok/s", f"{a} vCPUs", f"{b} vCPUs"),
                        "each pair"))
     common.report("tails_pairs", argv, model={}, config=vars(args),

@@ -34,7 +34,7 @@ def test_pairs_summary_and_report(tmp_path, capsys):
     out = tmp_path / "summary.json"
     assert tails_pairs.main([*files, "--datasets", "random", "--out", str(out)]) == 0
     summary = {s["figure"]: s for s in json.loads(out.read_text())["results"]["summary"]}
-    ttft = summary["P99 TTFT s"]
+    ttft = summary["P99 TTFT ms"]
     assert (ttft["pairs"], ttft["wins"]) == (3, 2)  # p3's tie counts as "at least as good"
     assert ttft["median_diff"] == pytest.approx(-0.0)
     assert ttft["sign_test_p"] == pytest.approx(0.5)
