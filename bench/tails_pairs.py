@@ -19,7 +19,7 @@ import math
 import statistics
 from pathlib import Path
 
-from bench import common, core_link
+from bench import common, vllm_tails
 
 # (figure, key in a run's record, higher is better)
 FIGURES = (("P99 TTFT ms", "p99_ttft_ms", False), ("P99 ITL ms", "p99_itl_ms", False),
@@ -56,8 +56,9 @@ def summarize(pairs: list[dict], a: str, b: str, datasets: list[str]) -> list[di
     return out
 
 
-def placement(run: dict) -> str:
-    return "".join(core_link.placement(run.get(k))[:1] for k in ("core_link_ns_before", "core_link_ns_after"))
+def short_placement(run: dict) -> str:
+    """"nf": near before the run, far after it (vllm_tails.run_placement's initials)."""
+    return "".join(p[:1] for p in vllm_tails.run_placement(run))
 
 
 def main(argv=None) -> int:
@@ -84,8 +85,8 @@ def main(argv=None) -> int:
             ra, rb = pr["runs"].get((a, ds)), pr["runs"].get((b, ds))
             if ra and rb:
                 rows.append((pr["name"], ds, ra["p99_ttft_ms"], rb["p99_ttft_ms"], ra["p99_itl_ms"],
-                             rb["p99_itl_ms"], ra["output_throughput"], rb["output_throughput"], placement(ra),
-                             placement(rb)))
+                             rb["p99_itl_ms"], ra["output_throughput"], rb["output_throughput"], short_placement(ra),
+                             short_placement(rb)))
     print(common.table(rows, ("pair", "dataset", f"{a} TTFT p99 ms", f"{b} TTFT p99 ms", f"{a} ITL p99 ms",
                               f"{b} ITL p99 ms", f"{a} tok/s", f"{b} tok/s", f"{a} vCPUs", f"{b} vCPUs"),
                        "each pair"))

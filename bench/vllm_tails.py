@@ -95,11 +95,16 @@ def run_engine(engine: str, rnd: int, args) -> list[dict]:
     return records
 
 
+def run_placement(run: dict) -> tuple[str, str]:
+    """A run record's vCPU placement before and after it (core_link.placement of its two probes)."""
+    return tuple(core_link.placement(run.get(k)) for k in ("core_link_ns_before", "core_link_ns_after"))
+
+
 def print_table(records: list[dict]) -> None:
     rows = [(r["round"], r["dataset"], r["engine"], r["output_throughput"], r["median_ttft_ms"] / 1e3,
              r["p99_ttft_ms"] / 1e3, r["median_itl_ms"], r["p99_itl_ms"], r["median_tpot_ms"],
              r["request_goodput"], r["failed"], f"{r['load1_before']:.1f}-{r['load1_after']:.1f}",
-             "/".join(core_link.placement(r.get(k)) for k in ("core_link_ns_before", "core_link_ns_after")))
+             "/".join(run_placement(r)))
             for r in sorted(records, key=lambda r: (r["round"], r["dataset"]))]
     print(common.table(rows, ("round", "dataset", "engine", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms",
                               "ITL p99 ms", "TPOT p50 ms", "goodput req/s", "failed", "load 1m", "vCPUs"),
