@@ -36,7 +36,7 @@ from jaxserve.core.buckets import BucketKey
 from jaxserve.model import sharding
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.decoder import CausalLM
-from jaxserve.runtime import compat, fallback, sharded_ops
+from jaxserve.runtime import compat, fallback, huge_pages, sharded_ops
 from jaxserve.runtime import mesh as meshlib
 from jaxserve.runtime.attention import AttentionMetadata
 from jaxserve.runtime.backend import Backend, KernelShape, resolve_backend
@@ -178,6 +178,9 @@ class ModelRunner:
         """The KV cache's arrays at the configured size (a no-op when they exist)."""
         if self.kv is None:
             self.kv = self._allocate_kv(self.cfg.num_blocks)
+            moved = huge_pages.back_zeroed_with_huge_pages(jax.tree.leaves(self.kv.layers))
+            if moved:
+                log.info("KV cache: %d MiB on 2 MiB pages", moved >> 20)
 
     def kv_spec(self) -> list:
         """The KV cache's per-layer arrays as shapes (the jitted steps carry their shardings): what
