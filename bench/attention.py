@@ -4,9 +4,10 @@
 
 Shapes are SmolLM2-135M's (9 query heads, 3 kv heads, head_dim 64) with 16-token blocks. Each call
 reads a different one of --layers page arrays (as the model's layers do), so the pages come from
-memory, not from cache. Reported per case: ms per call (median of --repeats synced calls), the
-attention FLOPs (4 x visible context x head_dim per query head and row) as GFLOP/s, and the KV
-bytes read as GB/s.
+memory, not from cache. The cpu backend runs once per attribute isa (--isas: 1 is bfloat16 pages'
+AVX-512 BF16 dot products; float32 pages run isa 0's code under either). Reported per case: ms
+per call (median of --repeats synced calls), the attention FLOPs (4 x visible context x head_dim
+per query head and row) as GFLOP/s, and the KV bytes read as GB/s.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-dtypes", default="float32,bfloat16", help="page dtypes (default float32,bfloat16)")
     p.add_argument("--layers", type=int, default=8, help="page arrays rotated through (default 8)")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per case (default 20)")
+    p.add_argument("--isas", default=None,
+                   help="the cpu backend's attribute isa values, e.g. 0,1 (default: 0, and 1 where AVX-512 BF16 "
+                        "is here: bfloat16 pages' dot products, csrc/attention_vec.h)")
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
 
@@ -76,10 +80,15 @@ def main(argv=None) -> int:
     if "cpu" in args.backends.split(",") and (why := cpu_kernels.available()) is not None:
         raise SystemExit(f"the native kernels cannot be built here ({why}); try --backends xla")
     hq, hkv, d, bs = 9, 3, 64, 16
+    isas = [0]
+    if "cpu" in args.backends.split(","):
+        here = cpu_kernels.attention_isa(cpu_kernels.choose_isa("avx512"))
+        isas = [int(i) for i in args.isas.split(",")] if args.isas else sorted({0, here})
     results = []
-    for backend in args.backends.split(","):
-        fn = get_backend(backend)
+    for backend, isa in [(b, i) for b in args.backends.split(",") for i in (isas if b == "cpu" else [0])]:
+        fn = get_backend(backend, isa=isa)
         attend = jax.jit(lambda q, k, v, *m, fn=fn: fn(q, k, v, *m, sm_scale=d ** -0.5))
+        label = f"cpu isa {isa}" if backend == "cpu" else backend
         for kv_dtype in args.kv_dtypes.split(","):
             for name, (q_lens, ctx) in CASES.items():
                 rng = np.random.default_rng(0)
@@ -100,7 +109,7 @@ def main(argv=None) -> int:
                     jax.block_until_ready(attend(q, k, v, *meta))
                     times.append(time.perf_counter() - t0)
                 ms = 1e3 * statistics.median(times)
-                results.append({"backend": backend, "kv_dtype": kv_dtype, "case": name, "ms": ms,
+                results.append({"backend": label, "kv_dtype": kv_dtype, "case": name, "ms": ms,
                                 "gflops": flops / ms / 1e6, "kv_gbps": kv_bytes / ms / 1e6})
     print(common.table([(r["backend"], r["kv_dtype"], r["case"], f"{r['ms']:.2f}", r["gflops"], r["kv_gbps"])
                         for r in results],

@@ -10,6 +10,7 @@ for XLA:CPU (cpu_kernels.py, the `cpu-tiled` KV layout), `xla` the portable fall
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import NamedTuple
@@ -214,14 +215,13 @@ BACKENDS = ("xla", "pallas", "cpu")
 log = logging.getLogger(__name__)
 
 
-def get_backend(name: str, platform: str | None = None, decode_only: bool = False) -> KernelFn:
+def get_backend(name: str, platform: str | None = None, decode_only: bool = False, isa: int = 0) -> KernelFn:
     """The attention kernel of a backend; ``platform`` (gpu/tpu) names the Pallas kernel's target
     when it is not this host's (`jaxserve lower` exports for it). ``decode_only``: a step of one
     decode token per sequence, token t of sequence t (pallas: the split-KV kernel on GPU, the
-    decode block sizes on TPU; the other backends serve every step alike)."""
+    decode block sizes on TPU; the other backends serve every step alike). ``isa``: the native CPU
+    kernel's instructions (cpu_kernels.attention_isa)."""
     if name == "xla":  # static loop bounds except on XLA:CPU (see xla_ragged_paged_attention)
-        import functools
-
         on_cpu = (platform or jax.default_backend()) == "cpu"
         return functools.partial(xla_ragged_paged_attention, static_bounds=not on_cpu)
     if name == "pallas":
@@ -234,23 +234,21 @@ def get_backend(name: str, platform: str | None = None, decode_only: bool = Fals
     if name == "cpu":
         from jaxserve.runtime import cpu_kernels
 
-        return cpu_kernels.cpu_ragged_paged_attention
+        return functools.partial(cpu_kernels.cpu_ragged_paged_attention, isa=isa)
     raise ValueError(f"Unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}.")
 
 
 def layer_attention(name: str, platform: str | None = None, decode_only: bool = False,
-                    kv_layout: str = "paged") -> AttentionFn:
+                    kv_layout: str = "paged", isa: int = 0) -> AttentionFn:
     """What one model layer calls: write this step's K/V into its pages, then attend over them.
     With the ``tpu-fused`` layout ``k_pages`` is the layer's one array and ``v_pages`` None; the
     Pallas write kernel fills it. ``rope`` (runtime/rope_fusion.py): q and k come unrotated, and
     the native CPU calls rotate them as they read them; the other backends apply it first."""
-    kernel = get_backend(name, platform, decode_only)
+    kernel = get_backend(name, platform, decode_only, isa)
     write = write_kv
     if name == "cpu":
         from jaxserve.runtime.cpu_kernels import cpu_write_kv as write
     if kv_layout == "tpu-fused":
-        import functools
-
         import pallas_kernels
 
         interpret = platform != "tpu" and jax.default_backend() == "cpu"

@@ -154,7 +154,8 @@ class Backend:
         return self.native_linear or (self.platform == "cpu" and self.attention == "cpu")
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
-        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout))
+        isa = cpu_kernels.attention_isa(self.dot_isa) if self.dot_isa else 0
+        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout, isa))
         # XLA:CPU expands ragged_dot into a product over every expert: tiles there; TPU: the Pallas
         # grouped matmul (runtime/moe.py, pallas_kernels/tpu_gmm.py); cuda: the Mosaic GPU one
         # (pallas_kernels/gpu_gmm.py; XLA:GPU makes ragged_dot a dense product over every expert)

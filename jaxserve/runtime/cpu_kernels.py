@@ -100,6 +100,13 @@ def _choose_isa(cap: str) -> DotIsa:
     return DotIsa(cap, tuple((name, isa(name)) for name in DOT_PATHS))
 
 
+def attention_isa(isa: DotIsa) -> int:
+    """csrc/paged_attention.cc's `isa` attribute under the dot-product choice `isa`: 1 (bfloat16
+    pages' dot products) wherever the bfloat16 matmul has AVX-512 BF16 (isa 1, or AMX's machines,
+    which have it too), else 0."""
+    return 1 if isa["bfloat16"] >= 1 else 0
+
+
 def kernel_paths(isa: DotIsa | None = None) -> dict[str, str]:
     """What each native matmul runs here under `isa` (None: `choose_isa()`), for logs and
     benchmarks: {"float32": ..., "bfloat16": ..., "w8a8": ..., "amx": ...}."""
@@ -169,13 +176,15 @@ def to_cpu_layout(k_pages, v_pages):
 def cpu_ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, num_seqs,
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None, sinks=None,
-    rope: Rope | None = None, **unused,
+    rope: Rope | None = None, isa: int = 0, **unused,
 ):
     """`xla_ragged_paged_attention` over pages written by `cpu_write_kv` (the `cpu-tiled` KV
     layout): float32 q, float32 or bfloat16 pages, or QuantPages (int8/fp8 and their scales). The
     backend checks dtypes once (backend.resolve_backend); this is the call itself. ``sinks``:
     f32[Hq] per-head sink logits (gpt-oss), or None (an empty operand: no sink term). ``rope``: q
-    is rotated by it as the kernel loads it (runtime/rope_fusion.py), or None: q as given."""
+    is rotated by it as the kernel loads it (runtime/rope_fusion.py), or None: q as given. ``isa``
+    (`attention_isa`): 1 bfloat16 pages' scores and sums as AVX-512 BF16 dot products, q and the
+    probabilities rounded to bfloat16 (csrc/attention_vec.h); 0 float32 FMAs."""
     if sinks is None:
         sinks = jnp.zeros((0,), jnp.float32)
     elif sinks.shape != (q.shape[1],):
@@ -188,7 +197,7 @@ def cpu_ragged_paged_attention(
         q, *pages, i32(seq_lens), i32(query_start_loc), i32(block_tables), i32(num_seqs),
         sinks.astype(jnp.float32), *native_operands(rope), sm_scale=np.float32(sm_scale),
         sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
+        soft_cap=np.float32(soft_cap or 0.0), isa=np.int64(isa),
     )
 
 

@@ -67,23 +67,55 @@ def test_cpu_kernel_matches_reference(case, heads, head_dim, block_size, window,
     assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
 
 
+# attribute isa 1 (bfloat16 pages' scores and sums as AVX-512 BF16 dot products) where built and on the CPU
+DOT_BF16 = WHY is None and cpu_kernels.attention_isa(cpu_kernels.choose_isa("avx512")) == 1
+ISAS = [0, pytest.param(1, marks=pytest.mark.skipif(not DOT_BF16, reason="no AVX-512 BF16 here"))]
+
+
 @needs_kernel
-@pytest.mark.parametrize("case,block_size,head_dim", [("mixed-long", 16, 64), ("chunked", 32, 64),
-                                                     ("mixed-long", 8, 64), ("mixed-long", 16, 128),
-                                                     ("chunked", 16, 256)])
-def test_cpu_kernel_bfloat16_pages(case, block_size, head_dim):
-    """bfloat16 KV storage (--kv-cache-dtype bfloat16): widened exactly on load (prefill tiles once
-    per tile, for every group of query vectors), float32 math."""
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case,block_size,head_dim,heads", [
+    ("mixed-long", 16, 64, (9, 3)), ("chunked", 32, 64, (9, 3)), ("mixed-long", 8, 64, (9, 3)),
+    ("mixed-long", 16, 128, (9, 3)), ("chunked", 16, 256, (9, 3)),
+    ("many-decodes", 16, 64, (8, 1)),  # 8 query heads a kv head: decode rows as items, not groups
+])
+def test_cpu_kernel_bfloat16_pages(case, block_size, head_dim, heads, isa):
+    """bfloat16 KV storage (--kv-cache-dtype bfloat16). isa 0: widened exactly on load (prefill tiles
+    once per tile, for every group of query vectors), float32 math. isa 1: q and the probabilities
+    rounded to bfloat16 too, so within bfloat16's rounding of the float32 result (2^-7 of the
+    output's scale here; isa 0 within 2e-5), finite although unused pages hold NaN."""
     q_lens, kv_lens = CASES[case]
-    b = make_batch(np.random.default_rng(7), q_lens, kv_lens, num_q_heads=9, num_kv_heads=3, block_size=block_size,
-                   head_dim=head_dim, pad_tokens=5)
+    b = make_batch(np.random.default_rng(7), q_lens, kv_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                   block_size=block_size, head_dim=head_dim, pad_tokens=5)
     q, k, v, *md = b.args
     k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     scale = head_dim**-0.5
     want = reference.ragged_paged_attention(q, k, v, *md, sm_scale=scale)  # the oracle widens the pages too
-    got = jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=scale))(
+    run = lambda isa: jax.jit(functools.partial(cpu_kernels.cpu_ragged_paged_attention, sm_scale=scale, isa=isa))(  # noqa: E731
         q, *cpu_kernels.to_cpu_layout(k, v), *md)
-    assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+    got = run(isa)
+    if isa == 0:
+        assert_close(got, want, b.num_real_tokens, rtol=2e-5, atol=2e-5)
+        return
+    n = b.num_real_tokens
+    bound = 2**-7 * float(jnp.abs(want[:n]).max())
+    assert_close(got, want, n, rtol=0, atol=bound)
+    # the dot products ran (their rounding shows) where the tiled fast path does; block size 8 takes
+    # the generic loops, which have no isa 1
+    differs = float(jnp.abs(got[:n] - run(0)[:n]).max()) > 0
+    assert differs == (block_size % 16 == 0)
+
+
+@needs_kernel
+@pytest.mark.skipif(not DOT_BF16, reason="no AVX-512 BF16 here")
+def test_cpu_kernel_isa_leaves_float32_pages_alone():
+    """isa 1 is for bfloat16 pages: float32 pages give isa 0's bits."""
+    q_lens, kv_lens = CASES["mixed-long"]
+    b = make_batch(np.random.default_rng(3), q_lens, kv_lens, num_q_heads=9, num_kv_heads=3, pad_tokens=5)
+    q, k, v, *md = b.args
+    run = lambda isa: np.asarray(jax.jit(functools.partial(  # noqa: E731
+        cpu_kernels.cpu_ragged_paged_attention, sm_scale=0.125, isa=isa))(q, *cpu_kernels.to_cpu_layout(k, v), *md))
+    np.testing.assert_array_equal(run(1), run(0))
 
 
 @needs_kernel

@@ -16,6 +16,14 @@ namespace jaxserve::attention {
 
 constexpr float kNeg = -1e30f;  // "no score yet"; finite so fast-math cannot break the logic
 
+// Whether this build has isa 1, bfloat16 pages' scores and sums as AVX-512 BF16 dot products
+// (csrc/attention_vec.h PairedTile); the portable float32 FMAs are isa 0.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kHaveDotBf16 = true;
+#else
+constexpr bool kHaveDotBf16 = false;
+#endif
+
 struct Problem {
   const float* q;
   const void* k;  // float or Bf16, per the pages' dtype
@@ -31,6 +39,7 @@ struct Problem {
   const float* vs = nullptr;
   const float* sinks = nullptr;  // attention sinks: a logit per query head [Hq], or none
   Rope rope;  // the layer's RoPE, applied to q as it is loaded (csrc/rope.h), or none
+  int64_t isa = 0;  // attribute isa: 1 bfloat16 pages' scores and sums as dot products (attention_vec.h)
 
   // Query vector (token t, query head qh), rotated by the call's RoPE, times `mul`, into dst[0, d).
   void LoadQ(int64_t t, int64_t qh, float mul, float* dst) const {

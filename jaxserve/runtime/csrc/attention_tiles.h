@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -72,9 +73,12 @@ void GenericItem(const Problem& p, const Item& it) {
 template <int D>
 constexpr int kChunkTiles = D == 64 ? 4 : D == 128 ? 2 : 1;  // the chunk's widened tiles: 32 KiB
 
-template <int D, int Q, typename T>
+// Dot (attribute isa 1, bfloat16 pages): scores and PV sums as bfloat16 dot products on pairs
+// (attention_vec.h PairedTile), not float32 FMAs on widened tiles.
+template <int D, int Q, typename T, bool Dot = false>
 void TiledItem(const Problem& p, const Item& it) {
   constexpr int DV = D / kW, C = kChunkTiles<D>, CW = C * kW;
+  using Tile = std::conditional_t<Dot, PairedTile<D>, Widened<D, T>>;
   const int64_t bs = p.block_size, g = p.hq / p.hkv;
   const Rows rw = RowsOf(p, it);
   const int64_t nqh = (rw.n + Q - 1) / Q * Q;  // vectors per kv head, padded to a multiple of Q
@@ -85,7 +89,8 @@ void TiledItem(const Problem& p, const Item& it) {
   thread_local std::vector<v16> acc;
   thread_local std::vector<float> qs, m, l;
   thread_local std::vector<int64_t> pos;
-  thread_local std::vector<Widened<D, T>> tiles(C);
+  thread_local std::vector<Tile> tiles(C);
+  thread_local std::vector<uint32_t> qp;  // Dot: the query vectors as bfloat16 pairs
   acc.assign(nq * DV, v16{});
   qs.assign(nq * D, 0.0f), m.assign(nq, kNeg), l.assign(nq, 0.0f);
   pos.assign(nq, -1);  // -1: padding vector
@@ -95,6 +100,10 @@ void TiledItem(const Problem& p, const Item& it) {
       pos[dst] = rw.first_pos + r;
       p.LoadQ(rw.t0 + r, h * g + j, p.scale, qs.data() + dst * D);
     }
+  if constexpr (Dot) {
+    qp.resize(nq * D / 2);
+    ToPairs(qs.data(), nq * D, qp.data());
+  }
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
   const v16 lane = Lanes();
 
@@ -108,9 +117,16 @@ void TiledItem(const Problem& p, const Item& it) {
       off[t] = (base + t * kW) % bs;
     }
     for (int64_t h = 0; h < p.hkv; ++h) {
-      // bfloat16 pages: each tile is widened once here, not once per group of Q query vectors.
-      for (int t = 0; t < nt; ++t)
-        if (ok[t]) tiles[t].Set(p.KAt<T>(blk[t], h, off[t], 0), p.VAt<T>(blk[t], h, off[t], 0), bs);
+      // bfloat16 pages: each tile is widened (Dot: paired) once here, not once per group of Q query vectors.
+      for (int t = 0; t < nt; ++t) {
+        if (!ok[t]) continue;
+        if constexpr (Dot) {  // V slots past the item's last row are zeroed
+          const int valid = static_cast<int>(std::clamp<int64_t>(rw.last_pos - (base + t * kW) + 1, 0, kW));
+          tiles[t].Set(p.KAt<T>(blk[t], h, off[t], 0), p.VAt<T>(blk[t], h, off[t], 0), bs, valid);
+        } else {
+          tiles[t].Set(p.KAt<T>(blk[t], h, off[t], 0), p.VAt<T>(blk[t], h, off[t], 0), bs);
+        }
+      }
       for (int64_t i0 = h * nqh; i0 < (h + 1) * nqh; i0 += Q) {
         // Visible chunk slots of each vector: [jlo, jhi] (empty when jlo > jhi).
         int64_t jlo[Q], jhi[Q], ulo = CW, uhi = -1;
@@ -128,7 +144,14 @@ void TiledItem(const Problem& p, const Item& it) {
         for (int q = 0; q < Q; ++q) vmax[q] = v16{} + kNeg;
         for (int t = t0; t <= t1; ++t) {
           v16 sc[Q] = {};
-          if (ok[t]) {
+          if (!ok[t]) {
+          } else if constexpr (Dot) {
+            const uint32_t* qv = qp.data() + i0 * D / 2;
+            for (int i = 0; i < D / 2; ++i) {
+              const u32x16 kv = tiles[t].kp[i];
+              for (int q = 0; q < Q; ++q) sc[q] = DotPairs(sc[q], kv, u32x16{} + qv[q * D / 2 + i]);
+            }
+          } else {
             const float* kf = tiles[t].k;
             const int64_t ks = tiles[t].k_stride;
             for (int e = 0; e < D; ++e) {
@@ -157,18 +180,32 @@ void TiledItem(const Problem& p, const Item& it) {
             if (ok[t] && a <= b) ScaleProbs<T>(p, blk[t], h, off[t], a, b, pr[q] + t * kW);
           }
         }
-        // Only slots some vector sees are read: past the context a tile may hold anything.
+        // Only slots some vector sees are read: past the context a tile may hold anything. (Dot
+        // reads pairs of slots: one slot beyond [ulo, uhi] at either end, whose probability is 0 and
+        // whose V is the sequence's own or zeroed by PairedTile::Set.)
         v16* av = acc.data() + i0 * DV;
+        alignas(64) uint32_t pp[Dot ? Q : 1][CW / 2];  // Dot: the probabilities as bfloat16 pairs
+        if constexpr (Dot)
+          for (int q = 0; q < Q; ++q)
+            for (int t = t0; t <= t1; ++t) ToPairs16(pr[q] + t * kW, pp[q] + t * kW / 2);
         for (int e = 0; e < DV; ++e) {
           v16 a[Q];
           for (int q = 0; q < Q; ++q) a[q] = av[q * DV + e];
           for (int t = t0; t <= t1; ++t) {
             if (!ok[t]) continue;
-            const float* vf = tiles[t].v;
-            const int64_t c0 = std::max<int64_t>(ulo, t * kW), c1 = std::min<int64_t>(uhi, t * kW + kW - 1);
-            for (int64_t c = c0; c <= c1; ++c) {
-              const v16 vv = LoadU(vf + (c - t * kW) * D + e * kW);
-              for (int q = 0; q < Q; ++q) a[q] += pr[q][c] * vv;
+            // the tile's slots some vector sees
+            const int64_t c0 = std::max<int64_t>(ulo - t * kW, 0), c1 = std::min<int64_t>(uhi - t * kW, kW - 1);
+            if constexpr (Dot) {
+              for (int64_t c = c0 / 2; c <= c1 / 2; ++c) {
+                const u32x16 vv = tiles[t].vp[c * DV + e];
+                for (int q = 0; q < Q; ++q) a[q] = DotPairs(a[q], vv, u32x16{} + pp[q][t * kW / 2 + c]);
+              }
+            } else {
+              const float* vf = tiles[t].v;
+              for (int64_t c = c0; c <= c1; ++c) {
+                const v16 vv = LoadU(vf + c * D + e * kW);
+                for (int q = 0; q < Q; ++q) a[q] += pr[q][t * kW + c] * vv;
+              }
             }
           }
           for (int q = 0; q < Q; ++q) av[q * DV + e] = a[q];
@@ -293,7 +330,7 @@ void DecodeGroup(const Problem& p, const Item& it) {
 }
 
 // Decode groups go to DecodeGroup; decode items (a few query vectors per kv head) take Q = 4,
-// prefill items Q = 8.
+// prefill items Q = 8; bfloat16 pages under attribute isa 1 (where built) take the Dot kernels.
 template <int D, typename T>
 void TiledAny(const Problem& p, const Item& it) {
   if (it.group[0] >= 0) {
@@ -301,8 +338,10 @@ void TiledAny(const Problem& p, const Item& it) {
     return g == 1 ? DecodeGroup<D, 1, T>(p, it) : g == 2 ? DecodeGroup<D, 2, T>(p, it)
            : g == 3 ? DecodeGroup<D, 3, T>(p, it) : DecodeGroup<D, 4, T>(p, it);
   }
-  if ((it.row1 - it.row0) * (p.hq / p.hkv) <= 4) return TiledItem<D, 4, T>(p, it);
-  return TiledItem<D, 8, T>(p, it);
+  const bool few = (it.row1 - it.row0) * (p.hq / p.hkv) <= 4;
+  if constexpr (std::is_same_v<T, Bf16> && kHaveDotBf16)
+    if (p.isa == 1) return few ? TiledItem<D, 4, T, true>(p, it) : TiledItem<D, 8, T, true>(p, it);
+  return few ? TiledItem<D, 4, T>(p, it) : TiledItem<D, 8, T>(p, it);
 }
 
 // (attention.h) The generic loops, or the fast path where Tiled(bs, d).

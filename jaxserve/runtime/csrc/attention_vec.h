@@ -169,4 +169,69 @@ struct Widened<D, float> {
   void Set(const float* kt, const float* vt, int64_t bs) { k = kt, v = vt, k_stride = bs; }
 };
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// Attribute isa 1 (bfloat16 pages, prefill items): scores and the probabilities' sums over V as
+// AVX-512 BF16 dot products (vdpbf16ps: two products a lane), the query vectors and probabilities
+// rounded to bfloat16 (to nearest even) as the pages' K and V already are; float32 accumulation.
+// A 32-bit lane holds a pair: (element 2i, element 2i + 1) in its (low, high) halves.
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+
+// Two runs of 16 bfloat16 values as 16 pairs (a[c], b[c]).
+inline u32x16 PairUp(const Bf16* a, const Bf16* b) {
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  u16x16 lo, hi;
+  std::memcpy(&lo, a, sizeof(lo));
+  std::memcpy(&hi, b, sizeof(hi));
+  return __builtin_convertvector(lo, u32x16) | (__builtin_convertvector(hi, u32x16) << 16);
+}
+
+// acc + sum over each lane's pair of a's and b's products.
+inline v16 DotPairs(v16 acc, u32x16 a, u32x16 b) {
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+}
+
+// n floats (a multiple of 32) -> n / 2 pairs, rounded to nearest even.
+inline void ToPairs(const float* src, int64_t n, uint32_t* dst) {
+  for (int64_t i = 0; i < n; i += 2 * kW) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + kW), _mm512_loadu_ps(src + i));
+    std::memcpy(dst + i / 2, &h, sizeof(h));
+  }
+}
+
+// 16 floats -> 8 pairs.
+inline void ToPairs16(const float* src, uint32_t* dst) {
+  const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src));
+  std::memcpy(dst, &h, sizeof(h));
+}
+
+// A 16-slot tile of one head as pairs: K's pairs of dims (kp[i]: dims 2i and 2i + 1 of the 16
+// slots, from the transposed K block), V's pairs of slots (vp[c * DV + b]: slots 2c and 2c + 1,
+// dims 16b..16b + 15). V slots at and past `valid` are zero: past the context a slot may hold
+// anything, and a zero probability times a NaN would still be NaN.
+template <int D>
+struct PairedTile {
+  static constexpr int DV = D / kW;
+  alignas(64) u32x16 kp[D / 2];
+  alignas(64) u32x16 vp[kW / 2 * DV];
+  void Set(const Bf16* kt, const Bf16* vt, int64_t bs, int valid) {
+    for (int i = 0; i < D / 2; ++i) kp[i] = PairUp(kt + 2 * i * bs, kt + (2 * i + 1) * bs);
+    for (int c = 0; c < kW / 2; ++c)
+      for (int b = 0; b < DV; ++b) {
+        const u32x16 x = PairUp(vt + 2 * c * D + b * kW, vt + (2 * c + 1) * D + b * kW);
+        const u32x16 keep_lo = 2 * c < valid ? u32x16{} + 0xffffu : u32x16{};
+        const u32x16 keep_hi = 2 * c + 1 < valid ? u32x16{} + 0xffff0000u : u32x16{};
+        vp[c * DV + b] = x & (keep_lo | keep_hi);
+      }
+  }
+};
+#else
+// isa 1 is not built here: declared for TiledItem's discarded branches, never defined or called
+using u32x16 = uint32_t __attribute__((vector_size(64)));
+template <int D>
+struct PairedTile;
+v16 DotPairs(v16 acc, u32x16 a, u32x16 b);
+void ToPairs(const float* src, int64_t n, uint32_t* dst);
+void ToPairs16(const float* src, uint32_t* dst);
+#endif
+
 }  // namespace jaxserve::attention

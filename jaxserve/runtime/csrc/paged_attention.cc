@@ -1,7 +1,9 @@
 // Ragged paged attention for XLA:CPU, as XLA FFI custom calls (the KV write into its pages: csrc/kv_write.cc).
 //
 // Contract of pallas_kernels.reference.ragged_paged_attention (float32 q and math; float32,
-// bfloat16, int8 or fp8 (e4m3fn / e5m2) pages, widened on load): q[T, Hq, D]; sequence
+// bfloat16, int8 or fp8 (e4m3fn / e5m2) pages, widened on load; under attribute isa 1 bfloat16
+// pages' prefill items round q and the probabilities to bfloat16 and take AVX-512 BF16 dot
+// products, float32 accumulation: csrc/attention_vec.h PairedTile): q[T, Hq, D]; sequence
 // s owns the new tokens query_start_loc[s] .. query_start_loc[s+1] and has seq_lens[s] tokens of
 // context including them; its pages are block_tables[s, :]. Rows past query_start_loc[num_seqs]
 // are padding and come out zero. sinks f32[Hq] (gpt-oss), or f32[0] for none: query head h's
@@ -69,7 +71,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
                      ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> block_tables,
                      ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> rope_cos,
                      ffi::Buffer<ffi::F32> rope_sin, float sm_scale, int64_t sliding_window, float soft_cap,
-                     ffi::ResultBuffer<ffi::F32> out) {
+                     int64_t isa, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || block_tables.dimensions().size() != 2)
@@ -95,6 +97,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
     return ffi::Error::InvalidArgument("paged attention: sinks must be f32[Hq] (or f32[0]: none)");
   if (sinks.element_count() != 0) p.sinks = sinks.typed_data();
   if (ffi::Error e = BindRope(rope_cos, rope_sin, qd[0], qd[2], "paged attention", &p.rope); e.failure()) return e;
+  if (isa != 0 && isa != 1) return ffi::Error::InvalidArgument("paged attention: isa must be 0 or 1");
+  if (isa == 1 && !kHaveDotBf16)
+    return ffi::Error::InvalidArgument("paged attention: isa 1 asked of a library built without AVX-512 BF16");
+  p.isa = isa;
   if (p.hq % p.hkv != 0 || kd[3] != p.d)
     return ffi::Error::InvalidArgument("paged attention: head counts or head_dim do not match");
   const int64_t s_cap = seq_lens.dimensions()[0];
@@ -146,9 +152,10 @@ ffi::Error FloatAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
                           ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> rope_cos, ffi::Buffer<ffi::F32> rope_sin,
-                          float sm_scale, int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                          float sm_scale, int64_t sliding_window, float soft_cap, int64_t isa,
+                          ffi::ResultBuffer<ffi::F32> out) {
   return Attention(pool, q, k, v, nullptr, nullptr, seq_lens, query_start_loc, block_tables, num_seqs, sinks,
-                   rope_cos, rope_sin, sm_scale, sliding_window, soft_cap, out);
+                   rope_cos, rope_sin, sm_scale, sliding_window, soft_cap, isa, out);
 }
 
 ffi::Error QuantAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -156,9 +163,10 @@ ffi::Error QuantAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> num_seqs,
                           ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::F32> rope_cos, ffi::Buffer<ffi::F32> rope_sin,
-                          float sm_scale, int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                          float sm_scale, int64_t sliding_window, float soft_cap, int64_t isa,
+                          ffi::ResultBuffer<ffi::F32> out) {
   return Attention(pool, q, k, v, &k_scale, &v_scale, seq_lens, query_start_loc, block_tables, num_seqs, sinks,
-                   rope_cos, rope_sin, sm_scale, sliding_window, soft_cap, out);
+                   rope_cos, rope_sin, sm_scale, sliding_window, soft_cap, isa, out);
 }
 
 // The attention calls' operands after the pages (and the quantized pages' scales), attributes and
@@ -176,6 +184,7 @@ auto AttentionRest(B pages) {
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("sliding_window")
       .template Attr<float>("soft_cap")
+      .template Attr<int64_t>("isa")  // 1: bfloat16 pages' dot products (cpu_kernels.attention_isa), else 0
       .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
