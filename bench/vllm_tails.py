@@ -62,8 +62,10 @@ def bench_serve(args, url: str, model: str, dataset: str, num_prompts: int, out:
     print("client:", shlex.join(cmd[:2] + ["<shim>"] + cmd[3:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if args.quiet else None)
     result = json.loads(out.read_text())
-    # per request, in the client's order: where in a run the tail comes from
-    return {**{k: result.get(k) for k in KEEP}, "ttfts_s": [round(t, 4) for t in result.get("ttfts", [])]}
+    # per request, in the client's order: where in a run the tails come from
+    return {**{k: result.get(k) for k in KEEP}, "ttfts_s": [round(t, 4) for t in result.get("ttfts", [])],
+            # each request's inter-token gaps: which steps make P99 ITL (bench/step_trace.py beside them)
+            "itls_ms": [[round(1e3 * t, 1) for t in row] for row in result.get("itls", [])]}
 
 
 def settled_round_trip_ns() -> float | None:
@@ -91,7 +93,7 @@ def run_engine(engine: str, rnd: int, args) -> list[dict]:
                                 "load1_before": load0, "load1_after": load1,
                                 "core_link_ns_before": link0, "core_link_ns_after": link1, **figures})
                 print(f"{engine} {dataset}: {({k: figures[k] for k in KEEP})} core link ns {(link0, link1)}",
-                      flush=True)  # the TTFT list: JSON only
+                      flush=True)  # the TTFT and ITL lists: JSON only
     return records
 
 

@@ -106,8 +106,14 @@ class Backend:
             paths = cpu_kernels.kernel_paths(self.dot_isa)
             linear = (f"native packed matmul (bfloat16: {paths.get('bfloat16')}, w8a8: {paths.get('w8a8')}, "
                       f"w4a8: {paths.get('w4a8')})")
-        return (f"backend: platform={self.platform} attention={self.attention} kv_layout={self.kv_layout} "
+        attention = self.attention + (" (bfloat16 pages: avx512_bf16 dot products)" if self.attention_isa else "")
+        return (f"backend: platform={self.platform} attention={attention} kv_layout={self.kv_layout} "
                 f"linear={linear} argmax={'native' if self.native_argmax else 'XLA'} ({self.reason})")
+
+    @property
+    def attention_isa(self) -> int:
+        """The native CPU attention's attribute isa (cpu_kernels.attention_isa); 0 off it."""
+        return cpu_kernels.attention_isa(self.dot_isa) if self.dot_isa and self.attention == "cpu" else 0
 
     @property
     def gpu_moe_kernel(self) -> bool:
@@ -154,8 +160,8 @@ class Backend:
         return self.native_linear or (self.platform == "cpu" and self.attention == "cpu")
 
     def _float_ops(self, attention_wrapper: Callable, decode_only: bool = False) -> ModelOps:
-        isa = cpu_kernels.attention_isa(self.dot_isa) if self.dot_isa else 0
-        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout, isa))
+        attend = attention_wrapper(layer_attention(self.attention, self.platform, decode_only, self.kv_layout,
+                                                   self.attention_isa))
         # XLA:CPU expands ragged_dot into a product over every expert: tiles there; TPU: the Pallas
         # grouped matmul (runtime/moe.py, pallas_kernels/tpu_gmm.py); cuda: the Mosaic GPU one
         # (pallas_kernels/gpu_gmm.py; XLA:GPU makes ragged_dot a dense product over every expert)

@@ -149,6 +149,10 @@ def test_engine_cpu_backend_matches_xla_greedy(tiny_model, kv_dtype):
             for o in LLM(path, attention_backend="xla", **kw).generate(prompts, p, use_tqdm=False)]
     llm = LLM(path, attention_backend="cpu", **kw)
     assert llm.engine.runner.kv_caches[0][0].dtype == jnp.dtype(kv_dtype)
+    # the backend passes its dot-product choice to the attention calls (bfloat16 pages: isa 1 where there)
+    backend = llm.engine.runner.backend
+    assert backend.attention_isa == cpu_kernels.attention_isa(cpu_kernels.choose_isa())
+    assert ("avx512_bf16 dot products" in backend.describe()) == (backend.attention_isa == 1)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
     assert got == want
 
