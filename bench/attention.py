@@ -5,7 +5,7 @@
 Shapes are SmolLM2-135M's (9 query heads, 3 kv heads, head_dim 64) with 16-token blocks. Each call
 reads a different one of --layers page arrays (as the model's layers do), so the pages come from
 memory, not from cache. The cpu backend runs once per attribute isa (--isas: 1 is bfloat16 pages'
-AVX-512 BF16 dot products; float32 pages run isa 0's code under either). Reported per case: ms
+AVX-512 BF16 dot products; float32 pages run isa 0 only). Reported per case: ms
 per call (median of --repeats synced calls), the attention FLOPs (4 x visible context x head_dim
 per query head and row) as GFLOP/s, and the KV bytes read as GB/s.
 """
@@ -85,32 +85,34 @@ def main(argv=None) -> int:
         here = cpu_kernels.attention_isa(cpu_kernels.choose_isa("avx512"))
         isas = [int(i) for i in args.isas.split(",")] if args.isas else sorted({0, here})
     results = []
-    for backend, isa in [(b, i) for b in args.backends.split(",") for i in (isas if b == "cpu" else [0])]:
+    # isa 1 is bfloat16 pages' path: float32 pages run isa 0 only
+    runs = [(b, kv, i) for b in args.backends.split(",") for kv in args.kv_dtypes.split(",")
+            for i in (isas if (b, kv) == ("cpu", "bfloat16") else [0])]
+    for backend, kv_dtype, isa in runs:
         fn = get_backend(backend, isa=isa)
         attend = jax.jit(lambda q, k, v, *m, fn=fn: fn(q, k, v, *m, sm_scale=d ** -0.5))
         label = f"cpu isa {isa}" if backend == "cpu" else backend
-        for kv_dtype in args.kv_dtypes.split(","):
-            for name, (q_lens, ctx) in CASES.items():
-                rng = np.random.default_rng(0)
-                if ctx == "decode":
-                    kv_lens = [int(x) for x in rng.integers(150, 451, len(q_lens))]
-                elif ctx == "mixed":
-                    kv_lens = q_lens[:2] + [int(x) for x in rng.integers(150, 451, len(q_lens) - 2)]
-                else:
-                    kv_lens = ctx
-                q, pages, meta, flops, kv_bytes = _problem(rng, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, bs=bs,
-                                                           layers=args.layers, dtype=jnp.dtype(kv_dtype))
-                for k, v in pages:
-                    jax.block_until_ready(attend(q, k, v, *meta))
-                times = []
-                for i in range(args.repeats):
-                    k, v = pages[i % len(pages)]
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(attend(q, k, v, *meta))
-                    times.append(time.perf_counter() - t0)
-                ms = 1e3 * statistics.median(times)
-                results.append({"backend": label, "kv_dtype": kv_dtype, "case": name, "ms": ms,
-                                "gflops": flops / ms / 1e6, "kv_gbps": kv_bytes / ms / 1e6})
+        for name, (q_lens, ctx) in CASES.items():
+            rng = np.random.default_rng(0)
+            if ctx == "decode":
+                kv_lens = [int(x) for x in rng.integers(150, 451, len(q_lens))]
+            elif ctx == "mixed":
+                kv_lens = q_lens[:2] + [int(x) for x in rng.integers(150, 451, len(q_lens) - 2)]
+            else:
+                kv_lens = ctx
+            q, pages, meta, flops, kv_bytes = _problem(rng, q_lens, kv_lens, hq=hq, hkv=hkv, d=d, bs=bs,
+                                                       layers=args.layers, dtype=jnp.dtype(kv_dtype))
+            for k, v in pages:
+                jax.block_until_ready(attend(q, k, v, *meta))
+            times = []
+            for i in range(args.repeats):
+                k, v = pages[i % len(pages)]
+                t0 = time.perf_counter()
+                jax.block_until_ready(attend(q, k, v, *meta))
+                times.append(time.perf_counter() - t0)
+            ms = 1e3 * statistics.median(times)
+            results.append({"backend": label, "kv_dtype": kv_dtype, "case": name, "ms": ms,
+                            "gflops": flops / ms / 1e6, "kv_gbps": kv_bytes / ms / 1e6})
     print(common.table([(r["backend"], r["kv_dtype"], r["case"], f"{r['ms']:.2f}", r["gflops"], r["kv_gbps"])
                         for r in results],
                        ("backend", "KV dtype", "case", "ms per layer", "GFLOP/s", "KV GB/s"),

@@ -17,6 +17,11 @@ def test_aligned_inside():
     assert aligned_inside(4096, HUGE) == (HUGE, 0)  # no whole 2 MiB page inside
 
 
+def test_shapes_only_are_left_alone():
+    """An abstract runner's cache (`jaxserve lower`) is shapes, not buffers."""
+    assert huge_pages.back_zeroed_with_huge_pages([jax.ShapeDtypeStruct((HUGE,), jnp.float32)]) == 0
+
+
 def _vm_flags(addr: int) -> list[str]:
     """VmFlags of the mapping holding addr (/proc/self/smaps)."""
     inside = False
