@@ -102,7 +102,7 @@ void TiledItem(const Problem& p, const Item& it) {
     }
   if constexpr (Dot) {
     qp.resize(nq * D / 2);
-    ToPairs(qs.data(), nq * D, qp.data());
+    RoundBf16Pairs(qs.data(), nq * D, qp.data());
   }
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, rw.first_pos - p.window + 1) : 0;
   const v16 lane = Lanes();
@@ -144,21 +144,22 @@ void TiledItem(const Problem& p, const Item& it) {
         for (int q = 0; q < Q; ++q) vmax[q] = v16{} + kNeg;
         for (int t = t0; t <= t1; ++t) {
           v16 sc[Q] = {};
-          if (!ok[t]) {
-          } else if constexpr (Dot) {
-            const uint32_t* qv = qp.data() + i0 * D / 2;
-            for (int i = 0; i < D / 2; ++i) {
-              const u32x16 kv = tiles[t].kp[i];
-              for (int q = 0; q < Q; ++q) sc[q] = DotPairs(sc[q], kv, u32x16{} + qv[q * D / 2 + i]);
+          if (ok[t]) {  // (a tile outside the cache is masked out below)
+            if constexpr (Dot) {
+              const uint32_t* qv = qp.data() + i0 * D / 2;
+              for (int i = 0; i < D / 2; ++i) {
+                const u32x16 kv = tiles[t].kp[i];
+                for (int q = 0; q < Q; ++q) sc[q] = DotPairs(sc[q], kv, u32x16{} + qv[q * D / 2 + i]);
+              }
+            } else {
+              const float* kf = tiles[t].k;
+              const int64_t ks = tiles[t].k_stride;
+              for (int e = 0; e < D; ++e) {
+                const v16 kv = LoadU(kf + e * ks);
+                for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
+              }
+              ScaleScores<T>(p, blk[t], h, off[t], sc, Q);
             }
-          } else {
-            const float* kf = tiles[t].k;
-            const int64_t ks = tiles[t].k_stride;
-            for (int e = 0; e < D; ++e) {
-              const v16 kv = LoadU(kf + e * ks);
-              for (int q = 0; q < Q; ++q) sc[q] += qf[q * D + e] * kv;
-            }
-            ScaleScores<T>(p, blk[t], h, off[t], sc, Q);
           }
           const v16 slot = lane + static_cast<float>(t * kW);
           for (int q = 0; q < Q; ++q) {
@@ -187,7 +188,7 @@ void TiledItem(const Problem& p, const Item& it) {
         alignas(64) uint32_t pp[Dot ? Q : 1][CW / 2];  // Dot: the probabilities as bfloat16 pairs
         if constexpr (Dot)
           for (int q = 0; q < Q; ++q)
-            for (int t = t0; t <= t1; ++t) ToPairs16(pr[q] + t * kW, pp[q] + t * kW / 2);
+            for (int t = t0; t <= t1; ++t) RoundBf16Pairs(pr[q] + t * kW, kW, pp[q] + t * kW / 2);
         for (int e = 0; e < DV; ++e) {
           v16 a[Q];
           for (int q = 0; q < Q; ++q) a[q] = av[q * DV + e];

@@ -190,20 +190,6 @@ inline v16 DotPairs(v16 acc, u32x16 a, u32x16 b) {
   return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
 }
 
-// n floats (a multiple of 32) -> n / 2 pairs, rounded to nearest even.
-inline void ToPairs(const float* src, int64_t n, uint32_t* dst) {
-  for (int64_t i = 0; i < n; i += 2 * kW) {
-    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + kW), _mm512_loadu_ps(src + i));
-    std::memcpy(dst + i / 2, &h, sizeof(h));
-  }
-}
-
-// 16 floats -> 8 pairs.
-inline void ToPairs16(const float* src, uint32_t* dst) {
-  const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src));
-  std::memcpy(dst, &h, sizeof(h));
-}
-
 // A 16-slot tile of one head as pairs: K's pairs of dims (kp[i]: dims 2i and 2i + 1 of the 16
 // slots, from the transposed K block), V's pairs of slots (vp[c * DV + b]: slots 2c and 2c + 1,
 // dims 16b..16b + 15). V slots at and past `valid` are zero: past the context a slot may hold
@@ -230,8 +216,6 @@ using u32x16 = uint32_t __attribute__((vector_size(64)));
 template <int D>
 struct PairedTile;
 v16 DotPairs(v16 acc, u32x16 a, u32x16 b);
-void ToPairs(const float* src, int64_t n, uint32_t* dst);
-void ToPairs16(const float* src, uint32_t* dst);
 #endif
 
 }  // namespace jaxserve::attention

@@ -19,27 +19,11 @@
 
 namespace jaxserve::dot_matmul {
 
-// float32 -> bfloat16 bits, round to nearest even (ml_dtypes' and XLA's convert; no NaN inputs).
-inline uint32_t Bf16(float f) {
-  const uint32_t u = Bits<uint32_t>(f);
-  return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
-}
-
 // Row r of x into a's words (and w8a8's block scales and sums).
 inline void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
   uint32_t* out = a.words.data() + r * a.ldx;
-  if (f == kBFLOAT16) {
-    // Bf16 on 16 lanes at a time (one was scalar: a third of a 1536-k matmul's time at 512 rows);
-    // the same integer rounding, so the same bits. The words' halves are the bf16 values in k order.
-    using u32x16 = uint32_t __attribute__((vector_size(64)));
-    using u16x16 = uint16_t __attribute__((vector_size(32)));
-    int64_t k = 0;
-    for (; k + kW <= k_len; k += kW) {
-      const u32x16 u = Load<u32x16>(xr + k);
-      const u16x16 b = __builtin_convertvector((u + 0x7fff + ((u >> 16) & 1)) >> 16, u16x16);
-      std::memcpy(reinterpret_cast<char*>(out) + 2 * k, &b, sizeof(b));
-    }
-    for (int64_t i = k / 2; i < a.ldx; ++i) out[i] = Bf16(xr[2 * i]) | Bf16(xr[2 * i + 1]) << 16;
+  if (f == kBFLOAT16) {  // the words' halves are the bf16 values in k order (vec.h RoundBf16Pairs)
+    RoundBf16Pairs(xr, 2 * a.ldx, out);
     return;
   }
   for (int64_t b = 0; b < a.blocks; ++b) {

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "vec.h"
+
 namespace jaxserve::attention {
 
 // bfloat16 storage: the top half of a float32. Reading widens exactly; writing rounds to nearest
@@ -23,11 +25,7 @@ inline float ToFloat(Bf16 x) {
   return f;
 }
 inline void Store(float x, float* dst) { *dst = x; }
-inline void Store(float x, Bf16* dst) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  dst->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+inline void Store(float x, Bf16* dst) { dst->bits = RoundBf16(x); }
 inline void Store(uint8_t x, uint8_t* dst) { *dst = x; }  // quantized bytes (made by kv_quant.quantize)
 
 // Quantized storage: int8, and fp8 as e4m3fn (4 exponent bits, bias 7, 3 mantissa bits) or e5m2

@@ -36,6 +36,27 @@ inline To Bits(From f) {
   return t;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (XLA's and ml_dtypes' convert; not for NaN).
+inline uint16_t RoundBf16(float f) {
+  const uint32_t u = Bits<uint32_t>(f);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// n floats (n even) -> n / 2 words of bfloat16 pairs: word i = src[2i] (low half) and src[2i + 1]
+// (high half), each as RoundBf16 rounds it; 16 lanes at a time (the compiler's vector code: the same
+// bits on every instruction set).
+inline void RoundBf16Pairs(const float* src, int64_t n, uint32_t* dst) {
+  using u32x16 = uint32_t __attribute__((vector_size(64)));
+  using u16x16 = uint16_t __attribute__((vector_size(32)));
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const u32x16 u = Load<u32x16>(src + i);
+    const u16x16 b = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, u16x16);
+    std::memcpy(reinterpret_cast<char*>(dst) + 2 * i, &b, sizeof(b));
+  }
+  for (; i < n; i += 2) dst[i / 2] = RoundBf16(src[i]) | uint32_t(RoundBf16(src[i + 1])) << 16;
+}
+
 // A value the compiler must materialize as it is: -ffast-math may then neither fold a factor into
 // the FMAs that use it (it did so for some tile sizes and not others, so a row's result depended on
 // the batch) nor add two k steps' products together before adding them to the sum. One AVX-512
