@@ -99,6 +99,11 @@ class Backend:
     # an NVIDIA Hopper GPU (sm_90a): the MoE experts' grouped matmul runs the Mosaic GPU kernel
     # (pallas_kernels/gpu_gmm.py) where the Pallas backend is chosen (its fallback takes XLA's ragged_dot)
     hopper: bool = False
+    # the model computes in bfloat16 (--quantization bfloat16): only then do bfloat16 KV
+    # pages' attention products take AVX-512 BF16 dot products (q and the probabilities rounded to
+    # bfloat16 as the matmuls' inputs already are); float32 compute keeps float32 attention (set by
+    # the runner, which knows the weights)
+    bf16_compute: bool = False
 
     def describe(self) -> str:
         linear = "XLA dot"
@@ -112,8 +117,10 @@ class Backend:
 
     @property
     def attention_isa(self) -> int:
-        """The native CPU attention's attribute isa (cpu_kernels.attention_isa); 0 off it."""
-        return cpu_kernels.attention_isa(self.dot_isa) if self.dot_isa and self.attention == "cpu" else 0
+        """The native CPU attention's attribute isa (cpu_kernels.attention_isa) where the model
+        computes in bfloat16; 0 otherwise and off the native attention."""
+        native = self.dot_isa and self.attention == "cpu" and self.bf16_compute
+        return cpu_kernels.attention_isa(self.dot_isa) if native else 0
 
     @property
     def gpu_moe_kernel(self) -> bool:

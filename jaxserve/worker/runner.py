@@ -87,7 +87,8 @@ class ModelRunner:
         tp = meshlib.tp_size(self.mesh)
         model_cfg = sharding.with_expert_parallel(model_cfg, cfg.enable_expert_parallel)
         shape = KernelShape(model_cfg.head_dim, model_cfg.num_heads // model_cfg.num_kv_heads, cfg.block_size)
-        self.backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
+        backend = backend or resolve_backend(cfg.attention_backend, cfg.dtype, self.kv_cache_dtype, tp, shape)
+        self.backend = dataclasses.replace(backend, bf16_compute=cfg.quantization == "bfloat16")
         log.info(self.backend.describe())
         mark("backend (native kernels)")
         self.source_config = model_cfg
