@@ -103,7 +103,8 @@ def _choose_isa(cap: str) -> DotIsa:
 def attention_isa(isa: DotIsa) -> int:
     """csrc/paged_attention.cc's `isa` attribute under the dot-product choice `isa`: 1 (bfloat16
     pages' dot products) wherever the bfloat16 matmul has AVX-512 BF16 (isa 1, or AMX's machines,
-    which have it too), else 0."""
+    which have it too), else 0. The backend passes it only to a model that computes in bfloat16
+    (Backend.bf16_compute): float32 compute keeps float32 attention products."""
     return 1 if isa["bfloat16"] >= 1 else 0
 
 

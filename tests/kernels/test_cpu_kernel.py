@@ -156,21 +156,6 @@ def test_engine_cpu_backend_matches_xla_greedy(tiny_model, kv_dtype):
     assert got == want
 
 
-@needs_kernel
-def test_bfloat16_compute_attends_on_dot_products(tiny_model):
-    """A model computing in bfloat16 passes the machine's dot-product choice to the attention
-    calls (bfloat16 pages: isa 1 where the bfloat16 matmul has AVX-512 BF16), and generates."""
-    path = tiny_model("llama", layers=2, heads=4, kv_heads=2)
-    llm = LLM(path, attention_backend="cpu", precompile=False, max_model_len=128, max_num_seqs=2,
-              max_num_batched_tokens=32, num_blocks=16, kv_cache_dtype="bfloat16", quantization="bfloat16")
-    backend = llm.engine.runner.backend
-    assert backend.attention_isa == cpu_kernels.attention_isa(cpu_kernels.choose_isa())
-    assert ("avx512_bf16 dot products" in backend.describe()) == (backend.attention_isa == 1)
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                       use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
-
-
 def test_backend_is_resolved_once_on_cpu():
     native = WHY is None
     assert resolve_backend(None, "bfloat16", "bfloat16").attention == "xla"  # native kernels compute in float32

@@ -125,6 +125,14 @@ def test_default_settings_match_the_reference_outside_near_ties(reference):
 
     llm = LLM(precompile=False, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64,
               kv_cache_memory=64 << 20)
+    # bfloat16 compute on the native attention passes the machine's dot-product choice to it (isa 1
+    # where the bfloat16 matmul has AVX-512 BF16; float32 compute keeps isa 0: test_cpu_kernel.py)
+    backend = llm.engine.runner.backend
+    if llm.engine.quantization == "bfloat16" and backend.attention == "cpu":
+        from jaxserve.runtime import cpu_kernels
+
+        assert backend.attention_isa == cpu_kernels.attention_isa(backend.dot_isa)
+        assert ("avx512_bf16 dot products" in backend.describe()) == (backend.attention_isa == 1)
     exact, far = 0, []
     for prompt, out, (_, want, margins) in zip(PROMPTS, _greedy(llm), reference):
         got = out.outputs[0].token_ids
