@@ -65,9 +65,9 @@ def back_zeroed_with_huge_pages(arrays) -> int:
     off = os.environ.get(ENV, "1") == "0"
     if off or not sys.platform.startswith("linux") or thp_mode() not in ("always", "madvise"):
         return 0
-    arrays = list(arrays)  # shapes only (an abstract runner's cache, `jaxserve lower`): nothing to move
-    if not arrays or any(not isinstance(a, jax.Array) or any(d.platform != "cpu" for d in a.devices())
-                         for a in arrays):
+    arrays = list(arrays)
+    shapes_only = any(not isinstance(a, jax.Array) for a in arrays)  # an abstract runner's (`jaxserve lower`)
+    if not arrays or shapes_only or any(d.platform != "cpu" for a in arrays for d in a.devices()):
         return 0
     for a in arrays:
         a.block_until_ready()  # the zero fill has run: nothing writes them while we advise

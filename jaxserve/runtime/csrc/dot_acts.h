@@ -20,7 +20,7 @@
 namespace jaxserve::dot_matmul {
 
 // Row r of x into a's words (and w8a8's block scales and sums).
-inline void PrepareRow(Format f, const float* xr, int64_t k_len, Acts& a, int64_t r) {
+inline void PrepareRow(Format f, const float* xr, Acts& a, int64_t r) {
   uint32_t* out = a.words.data() + r * a.ldx;
   if (f == kBFLOAT16) {  // the words' halves are the bf16 values in k order (vec.h RoundBf16Pairs)
     RoundBf16Pairs(xr, 2 * a.ldx, out);
@@ -78,7 +78,7 @@ inline void Prepare(xla::ffi::ThreadPool& pool, Format f, const XRows& x, int64_
     thread_local std::vector<float> normed;
     if (fu.norm) normed.resize(k_len);
     for (int64_t r = i * kRows; r < std::min(m, (i + 1) * kRows); ++r)
-      PrepareRow(f, fu.norm ? NormRow(x(r), k_len, fu, normed.data()) : x(r), k_len, a, r);
+      PrepareRow(f, fu.norm ? NormRow(x(r), k_len, fu, normed.data()) : x(r), a, r);
   });
 }
 
