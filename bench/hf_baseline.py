@@ -7,8 +7,8 @@ Two figures, counting only each request's own wanted tokens as useful output:
     generating the batch's largest m; tokens past a row's own m are wasted work, not output).
 Plus single-request decode tok/s: (generate(n) - generate(1)) / (n - 1) on one prompt.
 
-The default model loads with `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)` (transformers
-dequantizes the Q4_1 GGUF to float32: the same weights jaxserve runs). Threads:
+The model loads as bench/hf_reference.py loads the suite's numerical reference (a GGUF through
+transformers' own reader, which dequantizes it to float32: the same weights jaxserve runs). Threads:
 `torch.set_num_threads(os.cpu_count())`.
 
     jaxserve bench hf_baseline [--model PATH] [--num-prompts 64] [--batch-size 16] [--out f.json]
@@ -28,17 +28,11 @@ from bench import common
 
 
 def load_hf_model(model: str | None):
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from bench.hf_reference import load_float32
     from jaxserve.model.loader import resolve_model_path
 
     path = Path(resolve_model_path(model))
-    if path.is_file() and path.suffix == ".gguf":
-        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    else:
-        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return m.eval(), path
+    return load_float32(path), path
 
 
 def _pad_id(model) -> int:

@@ -15,9 +15,14 @@ weights, against the same reference, whose KV is the default: bfloat16 for a bfl
                model, whose next-token distributions are nearly flat, this falls fast)
   weights      bytes held by the parameters after load, and their share of float32
   decode tok/s one stream, `LLM.generate` (time for --decode-tokens more tokens after the first)
+  vs transformers  with --reference transformers: each format's greedy texts against transformers'
+               float32 forward of the same file (bench/hf_reference.py): how many prompts match in
+               full, and where one parts, whether the reference's top-2 margin there is a near-tie
+               (< 0.05) or not ("far": a real numerical difference). Needs the test extras (torch).
 
     jaxserve bench quality [--model PATH] [--formats none,int8,q8_0,q4_0,q4_1,q4_k,q6_k]
-                           [--kv-cache-dtypes int8,fp8_e4m3,fp8_e5m2] [--out f.json]
+                           [--kv-cache-dtypes int8,fp8_e4m3,fp8_e5m2] [--reference transformers]
+                           [--out f.json]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from importlib import resources
 
 import numpy as np
 
-from bench import common
+from bench import common, hf_reference
 
 PROMPTS = [
     "The capital of France is",
@@ -93,8 +98,10 @@ def greedy_agreement(runner, prompts: list[list[int]], tokens: list[list[int]]) 
     return hits / total
 
 
-def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None, kv: str | None = None) -> dict:
-    """One row: weights in `fmt`, the KV cache in `kv` (None: the engine's default)."""
+def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None, kv: str | None = None,
+            hf: dict | None = None) -> dict:
+    """One row: weights in `fmt`, the KV cache in `kv` (None: the engine's default); `hf`: the
+    transformers reference's model, and its greedy texts once the first row computed them."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.runtime import quant_params
 
@@ -119,6 +126,10 @@ def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None,
     out = {"format": fmt, "kv_cache_dtype": runner.kv_cache_dtype, "text_tokens": len(ids),
            "perplexity": float(np.exp(nll.mean())), "weight_bytes": quant_params.weight_bytes(runner.params),
            "decode_tok_s": args.decode_tokens / max(times[1] - times[0], 1e-9), "top1": top1, "tokens": tokens}
+    if hf is not None:
+        if "greedy" not in hf:  # the same prompt ids for every format of one model
+            hf["greedy"] = hf_reference.greedy(hf["model"], prompts, args.max_tokens)
+        out["vs_transformers"] = hf_reference.compare(tokens, hf["greedy"])
     if ref is not None:
         out["top1_agreement"] = float(np.mean(top1 == ref["top1"]))
         pairs = [(a, b) for x, y in zip(tokens, ref["tokens"]) for a, b in zip(x, y)]
@@ -129,6 +140,16 @@ def measure(model: str | None, fmt: str, ids: list[int], args, ref: dict | None,
     del llm, runner
     gc.collect()
     return out
+
+
+def versus(seen: dict) -> str:
+    """A row's greedy texts against transformers': '7/8 exact, 1 near-tie'."""
+    parts = [f"{seen['exact']}/{seen['prompts']} exact"]
+    if seen["near_ties"]:
+        parts.append(f"{len(seen['near_ties'])} near-tie{'s' if len(seen['near_ties']) > 1 else ''}")
+    if seen["far"]:
+        parts.append(f"{len(seen['far'])} far")
+    return ", ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -143,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--text-tokens", type=int, default=1024, help="at most this many tokens of the text (default 1024)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens timed for decode tok/s (default 64)")
     p.add_argument("--num-blocks", type=int, default=160, help="KV blocks of 16 tokens (default 160)")
+    p.add_argument("--reference", choices=("transformers",), default=None,
+                   help="also compare each format's greedy texts with transformers' float32 forward (test extras)")
     p.add_argument("--out", default=None, help="write JSON here")
     args = p.parse_args(argv)
 
@@ -156,10 +179,17 @@ def main(argv=None) -> int:
         formats.insert(0, "none")
     ids = Tokenizer.from_gguf(path) if is_gguf else Tokenizer.from_pretrained(path)
     ids = ids.encode(quality_text())[:args.text_tokens]
+    hf = None
+    if args.reference == "transformers":
+        try:
+            hf = {"model": hf_reference.load_float32(path)}
+        except ImportError as e:
+            raise SystemExit(f"--reference transformers needs torch and transformers ({e}): "
+                             "pip install -e '.[test]'") from None
     results, ref = [], None
     runs = [(fmt, None) for fmt in formats] + [("none", kv) for kv in args.kv_cache_dtypes.split(",") if kv]
     for fmt, kv in runs:
-        r = measure(args.model, fmt, ids, args, ref, kv)
+        r = measure(args.model, fmt, ids, args, ref, kv, hf)
         ref = ref or r
         results.append(r)
         print(f"  {fmt}, KV {r['kv_cache_dtype']}: perplexity {r['perplexity']:.3f}, {r['decode_tok_s']:.1f} tok/s",
@@ -168,12 +198,18 @@ def main(argv=None) -> int:
     rows = [(r["format"], r["kv_cache_dtype"], r["weight_bytes"] / 2**20, pct(r, "weights_vs_float32"),
              f"{r['perplexity']:.3f}",
              f"{100 * r.get('perplexity_vs_ref', 0):+.2f}%", pct(r, "top1_agreement"), pct(r, "greedy_agreement"),
-             pct(r, "free_running_agreement"), r["decode_tok_s"]) for r in results]
+             pct(r, "free_running_agreement"), r["decode_tok_s"], *([versus(r["vs_transformers"])] if hf else []))
+            for r in results]
     print(common.table(rows, ("format", "KV", "weights MiB", "of float32", "perplexity", "vs float32", "top-1",
-                              "greedy", "free-running", "decode tok/s"),
+                              "greedy", "free-running", "decode tok/s", *(["vs transformers"] if hf else [])),
                        f"Weight formats and KV caches on {path.name}: {results[0]['text_tokens']} text tokens, "
                        f"{len(PROMPTS)} "
                        f"prompts x {args.max_tokens} greedy tokens"))
+    for r in results if hf else []:
+        for kind in ("near_ties", "far"):
+            for i, at, margin in r["vs_transformers"][kind]:
+                print(f"  {r['format']}, KV {r['kv_cache_dtype']}: {PROMPTS[i]!r} parts at token {at}, reference "
+                      f"top-2 margin {margin} ({'near-tie' if kind == 'near_ties' else 'far'})")
     for r in results:
         r.pop("top1"), r.pop("tokens")
     common.report("quality", argv, model={"path": str(path), "text_tokens": len(ids)}, config=vars(args),

@@ -15,10 +15,10 @@ import shutil
 import jax.numpy as jnp
 import pytest
 
+from bench import hf_reference
 from jaxserve import LLM, SamplingParams
 from jaxserve.runtime.cpu_isa import cpu_features
 
-NEAR_TIE = 0.05
 NEW_TOKENS = 32
 PROMPTS = ["The capital of France is", "1, 2, 3, 5, 8, 13, 21, 34,", "def add(a, b):\n    return a + b\n" * 4,
            "Once upon a time, in a land far away, there lived a", "x " * 60, "2, 4, 6, 8, 10, 12, 14,"]
@@ -38,21 +38,6 @@ def bf16_checkpoint(tiny_model, tmp_path_factory):
     return src, str(dst)
 
 
-def _reference(path, prompt_ids):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for ids in prompt_ids:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()[0]) for s in gen.scores]
-        out.append((gen.sequences[0, len(ids):].tolist(), margins))
-    return out
-
-
 _REFERENCE: dict = {}  # the transformers reference, computed once for both parametrizations
 
 
@@ -69,15 +54,10 @@ def test_default_greedy_matches_float32_reference_outside_near_ties(bf16_checkpo
                         use_tqdm=False)
     key = tuple(tuple(o.prompt_token_ids) for o in outs)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _reference(f32_path, [o.prompt_token_ids for o in outs])
+        model = hf_reference.load_float32(f32_path)
+        _REFERENCE[key] = hf_reference.greedy(model, [o.prompt_token_ids for o in outs], NEW_TOKENS)
     ref = _REFERENCE[key]
-    exact, far = 0, []
-    for prompt, out, (want, margins) in zip(PROMPTS, outs, ref):
-        got = out.outputs[0].token_ids
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if at is None:
-            exact += 1
-        elif margins[at] >= NEAR_TIE:
-            far.append((prompt[:20], at, round(margins[at], 3)))
+    seen = hf_reference.compare([o.outputs[0].token_ids for o in outs], ref)
+    far = [(PROMPTS[i][:20], at, margin) for i, at, margin in seen["far"]]
     assert not far, f"greedy parted from the float32 reference outside near-ties: {far}"
-    assert exact >= len(PROMPTS) // 2  # the check compares something: most continuations agree in full
+    assert seen["exact"] >= len(PROMPTS) // 2  # the check compares something: most continuations agree in full
