@@ -9,7 +9,11 @@ With `keep_quantized`, 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices stay in their block
 formats), and so do stacked expert tensors (`ffn_*_exps`, [E, out, in]) of those types (Q8_0, Q4_K,
 Q6_K as llama.cpp's Q4_K_M writes them), as one ExpertStack of the E experts' kernels
 (runtime/expert_matmul.py multiplies them as stored). Otherwise, and for other types, experts are
-dequantized to float32 per-expert matrices.
+dequantized to float32 per-expert matrices. With `kernel_dtype` (bfloat16, where the runner will
+pack the model as `--quantization bfloat16`), each 2-D tensor that becomes a linear layer's kernel
+or the embedding table with a quantized layout is cast to it in the loading threads, right after it
+is dequantized: the values the runner would round it to (round to nearest even), without a float32
+copy of the whole model held first.
 
 The header and metadata are parsed here directly (gguf's `GGUFReader` takes ~2 s just to index the
 49k-entry vocabulary arrays of a small model; this takes ~0.1 s); dequantization uses
@@ -40,6 +44,7 @@ from jaxserve.model.gguf_arch import (
     gguf_config,
     hf_tensor_name,
 )
+from jaxserve.model.weights import expert_param_path
 from jaxserve.runtime import mxfp4, weight_formats
 
 GGUF_MAGIC = b"GGUF"
@@ -246,7 +251,7 @@ def kept_quantized(g: GGUFFile, info: TensorInfo, qk_heads: int | None):
     return weight_formats.from_gguf(raw if qk_heads is None else unpermute_qk(raw, qk_heads), info.type_name)
 
 
-def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[dict, dict[str, Any]]:
+def load_gguf(path: os.PathLike | str, keep_quantized: bool = False, kernel_dtype=None) -> tuple[dict, dict[str, Any]]:
     """(HF-style config dict, {HF tensor name: float32 ndarray in HF shape}) for a GGUF model file.
     With `keep_quantized`, 2-D tensors of a KEPT_TYPES type stay in their blocks instead, as the
     quantized format of their [in, out] kernel (no float copy is made of them), and stacked experts
@@ -284,7 +289,8 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
             if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
                 weights[hf] = kept
                 continue
-            weights[hf] = pool.submit(_float_tensor, g, name, arch, heads)
+            cast = kernel_dtype if kernel_dtype is not None and _becomes_kernel(hf, cfg["model_type"]) else None
+            weights[hf] = pool.submit(_float_tensor, g, name, arch, heads, cast)
     weights = {k: w.result() if isinstance(w, Future) else w for k, w in weights.items()}
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
     if missing:
@@ -292,9 +298,23 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False) -> tuple[di
     return cfg, weights
 
 
-def _float_tensor(g: GGUFFile, name: str, arch: str, heads: int | None) -> np.ndarray:
-    """Tensor `name` dequantized to float32 in HF's layout."""
+def _becomes_kernel(hf: str, model_type: str) -> bool:
+    """Whether HF tensor `hf` is a linear layer's weight or the embedding table (what a weight format
+    packs: runtime/quant_params.py), not an expert's, a norm or a bias."""
+    found = expert_param_path(hf, model_type)
+    return (found is not None and found[1] is None
+            and (found[0][-1] == "kernel" or found[0] == ("embed_tokens", "embedding")))
+
+
+def _float_tensor(g: GGUFFile, name: str, arch: str, heads: int | None, cast=None) -> np.ndarray:
+    """Tensor `name` dequantized to float32 in HF's layout; a 2-D one with a quantized layout in
+    dtype `cast` where given (load_gguf's kernel_dtype)."""
     w = g.dequantize(name)
+    if cast is not None and w.ndim == 2:
+        if heads is not None:
+            w = unpermute_qk(w, heads)
+        # [out, in] here: the kernel is [in, out]
+        return w.astype(cast) if weight_formats.quantizable(w.shape[::-1], weight_formats.block_of("bfloat16")) else w
     if heads is not None:
         return unpermute_qk(w, heads)
     if arch in NORM_SHIFT and name.endswith("norm.weight"):

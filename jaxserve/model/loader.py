@@ -65,7 +65,9 @@ def load_model(model: str | None, dtype=None, quantization: str | None = None) -
     if is_gguf:
         from jaxserve.model.gguf_loader import load_gguf  # gguf: not on every image (tools/device_check)
 
-        hf_config, weights = load_gguf(path, keep_quantized=quantization in ("gguf", "w4a8"))
+        # bfloat16: the kernels the runner packs are cast as they are dequantized (gguf_loader.py)
+        hf_config, weights = load_gguf(path, keep_quantized=quantization in ("gguf", "w4a8"),
+                                       kernel_dtype=ml_dtypes.bfloat16 if quantization == "bfloat16" else None)
         gen = {}
     elif path.is_dir() and (path / "jaxserve_orbax.json").is_file():  # `jaxserve convert` output
         hf_config, params, gen = open_orbax(path)  # lazy: the runner restores it onto the mesh
@@ -78,7 +80,7 @@ def load_model(model: str | None, dtype=None, quantization: str | None = None) -
         )
     cfg = ModelConfig.from_hf(hf_config, source=str(path))
     if params is None:
-        params = hf_to_params(weights, cfg, dtype=dtype)
+        params = hf_to_params(weights, cfg, dtype=dtype, consume=True)
     if gen.get("eos_token_id") is not None:
         eos = gen["eos_token_id"]
         eos = tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -178,3 +178,29 @@ def test_tiny_gguf_as_w4a8(tmp_path, matrix_type, kind, budget):
     scale = np.abs(ref_logits).max()
     assert np.abs(logits[0] - ref_logits[0]).max() <= 0.03 * scale  # the prefill, same inputs
     assert not np.array_equal(logits[0], ref_logits[0])  # the activations were quantized
+
+
+def test_bfloat16_load_gives_the_float32_loads_packed_weights_bit_for_bit():
+    """`--quantization bfloat16` on a GGUF: the loader casts each kernel (and the embedding table) to
+    bfloat16 as it dequantizes it, instead of holding the float32 model first (generate's load peak,
+    bench/RESULTS.md). Packed by quantize_params, every leaf equals the float32 load's, bit for bit;
+    norms stay float32."""
+    import jax
+    import ml_dtypes
+
+    from jaxserve.model.loader import load_model
+
+    path = str(dm.default_model_path(download=False))
+    cast = load_model(path, quantization="bfloat16").params
+    assert cast["layers_0"]["self_attn"]["q_proj"]["kernel"].dtype == ml_dtypes.bfloat16  # q/k unpermuted first
+    assert cast["embed_tokens"]["embedding"].dtype == ml_dtypes.bfloat16
+    assert cast["layers_0"]["input_layernorm"]["weight"].dtype == np.float32
+    ref = load_model(path).params
+    assert ref["layers_0"]["mlp"]["down_proj"]["kernel"].dtype == np.float32
+    packed = [quant_params.quantize_params(p, "bfloat16") for p in (cast, ref)]
+    leaves = [jax.tree_util.tree_leaves_with_path(p) for p in packed]
+    assert [k for k, _ in leaves[0]] == [k for k, _ in leaves[1]]
+    for (key, a), (_, b) in zip(*leaves):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, key
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), key
