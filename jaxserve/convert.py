@@ -87,7 +87,8 @@ def convert_model(src, dst) -> dict:
     if cfg.expert_format is not None:
         raise UserError(f"{str(src_path)!r} keeps its experts in {cfg.expert_format.upper()}, which `jaxserve convert` "
                         "cannot write yet: serve the Hugging Face directory directly.", param="model")
-    params = hf_to_params(weights, cfg, dtype=np.float32, consume=True)
+    params = hf_to_params(weights, cfg, dtype=np.float32)
+    del weights
     t_read = time.perf_counter() - t0
 
     dst.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def load_model(model: str | None, dtype=None, quantization: str | None = None) -
         )
     cfg = ModelConfig.from_hf(hf_config, source=str(path))
     if params is None:
-        params = hf_to_params(weights, cfg, dtype=dtype, consume=True)
+        params = hf_to_params(weights, cfg, dtype=dtype)
     if gen.get("eos_token_id") is not None:
         eos = gen["eos_token_id"]
         eos = tuple(eos) if isinstance(eos, list) else (int(eos),)

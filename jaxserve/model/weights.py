@@ -53,23 +53,16 @@ def _common_path(name: str) -> tuple[str, ...] | None:
     return None  # e.g. rotary_emb.inv_freq in old checkpoints
 
 
-def hf_to_params(hf_weights: dict, cfg: ModelConfig, dtype=np.float32, consume: bool = False) -> dict:
-    """Build the nested param dict (numpy, on host) in `dtype` (None: each tensor's own). Linear
-    weights go from [out, in] to [in, out];
-    quantized ones (runtime/weight_formats.py) come in their kernel layout and are kept as they are.
-    `consume`: empty `hf_weights` as its tensors are laid out, so each is released once its [in, out]
-    copy is made (a GGUF's dequantized float32 tensors: the load then holds one copy of the model at
-    a time, not two)."""
+def hf_to_params(hf_weights, cfg: ModelConfig, dtype=np.float32) -> dict:
+    """Build the nested param dict (numpy, on host) in `dtype` (None: each tensor's own, and a linear
+    weight stays a view of the checkpoint's tensor). Linear weights go from [out, in] to [in, out];
+    quantized ones (runtime/weight_formats.py) come in their kernel layout and are kept as they are."""
     params: dict = {}
     experts: dict = {}  # path -> {expert index: [in, out] matrix}
     family = families.family(cfg.model_type)
     if hasattr(family, "transform_weights"):  # tensors the family splits or re-packs (gpt-oss's experts)
-        transformed = family.transform_weights(hf_weights)
-        if consume:
-            hf_weights.clear()
-        hf_weights = transformed
-    for name in list(hf_weights):
-        w = hf_weights.pop(name) if consume else hf_weights[name]
+        hf_weights = family.transform_weights(hf_weights)
+    for name, w in hf_weights.items():
         found = expert_param_path(name, cfg.model_type)
         if found is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
@@ -87,10 +80,9 @@ def hf_to_params(hf_weights: dict, cfg: ModelConfig, dtype=np.float32, consume: 
             experts.setdefault(path, {})[expert] = w.T
             continue
         w = w.T if path[-1] == "kernel" else w
-        # dtype None: the [in, out] view as it is. Placement copies it once as it lays each shard out on the
+        # dtype None: the view as it is. Placement copies it once as it lays each shard out on the
         # devices, and a weight format packs it straight into its panels: a contiguous copy here
-        # would hold a second float32 model while the first is freed (memory a GGUF's dequantizing
-        # threads' malloc arenas keep).
+        # would be a second copy of the model while the first is still held.
         node[path[-1]] = w if dtype is None else np.ascontiguousarray(w, dtype=dtype)
     for path, by_index in experts.items():
         if sorted(by_index) != list(range(cfg.num_experts)):
