@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.worker import step_cache, warm_up
+from jaxserve.worker import step_cache, warm_up, xla_cache
 from tests.test_step_contract import CompileCounter, steady_state_mix
 
 SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, num_blocks=32)
@@ -56,6 +56,23 @@ def test_a_cached_step_loads_without_tracing_and_computes_the_same(tiny_model, s
     same = step_cache.key_of(step_cache.describe(runner, key), key)
     runner.cfg = dataclasses.replace(runner.cfg, num_blocks=runner.cfg.num_blocks + 1)  # another KV cache
     assert step_cache.key_of(step_cache.describe(runner, key), key) != same
+
+
+def test_a_step_xla_served_from_its_cache_is_not_stored(tiny_model, step_cache_dir, monkeypatch, tmp_path):
+    """Serializing an executable that XLA's persistent cache deserialized leaves out its compiled
+    functions (jax 0.10.2): stored, it loaded and then failed on its first call ("Function
+    bitcast_dynamic-slice_fusion.2 not found"). A start with the step cache on after one with it off
+    (XLA's cache warm) stores nothing, and the next start runs."""
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE", str(tmp_path))  # LLM's XLA cache: the step cache's parent
+    kw = dict(SMALL, compilation_cache=True, precompile=False)
+    monkeypatch.setenv("JAXSERVE_STEP_CACHE", "0")
+    want = tokens(LLM(tiny_model("llama"), **kw))  # XLA compiles (or its cache serves) every step
+    monkeypatch.setenv("JAXSERVE_STEP_CACHE", "1")
+    hits = xla_cache.EVENTS[xla_cache.HIT]
+    assert tokens(LLM(tiny_model("llama"), **kw)) == want
+    assert xla_cache.EVENTS[xla_cache.HIT] > hits  # XLA's cache served the steps this time
+    assert not list(step_cache_dir.glob("*.bin"))
+    assert tokens(LLM(tiny_model("llama"), **kw)) == want
 
 
 @pytest.mark.slow

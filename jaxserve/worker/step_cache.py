@@ -15,13 +15,14 @@ One file per key under `<XLA cache dir>/jaxserve-steps/` (pickled: trusted like 
 A file that fails to load is ignored (and recompiled and rewritten); writes are atomic. The key
 cannot see code patched at run time (a test's monkeypatch).
 
-**Off by default; `JAXSERVE_STEP_CACHE=1` turns it on.** An executable serialized here can load
-and then fail when run: a warm `jaxserve serve --quantization bfloat16` died on its first steps
-with XLA:CPU's `Error dispatching computation: Function bitcast_dynamic-slice_fusion not found`,
-on every start from that cache, and ran with the cache off (2026-12-03, jax 0.10.2; the same
-class of error was seen once before, "wrapped_slice.2 not found"). The cause is not found yet
-(a suspect: serializing an executable that XLA's own persistent cache had just deserialized).
-Without it a warm `serve` is healthy as fast (the background warm-up traces the other buckets).
+**Off by default; `JAXSERVE_STEP_CACHE=1` turns it on.** Only an executable XLA compiled in this
+process is stored (`compile`): one that XLA's persistent cache served was deserialized, and
+serializing it again (jax 0.10.2, XLA:CPU) leaves out its compiled functions, so the stored file
+loads and then fails on its first call ("Function bitcast_dynamic-slice_fusion.2 not found": a
+warm `serve` died on its first steps that way, 2026-12-03; tests/test_startup.py recreates it).
+Such a bucket is not stored, and its warm starts load it from XLA's cache after tracing, as with
+this cache off. Without this cache a warm `serve` is healthy as fast (the background warm-up
+traces the other buckets).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from jaxserve.runtime import cpu_kernels
+from jaxserve.worker import xla_cache
 
 log = logging.getLogger("jaxserve")
 
@@ -126,9 +128,22 @@ def load(key: str | None):
         return None
 
 
-def store(key: str | None, compiled) -> None:
+def compile(lowered):
+    """(lowered.compile(), whether XLA compiled it here): False when XLA's persistent cache served
+    a deserialized executable, which `store` must not serialize again (the module docstring)."""
+    before = xla_cache.thread_hits()
+    compiled = lowered.compile()
+    return compiled, xla_cache.thread_hits() == before
+
+
+def store(key: str | None, compiled, fresh: bool = True) -> None:
+    """Keep `compiled` under `key`; not when it is not `fresh` (compile's second value)."""
     d = directory()
     if d is None or key is None:
+        return
+    if not fresh:
+        log.info("Step executable not cached: XLA's persistent cache served it, and serializing a "
+                 "deserialized executable again would leave out its compiled functions")
         return
     _LIVE[key] = compiled
     try:
