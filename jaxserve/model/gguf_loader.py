@@ -289,7 +289,7 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False, kernel_dtyp
             if keep_quantized and (kept := kept_quantized(g, info, heads)) is not None:
                 weights[hf] = kept
                 continue
-            cast = kernel_dtype if kernel_dtype is not None and _becomes_kernel(hf, cfg["model_type"]) else None
+            cast = kernel_dtype if kernel_dtype is not None and _packed(hf, cfg["model_type"]) else None
             weights[hf] = pool.submit(_float_tensor, g, name, arch, heads, cast)
     weights = {k: w.result() if isinstance(w, Future) else w for k, w in weights.items()}
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in weights]
@@ -298,29 +298,24 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False, kernel_dtyp
     return cfg, weights
 
 
-def _becomes_kernel(hf: str, model_type: str) -> bool:
-    """Whether HF tensor `hf` is a linear layer's weight or the embedding table (what a weight format
-    packs: runtime/quant_params.py), not an expert's, a norm or a bias."""
+def _packed(hf: str, model_type: str) -> bool:
+    """Whether HF tensor `hf` is one a weight format packs (weight_formats.packs), not an expert's."""
     found = expert_param_path(hf, model_type)
-    return (found is not None and found[1] is None
-            and (found[0][-1] == "kernel" or found[0] == ("embed_tokens", "embedding")))
+    return found is not None and found[1] is None and weight_formats.packs(found[0])
 
 
 def _float_tensor(g: GGUFFile, name: str, arch: str, heads: int | None, cast=None) -> np.ndarray:
-    """Tensor `name` dequantized to float32 in HF's layout; a 2-D one with a quantized layout in
-    dtype `cast` where given (load_gguf's kernel_dtype)."""
+    """Tensor `name` dequantized to float32 in HF's layout; in dtype `cast` where given (load_gguf's
+    kernel_dtype) and its [in, out] kernel has a packed layout."""
     w = g.dequantize(name)
-    if cast is not None and w.ndim == 2:
-        if heads is not None:
-            w = unpermute_qk(w, heads)
-        # [out, in] here: the kernel is [in, out]
-        return w.astype(cast) if weight_formats.quantizable(w.shape[::-1], weight_formats.block_of("bfloat16")) else w
     if heads is not None:
-        return unpermute_qk(w, heads)
-    if arch in NORM_SHIFT and name.endswith("norm.weight"):
-        return w - np.float32(1.0)
-    if name.endswith(".ffn_gate_inp_shexp.weight"):
-        return w.reshape(1, -1)  # HF's [1, hidden] (llama.cpp may store it 1-D)
+        w = unpermute_qk(w, heads)
+    elif arch in NORM_SHIFT and name.endswith("norm.weight"):
+        w = w - np.float32(1.0)
+    elif name.endswith(".ffn_gate_inp_shexp.weight"):
+        w = w.reshape(1, -1)  # HF's [1, hidden] (llama.cpp may store it 1-D)
+    if cast is not None and weight_formats.quantizable(w.shape[::-1], weight_formats.block_of("bfloat16")):
+        w = w.astype(cast)
     return w
 
 

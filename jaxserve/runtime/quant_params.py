@@ -24,6 +24,7 @@ from jaxserve.runtime.weight_formats import (
     QuantWeight,
     block_of,
     is_quantized,
+    packs,
     quantizable,
     quantize,
     stack_experts,
@@ -76,13 +77,13 @@ def quantize_params(params: dict, quantization: str, experts: bool = True) -> di
         on_device = isinstance(leaf, jax.Array)
         if len(names) >= 2 and names[-2] == "experts" and names[-1] in EXPERT_KERNELS:
             return _experts(leaf, quantization, fallback, on_device) if experts else leaf
+        if not packs(names):
+            return leaf
         if names[-1] == "kernel":
             kernel = leaf
-        elif names[-2:] == ["embed_tokens", "embedding"]:
+        else:  # the embedding table, as its LM head's [H, V]
             kernel = jax.ShapeDtypeStruct(leaf.shape[::-1], leaf.dtype) if isinstance(
                 leaf, jax.ShapeDtypeStruct) else np.asarray(leaf).T
-        else:
-            return leaf
         kind = quantization if quantizable(kernel.shape, block_of(quantization)) else fallback
         if not quantizable(kernel.shape, block_of(kind)):
             return leaf

@@ -274,8 +274,7 @@ class ModelRunner:
         cache_key = step_cache.key_for(self, key)  # None when the step cache is off
         exe = step_cache.load(cache_key)
         if exe is None:
-            exe, fresh = step_cache.compile(jitted.lower(*args))
-            step_cache.store(cache_key, exe, fresh)
+            exe = step_cache.compile(cache_key, jitted.lower(*args))
         return exe
 
     def _sampler(self, key: BucketKey):

@@ -128,22 +128,22 @@ def load(key: str | None):
         return None
 
 
-def compile(lowered):
-    """(lowered.compile(), whether XLA compiled it here): False when XLA's persistent cache served
-    a deserialized executable, which `store` must not serialize again (the module docstring)."""
+def compile(key: str | None, lowered):
+    """lowered.compile(), kept under `key` (None: the cache is off) unless XLA's persistent cache
+    served it: a deserialized executable is not serialized again (the module docstring)."""
     before = xla_cache.thread_hits()
     compiled = lowered.compile()
-    return compiled, xla_cache.thread_hits() == before
-
-
-def store(key: str | None, compiled, fresh: bool = True) -> None:
-    """Keep `compiled` under `key`; not when it is not `fresh` (compile's second value)."""
-    d = directory()
-    if d is None or key is None:
-        return
-    if not fresh:
+    if xla_cache.thread_hits() == before:
+        _store(key, compiled)
+    elif key is not None:
         log.info("Step executable not cached: XLA's persistent cache served it, and serializing a "
                  "deserialized executable again would leave out its compiled functions")
+    return compiled
+
+
+def _store(key: str | None, compiled) -> None:
+    d = directory()
+    if d is None or key is None:
         return
     _LIVE[key] = compiled
     try:
