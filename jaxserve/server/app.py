@@ -199,14 +199,16 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/v1/messages", guarded(anthropic.create), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(anthropic.count_tokens), methods=["POST"]),
         Route("/v1/embeddings", guarded(pooling.embeddings), methods=["POST"]),
-        Route("/v1/rerank", guarded(pooling.rerank), methods=["POST"]),
-        Route("/v1/score", guarded(pooling.score), methods=["POST"]),
+        # vLLM's aliases: /rerank, /v2/rerank (Cohere's v2 path) and /score take the same bodies
+        *(Route(path, guarded(pooling.rerank), methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+        *(Route(path, guarded(pooling.score), methods=["POST"]) for path in ("/v1/score", "/score")),
         Route("/load", guarded(load), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/health", guarded(health), methods=["GET"]),
+        Route("/ping", guarded(health), methods=["GET", "POST"]),  # SageMaker's health check, beside /invocations
         Route("/metrics", guarded(prometheus), methods=["GET"]),
         Route("/version", guarded(version), methods=["GET"]),
         Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]),

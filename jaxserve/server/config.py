@@ -12,7 +12,7 @@ from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.replicas import add_replica_args
 from jaxserve.server.tool_parsers import TOOL_PARSERS
 
-DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/load")
+DEFAULT_PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version", "/load")
 ADMIN_PATHS = ("/reset_prefix_cache",)  # always need the key when one is set
 
 
@@ -113,7 +113,7 @@ OPTIONS = (
      dict(help="require 'Authorization: Bearer KEY' (default: $JAXSERVE_API_KEY, else no key)")),
     ("public_paths", "--public-paths",
      dict(default=",".join(DEFAULT_PUBLIC_PATHS),
-          help="comma-separated paths open without the key (default /health,/metrics,/version,/load; "
+          help="comma-separated paths open without the key (default /health,/ping,/metrics,/version,/load; "
           "'' protects all; admin routes such as /reset_prefix_cache always need it)")),
     ("served_model_names", "--served-model-name",
      dict(nargs="+", default=None, metavar="NAME", help="model name(s) clients send (default: the model's name)")),

@@ -10,7 +10,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxserve.server.errors import APIError, error_response
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations",
-                            "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/rerank", "/v1/score"})
+                            "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/rerank", "/rerank",
+                            "/v2/rerank", "/v1/score", "/score"})
 
 
 class APIKey:

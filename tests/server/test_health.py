@@ -1,4 +1,5 @@
-"""/health follows the engine loop: 503 while a step hangs, 503 once it died, and clients are told."""
+"""/health (and SageMaker's /ping, GET or POST) follows the engine loop: 503 while a step hangs, 503 once
+it died, and clients are told."""
 
 from __future__ import annotations
 
@@ -42,12 +43,14 @@ def test_health_during_hung_step_then_death(faulty):
         while (r := h.get("/health")).status_code == 200:  # answers while the step is stuck
             t.join(0.05)
         assert r.status_code == 503 and "running for" in r.json()["error"]["message"]
+        assert h.get("/ping").status_code == 503 and h.post("/ping").status_code == 503
         engine.step = real_step
         aengine.hang_timeout = 120
         release.set()
         t.join(30)
         assert done[0].status_code == 200
         assert h.get("/health").status_code == 200
+        assert h.get("/ping").json() == {"status": "ok"} and h.post("/ping").status_code == 200
 
         def boom():
             raise RuntimeError("device lost")
@@ -62,6 +65,7 @@ def test_health_during_hung_step_then_death(faulty):
         assert err["code"] == "engine_unavailable" and "device lost" in err["message"]
         r = h.get("/health")
         assert r.status_code == 503 and "died" in r.json()["error"]["message"]
+        assert h.get("/ping").json() == r.json()
         r = h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert h.get("/v1/models").status_code == 200  # the rest of the API still answers

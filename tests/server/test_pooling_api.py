@@ -98,6 +98,12 @@ def test_rerank_and_score_equal_transformers(srv, model_dir, tok):
         np.testing.assert_allclose([d["score"] for d in s.json()["data"]], want, atol=1e-5)
         pairwise = http.post("/v1/score", json={"text_1": [QUERY, QUERY], "text_2": DOCS[:2]}).json()
         np.testing.assert_allclose([d["score"] for d in pairwise["data"]], want[:2], atol=1e-5)
+        for alias in ("/rerank", "/v2/rerank"):  # vLLM's aliases, the same handler
+            r = http.post(alias, json={"query": QUERY, "documents": DOCS}).json()["results"]
+            assert [x["index"] for x in r] == [x["index"] for x in results]
+            np.testing.assert_allclose([x["relevance_score"] for x in r], [want[x["index"]] for x in r], atol=1e-5)
+        alias = http.post("/score", json={"text_1": QUERY, "text_2": DOCS}).json()["data"]
+        np.testing.assert_allclose([d["score"] for d in alias], want, atol=1e-5)
 
 
 TOO_LONG = list(range(5, 300))  # max_model_len is 256

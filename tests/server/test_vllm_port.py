@@ -573,6 +573,8 @@ def test_api_token(keyed):
     r = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer test"})
     assert r.status_code == 200
     assert httpx.get(keyed.url + "/health").status_code == 200  # public path
+    assert httpx.get(keyed.url + "/ping").status_code == 200  # SageMaker's, also public
+    assert httpx.post(keyed.url + "/invocations", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
 
 
 def test_request_id_header(keyed):
