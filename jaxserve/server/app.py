@@ -33,6 +33,7 @@ from jaxserve.server.async_engine import AsyncEngine, EngineDeadError
 from jaxserve.server.config import ServerConfig, add_serve_args
 from jaxserve.server.http_protocol import HeaderTimeoutProtocol
 from jaxserve.startup_trace import mark
+from jaxserve.worker.profiler import Profiler
 from jaxserve.server.errors import (
     APIError,
     bad_request,
@@ -158,6 +159,16 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         freed = await aengine.call(lambda engine: engine.reset_prefix_cache())
         return JSONResponse({"freed_blocks": freed})
 
+    profiler = Profiler(cfg.profiler_dir) if cfg.profiler_dir else None
+
+    async def profile(request: Request) -> Response:
+        """vLLM's POST /start_profile and /stop_profile: a jax trace of the steps in between."""
+        if profiler is None:
+            raise UserError("Profiling is off: start the server with --profiler-dir DIR.", param="profiler_dir")
+        start = request.url.path == "/start_profile"
+        await aengine.call(lambda engine: profiler.start() if start else profiler.stop())
+        return JSONResponse({"status": "started" if start else "stopped"})
+
     async def on_user_error(request: Request, exc: UserError) -> Response:
         return error_response(exc, request.url.path)
 
@@ -186,6 +197,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
             yield
         finally:
             await aengine.shutdown()
+            if profiler is not None:
+                profiler.close()
             if kv_events is not None:
                 kv_events.shutdown()
 
@@ -212,6 +225,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/metrics", guarded(prometheus), methods=["GET"]),
         Route("/version", guarded(version), methods=["GET"]),
         Route("/reset_prefix_cache", guarded(reset_prefix_cache), methods=["POST"]),
+        Route("/start_profile", guarded(profile), methods=["POST"]),
+        Route("/stop_profile", guarded(profile), methods=["POST"]),
     ]
     middleware = []  # outermost first: CORS answers preflights before the key is checked
     if cfg.allowed_origins:

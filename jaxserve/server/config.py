@@ -13,7 +13,7 @@ from jaxserve.server.replicas import add_replica_args
 from jaxserve.server.tool_parsers import TOOL_PARSERS
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version", "/load")
-ADMIN_PATHS = ("/reset_prefix_cache",)  # always need the key when one is set
+ADMIN_PATHS = ("/reset_prefix_cache", "/start_profile", "/stop_profile")  # always need the key when one is set
 
 
 @dataclass
@@ -41,6 +41,7 @@ class ServerConfig:
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id and GET
     responses_store_ttl: float = 3600.0  # seconds a stored response is kept
     kv_events_config: str | None = None  # vLLM's JSON: publish KV events over ZMQ (kv_events.py)
+    profiler_dir: str | None = None  # POST /start_profile, /stop_profile write jax traces here (off: None)
 
     def __post_init__(self) -> None:
         for name, known in (
@@ -84,6 +85,17 @@ class ServerConfig:
                 "Invalid api_key='': give a non-empty key, or none to serve without one.",
                 param="api_key",
             )
+        if self.profiler_dir is not None:  # checked now, not when the first trace is written
+            try:
+                os.makedirs(self.profiler_dir, exist_ok=True)
+                writable = os.access(self.profiler_dir, os.W_OK | os.X_OK)
+            except OSError as e:
+                writable, why = False, e.strerror
+            else:
+                why = "not writable by this server"
+            if not writable:
+                raise UserError(f"Invalid profiler_dir={self.profiler_dir!r}: {why}; give a directory this "
+                                "server can write.", param="profiler_dir")
         admin = sorted(set(self.public_paths) & set(ADMIN_PATHS))
         if admin:
             raise UserError(
@@ -162,6 +174,10 @@ OPTIONS = (
           "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
           "\"kv-events\"}' (BlockStored/BlockRemoved/AllBlocksCleared for prefix-aware routers; "
           "needs jaxserve[kv-events])")),
+    ("profiler_dir", "--profiler-dir",
+     dict(metavar="DIR", help="turn on POST /start_profile and /stop_profile (admin routes): a jax profiler "
+          "trace of the steps between them, written under DIR/plugins/profile/ for TensorBoard or XProf, "
+          "and as trace.json.gz for Perfetto (default: off)")),
 )
 
 

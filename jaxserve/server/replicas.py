@@ -31,7 +31,7 @@ from jaxserve.server.kv_events import offset_endpoint
 log = logging.getLogger("jaxserve.replicas")
 POLICIES = ("cache_aware", "round_robin", "least_load", "power_of_two", "random", "prefix_hash")
 OWN_FLAGS = {"--data-parallel-size": 1, "--router": 1, "--router-policy": 1, "--replica-max-restarts": 1,
-             "--port": 1, "--kv-events-config": 1}
+             "--port": 1, "--kv-events-config": 1, "--profiler-dir": 1}
 
 
 def add_replica_args(g: argparse._ArgumentGroup) -> None:
@@ -59,6 +59,20 @@ def replica_argv(argv: list[str]) -> list[str]:
             skip = 0 if "=" in a else OWN_FLAGS[name]
             continue
         out.append(a)
+    return out
+
+
+def rank_flags(args: argparse.Namespace, rank: int) -> list[str]:
+    """The `serve` flags replica `rank` gets on its own: its port, its KV-event endpoints (vLLM's rule
+    for DP ranks: the ports + rank) and its profile directory (jax names a trace by host and second)."""
+    out = ["--port", str(args.port + 1 + rank)]
+    if args.kv_events_config:
+        kv_cfg = json.loads(args.kv_events_config)
+        mine = {**kv_cfg, "endpoint": offset_endpoint(kv_cfg.get("endpoint", "tcp://*:5557"), rank),
+                "replay_endpoint": offset_endpoint(kv_cfg.get("replay_endpoint"), rank)}
+        out += ["--kv-events-config", json.dumps(mine)]
+    if args.profiler_dir:
+        out += ["--profiler-dir", os.path.join(args.profiler_dir, f"replica{rank}")]
     return out
 
 
@@ -142,14 +156,9 @@ def run_replicas(args: argparse.Namespace, argv: list[str]) -> int:
                 raise UserError(f"Replica port {p} (--port {args.port} + rank + 1) is in use: choose another "
                                 "--port.", param="port") from None
     base = [sys.executable, "-m", "jaxserve.cli", *replica_argv(argv)]
-    kv_cfg = json.loads(args.kv_events_config) if args.kv_events_config else None
     replicas = []
     for rank in range(n):
-        cmd = [*base, "--port", str(args.port + 1 + rank)]
-        if kv_cfg is not None:  # vLLM's rule for DP ranks: endpoint ports + rank
-            mine = {**kv_cfg, "endpoint": offset_endpoint(kv_cfg.get("endpoint", "tcp://*:5557"), rank),
-                    "replay_endpoint": offset_endpoint(kv_cfg.get("replay_endpoint"), rank)}
-            cmd += ["--kv-events-config", json.dumps(mine)]
+        cmd = [*base, *rank_flags(args, rank)]
         env, cpus = device_env(rank, n, tp, os.environ)
         replicas.append(Replica(rank, args.port + 1 + rank, cmd, env, cpus))
     urls = [r.url for r in replicas]

@@ -10,13 +10,15 @@ killed mid-run: no request fails (SMG retries elsewhere), and the launcher resta
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import shutil
 
 import pytest
 
 from bench import replicas as bench_replicas
-from jaxserve.server.replicas import replica_argv, smg_command
+from jaxserve.server.replicas import rank_flags, replica_argv, smg_command
 
 from .conftest import ENGINE
 
@@ -45,6 +47,11 @@ def test_cache_aware_beats_round_robin_and_survives_a_dead_replica(tiny_model, t
 
 def test_replica_argv_and_smg_command():
     assert replica_argv(["serve", "m", "--port", "9", "--data-parallel-size=3", "--router", "none",
-                         "--max-model-len", "256"]) == ["serve", "m", "--max-model-len", "256"]
+                         "--max-model-len", "256", "--profiler-dir", "/p"]) == ["serve", "m", "--max-model-len", "256"]
+    args = argparse.Namespace(port=9, profiler_dir="/p", kv_events_config='{"endpoint": "tcp://*:5557"}')
+    flags = rank_flags(args, 1)
+    assert flags[:2] == ["--port", "11"] and flags[-2:] == ["--profiler-dir", "/p/replica1"]
+    assert json.loads(flags[3])["endpoint"] == "tcp://*:5558"
+    assert rank_flags(argparse.Namespace(port=9, profiler_dir=None, kv_events_config=None), 0) == ["--port", "10"]
     assert re.search(r"--worker-urls http://a http://b --policy round_robin",
                      " ".join(smg_command(1, "h", ["http://a", "http://b"], "round_robin", None)))

@@ -39,6 +39,7 @@ import asyncio
 import json
 import re
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 import openai
@@ -557,8 +558,9 @@ def test_chat_n(server, client):
 
 # ---- embedding_tests/test_optional_middleware.py --------------------------------------------------
 @pytest.fixture(scope="module")
-def keyed(tiny_llama):
-    s = ServerThread(tiny_llama, api_key="test", enable_request_id_headers=True)
+def keyed(tiny_llama, tmp_path_factory):
+    s = ServerThread(tiny_llama, api_key="test", enable_request_id_headers=True,
+                     profiler_dir=str(tmp_path_factory.mktemp("profile")))
     yield s
     s.stop()
 
@@ -575,6 +577,36 @@ def test_api_token(keyed):
     assert httpx.get(keyed.url + "/health").status_code == 200  # public path
     assert httpx.get(keyed.url + "/ping").status_code == 200  # SageMaker's, also public
     assert httpx.post(keyed.url + "/invocations", json={"prompt": "Hi", "max_tokens": 1}).status_code == 401
+
+
+def test_profile_routes_write_a_jax_trace(keyed):
+    """vLLM's /start_profile and /stop_profile (admin: the key always), here over jax's profiler."""
+    auth = {"Authorization": "Bearer test"}
+    assert httpx.post(keyed.url + "/start_profile").status_code == 401
+    assert httpx.post(keyed.url + "/start_profile", headers=auth).json() == {"status": "started"}
+    again = httpx.post(keyed.url + "/start_profile", headers=auth)
+    assert again.status_code == 400 and "/stop_profile" in again.json()["error"]["message"]
+    r = httpx.post(keyed.url + "/v1/completions", headers=auth, json={"prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200
+    assert httpx.post(keyed.url + "/stop_profile", headers=auth).json() == {"status": "stopped"}
+    traces = list(Path(keyed.cfg.profiler_dir).glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    again = httpx.post(keyed.url + "/stop_profile", headers=auth)
+    assert again.status_code == 400 and "/start_profile" in again.json()["error"]["message"]
+
+
+def test_profile_routes_off_by_default(server, http):
+    r = http.post("/start_profile")
+    assert r.status_code == 400 and "--profiler-dir" in r.json()["error"]["message"]
+
+
+def test_profiler_dir_must_be_writable(tmp_path):
+    from jaxserve.errors import UserError
+    from jaxserve.server.config import ServerConfig
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="Not a directory"):
+        ServerConfig(profiler_dir=str(tmp_path / "file" / "traces"))
 
 
 def test_request_id_header(keyed):
