@@ -45,7 +45,7 @@ from jaxserve.model.gguf_arch import (
     hf_tensor_name,
 )
 from jaxserve.model.weights import expert_param_path
-from jaxserve.runtime import mxfp4, weight_formats
+from jaxserve.runtime import mxfp4, quant_params, weight_formats
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -299,9 +299,9 @@ def load_gguf(path: os.PathLike | str, keep_quantized: bool = False, kernel_dtyp
 
 
 def _packed(hf: str, model_type: str) -> bool:
-    """Whether HF tensor `hf` is one a weight format packs (weight_formats.packs), not an expert's."""
+    """Whether HF tensor `hf` is one a weight format packs (quant_params.packs), not an expert's."""
     found = expert_param_path(hf, model_type)
-    return found is not None and found[1] is None and weight_formats.packs(found[0])
+    return found is not None and found[1] is None and quant_params.packs(found[0])
 
 
 def _float_tensor(g: GGUFFile, name: str, arch: str, heads: int | None, cast=None) -> np.ndarray:

@@ -24,7 +24,6 @@ from jaxserve.runtime.weight_formats import (
     QuantWeight,
     block_of,
     is_quantized,
-    packs,
     quantizable,
     quantize,
     stack_experts,
@@ -47,6 +46,12 @@ def check_quantization(name: str, choices: tuple[str, ...] = QUANTIZATIONS) -> N
 
 
 K_FALLBACK = {"q4_k": "q4_1", "q6_k": "q8_0"}  # quantize_params, for K not in super-blocks
+
+
+def packs(path) -> bool:
+    """Whether the parameter at `path` (its keys) is one a weight format replaces: a linear layer's
+    kernel, or the embedding table (held as its LM head's panels)."""
+    return path[-1] == "kernel" or tuple(path[-2:]) == ("embed_tokens", "embedding")
 
 
 def quantize_params(params: dict, quantization: str, experts: bool = True) -> dict:

@@ -391,12 +391,6 @@ def block_of(quantization: str) -> int:
     return kquants.SUPER if quantization.upper() in kquants.FORMATS else BLOCK
 
 
-def packs(path) -> bool:
-    """Whether the parameter at `path` (its keys) is one a weight format replaces: a linear layer's
-    kernel, or the embedding table (held as its LM head's panels: runtime/quant_params.py)."""
-    return path[-1] == "kernel" or tuple(path[-2:]) == ("embed_tokens", "embedding")
-
-
 def quantizable(shape, block: int = BLOCK) -> bool:
     """Whether a [K, N] kernel has a quantized layout: N in whole panels, K in whole blocks."""
     return len(shape) == 2 and shape[1] % PANEL == 0 and shape[0] % block == 0

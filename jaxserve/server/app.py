@@ -43,7 +43,7 @@ from jaxserve.server.errors import (
 )
 from jaxserve.server.kv_events import attach_kv_events
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics, cache_config_info
-from jaxserve.server.middleware import APIKey, InFlight, LoadCounter, RequestId
+from jaxserve.server.middleware import RERANK_PATHS, SCORE_PATHS, APIKey, InFlight, LoadCounter, RequestId
 from jaxserve.server.openai_responses import OpenAIResponses
 from jaxserve.server.pooling_api import PoolingAPI
 from jaxserve.server.responses_input import ResponseStore
@@ -212,9 +212,8 @@ def build_app(engine, cfg: ServerConfig | None = None, *, tokenizer=None) -> Sta
         Route("/v1/messages", guarded(anthropic.create), methods=["POST"]),
         Route("/v1/messages/count_tokens", guarded(anthropic.count_tokens), methods=["POST"]),
         Route("/v1/embeddings", guarded(pooling.embeddings), methods=["POST"]),
-        # vLLM's aliases: /rerank, /v2/rerank (Cohere's v2 path) and /score take the same bodies
-        *(Route(path, guarded(pooling.rerank), methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
-        *(Route(path, guarded(pooling.score), methods=["POST"]) for path in ("/v1/score", "/score")),
+        *(Route(path, guarded(pooling.rerank), methods=["POST"]) for path in RERANK_PATHS),
+        *(Route(path, guarded(pooling.score), methods=["POST"]) for path in SCORE_PATHS),
         Route("/load", guarded(load), methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),

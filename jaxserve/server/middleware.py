@@ -9,9 +9,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.server.errors import APIError, error_response
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations",
-                            "/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/rerank", "/rerank",
-                            "/v2/rerank", "/v1/score", "/score"})
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")  # vLLM's aliases: /v2/rerank is Cohere's v2 path
+SCORE_PATHS = ("/v1/score", "/score")
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses",
+                            "/v1/messages", "/v1/embeddings", *RERANK_PATHS, *SCORE_PATHS})
 
 
 class APIKey:
